@@ -1,0 +1,1 @@
+"""The router <-> worker protocol (see docs/protocol.md): typed messages and their msgpack codec."""

@@ -1,0 +1,235 @@
+"""Typed protocol messages and their msgpack encoding (the Python half of router/src/protocol).
+
+Keys and array layouts are the protocol, documented in docs/protocol.md and pinned by the golden
+vectors in tests/golden/, which both `cargo test` and pytest decode.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import msgpack
+import numpy as np
+
+from .arrays import F32, I32, U8, U64, ProtocolError, to_bin, view
+
+PROTOCOL_VERSION = 1
+
+MODES = ("idle", "prefill", "decode", "mixed")
+
+
+@dataclass
+class Plan:
+    """One step's batch plan as numpy views over the received bytes (struct of arrays)."""
+
+    step: int
+    mode: str
+    page_size: int
+    req_ids: np.ndarray  # u64 [n]
+    query_start: np.ndarray  # i32 [n+1], offsets into input_ids
+    input_ids: np.ndarray  # i32 [T]
+    positions: np.ndarray  # i32 [T]
+    cached_lens: np.ndarray  # i32 [n]
+    page_start: np.ndarray  # i32 [n+1], offsets into page_table
+    page_table: np.ndarray  # i32 [P], every request's whole page list, concatenated
+    out_slots: np.ndarray  # i32 [T], KV slot each new token writes
+    sample: np.ndarray  # u8 [n]
+    prompt_logprobs: np.ndarray  # u8 [n]
+    temperature: np.ndarray  # f32 [n]
+    top_p: np.ndarray
+    top_k: np.ndarray  # i32 [n]
+    min_p: np.ndarray
+    repetition_penalty: np.ndarray
+    frequency_penalty: np.ndarray
+    presence_penalty: np.ndarray
+    seed: np.ndarray  # u64 [n]
+    has_seed: np.ndarray  # u8 [n]
+    top_logprobs: np.ndarray  # i32 [n], -1 = no logprobs
+    history_start: np.ndarray  # i32 [n+1]
+    history: np.ndarray  # i32 [H]
+    history_prompt_lens: np.ndarray  # i32 [n]
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.req_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.input_ids)
+
+
+# Name and dtype of every array field of a plan, in wire order.
+PLAN_ARRAYS: tuple[tuple[str, np.dtype], ...] = (
+    ("req_ids", U64),
+    ("query_start", I32),
+    ("input_ids", I32),
+    ("positions", I32),
+    ("cached_lens", I32),
+    ("page_start", I32),
+    ("page_table", I32),
+    ("out_slots", I32),
+    ("sample", U8),
+    ("prompt_logprobs", U8),
+    ("temperature", F32),
+    ("top_p", F32),
+    ("top_k", I32),
+    ("min_p", F32),
+    ("repetition_penalty", F32),
+    ("frequency_penalty", F32),
+    ("presence_penalty", F32),
+    ("seed", U64),
+    ("has_seed", U8),
+    ("top_logprobs", I32),
+    ("history_start", I32),
+    ("history", I32),
+    ("history_prompt_lens", I32),
+)
+
+
+def _int(msg: dict, key: str) -> int:
+    v = msg.get(key)
+    if not isinstance(v, int) or isinstance(v, bool):
+        raise ProtocolError(f"field {key!r} must be an integer, got {v!r}")
+    return v
+
+
+def unpack(data: bytes) -> dict:
+    """msgpack bytes -> dict; anything that is not a map with a string `kind` is refused."""
+    try:
+        msg = msgpack.unpackb(data, raw=False, strict_map_key=True)
+    except Exception as e:  # msgpack raises several unrelated types on garbage
+        raise ProtocolError(f"undecodable message: {type(e).__name__}: {e}") from None
+    if not isinstance(msg, dict) or not isinstance(msg.get("kind"), str):
+        raise ProtocolError("a message must be a map with a string 'kind'")
+    return msg
+
+
+def plan_from_msg(msg: dict) -> Plan:
+    """Typed view of a plan message. Shapes are checked later by `validate_plan`."""
+    if msg.get("kind") != "plan":
+        raise ProtocolError(f"expected a plan, got kind {msg.get('kind')!r}")
+    version = _int(msg, "version")
+    if version != PROTOCOL_VERSION:
+        raise ProtocolError(f"plan has protocol version {version}, this worker speaks {PROTOCOL_VERSION}")
+    mode = msg.get("mode")
+    if mode not in MODES:
+        raise ProtocolError(f"unknown forward mode {mode!r}")
+    arrays = {name: view(msg, name, dt) for name, dt in PLAN_ARRAYS}
+    return Plan(step=_int(msg, "step"), mode=mode, page_size=_int(msg, "page_size"), **arrays)
+
+
+def encode_plan(plan: Plan) -> bytes:
+    """The exact inverse of `plan_from_msg`; used by tests and fuzzers to build plans."""
+    msg = {
+        "kind": "plan",
+        "version": PROTOCOL_VERSION,
+        "step": plan.step,
+        "mode": plan.mode,
+        "page_size": plan.page_size,
+        "num_reqs": plan.num_reqs,
+        "num_tokens": plan.num_tokens,
+        "num_pages": len(plan.page_table),
+    }
+    for name, dt in PLAN_ARRAYS:
+        msg[name] = to_bin(getattr(plan, name), dt)
+    return msgpack.packb(msg, use_bin_type=True)
+
+
+@dataclass
+class Hello:
+    rank: int
+    tp_size: int
+    pid: int
+    model_id: str
+    num_pages: int
+    page_size: int
+    max_context: int
+    vocab_size: int
+    version: int = PROTOCOL_VERSION
+
+    def encode(self) -> bytes:
+        return msgpack.packb({"kind": "hello", **self.__dict__}, use_bin_type=True)
+
+
+@dataclass
+class Heartbeat:
+    rank: int
+    step: int
+
+    def encode(self) -> bytes:
+        return msgpack.packb({"kind": "heartbeat", "rank": self.rank, "step": self.step}, use_bin_type=True)
+
+
+@dataclass
+class Fatal:
+    rank: int
+    message: str
+
+    def encode(self) -> bytes:
+        return msgpack.packb({"kind": "fatal", "rank": self.rank, "message": self.message}, use_bin_type=True)
+
+
+@dataclass
+class TokenLogprobs:
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass
+class PromptLogprobs:
+    req_id: int
+    first_pos: int  # position of the first token below; position 0 has no logprob
+    tokens: list[int]
+    entries: list[TokenLogprobs]
+
+
+@dataclass
+class StepResult:
+    """Rank 0's answer to one plan."""
+
+    step: int
+    # (request id, sampled token, logprobs or None)
+    sampled: list[tuple[int, int, TokenLogprobs | None]] = field(default_factory=list)
+    prompt_logprobs: list[PromptLogprobs] = field(default_factory=list)
+    errors: list[tuple[int, str]] = field(default_factory=list)
+    forward_ms: float = 0.0
+
+    def encode(self) -> bytes:
+        def flat_top(tops):
+            start, ids, lps = [0], [], []
+            for top in tops:
+                for tid, lp in top:
+                    ids.append(tid)
+                    lps.append(lp)
+                start.append(len(ids))
+            return to_bin(start, I32), to_bin(ids, I32), to_bin(lps, F32)
+
+        s_top = flat_top([(lp.top if lp else []) for _, _, lp in self.sampled])
+        entries = [e for p in self.prompt_logprobs for e in p.entries]
+        p_top = flat_top([e.top for e in entries])
+        p_start = np.cumsum([0] + [len(p.tokens) for p in self.prompt_logprobs])
+        msg = {
+            "kind": "result",
+            "step": self.step,
+            "req_ids": to_bin([r for r, _, _ in self.sampled], U64),
+            "tokens": to_bin([t for _, t, _ in self.sampled], I32),
+            "logprobs": to_bin([lp.logprob if lp else math.nan for _, _, lp in self.sampled], F32),
+            "top_start": s_top[0],
+            "top_ids": s_top[1],
+            "top_logprobs": s_top[2],
+            "prompt_req_ids": to_bin([p.req_id for p in self.prompt_logprobs], U64),
+            "prompt_first_pos": to_bin([p.first_pos for p in self.prompt_logprobs], I32),
+            "prompt_start": to_bin(p_start, I32),
+            "prompt_tokens": to_bin([t for p in self.prompt_logprobs for t in p.tokens], I32),
+            "prompt_logprobs": to_bin([e.logprob for e in entries], F32),
+            "prompt_top_start": p_top[0],
+            "prompt_top_ids": p_top[1],
+            "prompt_top_logprobs": p_top[2],
+            "errors": [[int(r), str(m)] for r, m in self.errors],
+            "forward_ms": float(self.forward_ms),
+        }
+        return msgpack.packb(msg, use_bin_type=True)
+
+
+SHUTDOWN = msgpack.packb({"kind": "shutdown"}, use_bin_type=True)

@@ -1,0 +1,155 @@
+"""Plan validation on receipt: a malformed plan fails only the requests it got wrong.
+
+Two levels:
+- structural damage (array lengths, offsets, mode) makes the whole plan unreadable, so every
+  request in it fails (`ProtocolError`);
+- per-request faults (pages outside the pool, slots that disagree with the page table, two
+  requests writing one slot) fail those requests; the rest of the step runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+
+from .arrays import ProtocolError
+from .messages import Plan
+
+PER_REQUEST = (
+    "req_ids",
+    "cached_lens",
+    "sample",
+    "prompt_logprobs",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "frequency_penalty",
+    "presence_penalty",
+    "seed",
+    "has_seed",
+    "top_logprobs",
+    "history_prompt_lens",
+)
+# offsets field -> the flat array it indexes
+OFFSETS = {"query_start": "input_ids", "page_start": "page_table", "history_start": "history"}
+PER_TOKEN = ("input_ids", "positions", "out_slots")
+
+
+def implied_mode(query_lens: np.ndarray) -> str:
+    """A one-token request is decode-shaped, any other prefill-shaped (same rule as the router)."""
+    if len(query_lens) == 0:
+        return "idle"
+    ones = int((query_lens == 1).sum())
+    return "decode" if ones == len(query_lens) else "prefill" if ones == 0 else "mixed"
+
+
+def check_structure(plan: Plan) -> None:
+    n = plan.num_reqs
+    if plan.page_size <= 0:
+        raise ProtocolError(f"page_size must be positive, got {plan.page_size}")
+    for name in PER_REQUEST:
+        if len(getattr(plan, name)) != n:
+            raise ProtocolError(f"{name} has {len(getattr(plan, name))} entries for {n} requests")
+    for name, flat in OFFSETS.items():
+        off = getattr(plan, name)
+        total = len(getattr(plan, flat))
+        if len(off) != n + 1 or off[0] != 0 or off[-1] != total or np.any(np.diff(off) < 0):
+            raise ProtocolError(f"{name} is not monotonic offsets 0..{total} over {n} requests")
+    for name in PER_TOKEN:
+        if len(getattr(plan, name)) != plan.num_tokens:
+            raise ProtocolError(f"{name} has {len(getattr(plan, name))} entries for {plan.num_tokens} tokens")
+    mode = implied_mode(np.diff(plan.query_start))
+    if plan.mode != mode:
+        raise ProtocolError(f"mode {plan.mode!r} contradicts the requests, which make it {mode!r}")
+
+
+def request_faults(plan: Plan, num_pages: int) -> dict[int, str]:
+    """Index of each faulty request -> why. Assumes `check_structure` passed."""
+    n, ps = plan.num_reqs, plan.page_size
+    faults: dict[int, str] = {}
+    if n == 0:
+        return faults
+
+    def flag(mask: np.ndarray, why: str) -> None:
+        for i in np.flatnonzero(mask):
+            faults.setdefault(int(i), why)
+
+    qlen = np.diff(plan.query_start)
+    cached = plan.cached_lens.astype(np.int64)
+    seq = cached + qlen
+    npages = np.diff(plan.page_start)
+    flag(qlen <= 0, "no tokens to run")
+    flag(cached < 0, "negative cached_len")
+    flag(npages < -(-seq // ps), "its pages cannot hold its tokens")
+    flag((plan.history_prompt_lens < 0) | (plan.history_prompt_lens > np.diff(plan.history_start)), "history_prompt_len out of range")
+
+    page_req = np.repeat(np.arange(n), npages)
+    bad_page = (plan.page_table < 0) | (plan.page_table >= num_pages)
+    flag(np.bincount(page_req[bad_page], minlength=n) > 0, f"page id outside the pool of {num_pages} pages")
+
+    tok_req = np.repeat(np.arange(n), qlen)
+    pos = plan.positions.astype(np.int64)
+    expect_pos = cached[tok_req] + (np.arange(plan.num_tokens) - plan.query_start[tok_req])
+    flag(np.bincount(tok_req[pos != expect_pos], minlength=n) > 0, "positions do not follow cached_len")
+
+    # Slot each token must write according to the request's own page table.
+    ok_req = np.ones(n, dtype=bool)
+    ok_req[list(faults)] = False
+    tok_ok = ok_req[tok_req]
+    page_idx = plan.page_start[tok_req[tok_ok]] + pos[tok_ok] // ps
+    expect_slot = plan.page_table[page_idx].astype(np.int64) * ps + pos[tok_ok] % ps
+    wrong = np.zeros(plan.num_tokens, dtype=bool)
+    wrong[tok_ok] = plan.out_slots[tok_ok] != expect_slot
+    flag(np.bincount(tok_req[wrong], minlength=n) > 0, "out_slots disagree with its page table")
+
+    # No two tokens of a step may write one slot (it would corrupt a live request's KV).
+    slots = plan.out_slots
+    order = np.argsort(slots, kind="stable")
+    dup = np.zeros(plan.num_tokens, dtype=bool)
+    same = slots[order][1:] == slots[order][:-1]
+    dup[order[1:][same]] = True
+    dup[order[:-1][same]] = True
+    flag(np.bincount(tok_req[dup], minlength=n) > 0, "writes a KV slot another token of this step writes")
+    return faults
+
+
+def select(plan: Plan, keep: np.ndarray) -> Plan:
+    """The sub-plan of the requests where `keep` is true (offsets rebuilt)."""
+    if keep.all():
+        return plan
+    out = {}
+    for name in PER_REQUEST:
+        out[name] = getattr(plan, name)[keep]
+    for off_name, flat_name in OFFSETS.items():
+        off = getattr(plan, off_name)
+        lens = np.diff(off)
+        mask = np.repeat(keep, lens)
+        out[flat_name] = getattr(plan, flat_name)[mask]
+        out[off_name] = np.concatenate([[0], np.cumsum(lens[keep])]).astype(off.dtype)
+    tok_mask = np.repeat(keep, np.diff(plan.query_start))
+    out["positions"] = plan.positions[tok_mask]
+    out["out_slots"] = plan.out_slots[tok_mask]
+    new = replace(plan, **out)
+    new.mode = implied_mode(np.diff(new.query_start))
+    return new
+
+
+def validate_plan(plan: Plan, num_pages: int) -> tuple[Plan, list[tuple[int, str]]]:
+    """Returns the runnable sub-plan and `(request id, reason)` for every request it dropped.
+
+    Raises `ProtocolError` when the plan is structurally broken (then every request fails).
+    """
+    check_structure(plan)
+    faults = request_faults(plan, num_pages)
+    if not faults:
+        return plan, []
+    keep = np.ones(plan.num_reqs, dtype=bool)
+    keep[list(faults)] = False
+    errors = [(int(plan.req_ids[i]), f"invalid plan: {why}") for i, why in sorted(faults.items())]
+    return select(plan, keep), errors
+
+
+__all__ = ["validate_plan", "check_structure", "request_faults", "select", "implied_mode"]

@@ -1,0 +1,1 @@
+"""The tensor-parallel worker process: receives batch plans, runs the model, replies with tokens."""

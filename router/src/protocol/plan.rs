@@ -1,0 +1,387 @@
+//! The batch plan: everything the workers need to run one step, built once by the scheduler.
+//!
+//! In memory a plan is a list of [`PlannedRequest`]s (easy to build and test). On the wire it is
+//! one msgpack map of flat arrays (struct of arrays), every key present in every mode: a batch
+//! with no cached prefix sends `cached_lens` full of zeros, never a missing field. That is the
+//! lesson of the crash this project answers: metadata that exists on only some code paths.
+
+use serde::{Deserialize, Serialize};
+use serde_bytes::ByteBuf;
+
+use super::arrays::{ArrayError, LeArray};
+use super::PROTOCOL_VERSION;
+
+/// What kind of step this is. Data in the plan, never state kept on a worker.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ForwardMode {
+    /// No request to run.
+    Idle,
+    /// Every request runs two or more tokens (a prompt or a prompt chunk).
+    Prefill,
+    /// Every request runs exactly one token.
+    Decode,
+    /// Both kinds in one step.
+    Mixed,
+}
+
+/// Sampling parameters of one request, as the worker's sampler reads them.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SamplingParams {
+    /// 0 means greedy.
+    pub temperature: f32,
+    pub top_p: f32,
+    /// 0 or negative means no top-k limit.
+    pub top_k: i32,
+    pub min_p: f32,
+    pub repetition_penalty: f32,
+    pub frequency_penalty: f32,
+    pub presence_penalty: f32,
+    pub seed: Option<u64>,
+    /// `None`: no logprobs. `Some(n)`: the chosen token's logprob and the `n` most likely.
+    pub top_logprobs: Option<u32>,
+}
+
+impl Default for SamplingParams {
+    fn default() -> Self {
+        Self {
+            temperature: 1.0,
+            top_p: 1.0,
+            top_k: 0,
+            min_p: 0.0,
+            repetition_penalty: 1.0,
+            frequency_penalty: 0.0,
+            presence_penalty: 0.0,
+            seed: None,
+            top_logprobs: None,
+        }
+    }
+}
+
+impl SamplingParams {
+    /// True when the sampler needs the request's token history.
+    pub fn needs_history(&self) -> bool {
+        self.repetition_penalty != 1.0 || self.frequency_penalty != 0.0 || self.presence_penalty != 0.0
+    }
+}
+
+/// One request's share of a step.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PlannedRequest {
+    pub id: u64,
+    /// Tokens run this step: a prompt chunk, or the one token generated last step.
+    pub input_ids: Vec<i32>,
+    /// Tokens already in the KV cache (radix hit or earlier chunks). Positions of `input_ids`
+    /// are `cached_len, cached_len + 1, ...`.
+    pub cached_len: i32,
+    /// The request's whole page list, covering `cached_len + input_ids.len()` tokens.
+    pub pages: Vec<i32>,
+    /// The KV slot (`page * page_size + offset`) each new token writes.
+    pub out_slots: Vec<i32>,
+    /// Whether this step produces a token for the request (false for non-final prompt chunks).
+    pub sample: bool,
+    /// Whether to return the logprobs of this step's prompt tokens (for `echo`).
+    pub prompt_logprobs: bool,
+    pub sampling: SamplingParams,
+    /// Prompt and generated tokens so far, sent only when a penalty needs them (else empty).
+    pub history: Vec<i32>,
+    /// How many of `history` are prompt tokens (the rest are generated ones).
+    pub history_prompt_len: i32,
+}
+
+impl PlannedRequest {
+    pub fn seq_len(&self) -> i32 {
+        self.cached_len + self.input_ids.len() as i32
+    }
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct BatchPlan {
+    pub step: u64,
+    pub page_size: u32,
+    pub requests: Vec<PlannedRequest>,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum PlanError {
+    #[error("plan encoding failed: {0}")]
+    Encode(#[from] rmp_serde::encode::Error),
+    #[error("plan decoding failed: {0}")]
+    Decode(#[from] rmp_serde::decode::Error),
+    #[error(transparent)]
+    Array(#[from] ArrayError),
+    #[error("plan is inconsistent: {0}")]
+    Invalid(String),
+}
+
+/// The wire form. Field order and names are the protocol; see docs/protocol.md.
+#[derive(Debug, Serialize, Deserialize)]
+struct WirePlan {
+    kind: String,
+    version: u32,
+    step: u64,
+    mode: ForwardMode,
+    page_size: u32,
+    num_reqs: u32,
+    num_tokens: u32,
+    num_pages: u32,
+    req_ids: ByteBuf,
+    query_start: ByteBuf,
+    input_ids: ByteBuf,
+    positions: ByteBuf,
+    cached_lens: ByteBuf,
+    page_start: ByteBuf,
+    page_table: ByteBuf,
+    out_slots: ByteBuf,
+    sample: ByteBuf,
+    prompt_logprobs: ByteBuf,
+    temperature: ByteBuf,
+    top_p: ByteBuf,
+    top_k: ByteBuf,
+    min_p: ByteBuf,
+    repetition_penalty: ByteBuf,
+    frequency_penalty: ByteBuf,
+    presence_penalty: ByteBuf,
+    seed: ByteBuf,
+    has_seed: ByteBuf,
+    top_logprobs: ByteBuf,
+    history_start: ByteBuf,
+    history: ByteBuf,
+    history_prompt_lens: ByteBuf,
+}
+
+/// Offsets `[0, a, a+b, ...]` of consecutive variable-length lists.
+fn offsets<'a, T: 'a>(lists: impl Iterator<Item = &'a [T]>) -> Vec<i32> {
+    let mut out = vec![0i32];
+    let mut total = 0i32;
+    for l in lists {
+        total += l.len() as i32;
+        out.push(total);
+    }
+    out
+}
+
+impl BatchPlan {
+    pub fn num_tokens(&self) -> usize {
+        self.requests.iter().map(|r| r.input_ids.len()).sum()
+    }
+
+    /// The forward mode the requests' shapes imply: a request running one token is
+    /// decode-shaped (whether it is a generated token or a one-token prompt tail), any other
+    /// is prefill-shaped. The mode is always this function of the requests, never a choice.
+    pub fn mode(&self) -> ForwardMode {
+        let decodes = self.requests.iter().filter(|r| r.input_ids.len() == 1).count();
+        match (self.requests.len(), decodes) {
+            (0, _) => ForwardMode::Idle,
+            (n, d) if d == n => ForwardMode::Decode,
+            (_, 0) => ForwardMode::Prefill,
+            _ => ForwardMode::Mixed,
+        }
+    }
+
+    pub fn encode(&self) -> Result<Vec<u8>, PlanError> {
+        let r = &self.requests;
+        let col_f32 = |f: fn(&SamplingParams) -> f32| {
+            f32::to_bin(&r.iter().map(|q| f(&q.sampling)).collect::<Vec<_>>())
+        };
+        let flat_i32 = |f: fn(&PlannedRequest) -> &[i32]| {
+            i32::to_bin(&r.iter().flat_map(|q| f(q).iter().copied()).collect::<Vec<_>>())
+        };
+        let positions: Vec<i32> = r
+            .iter()
+            .flat_map(|q| (0..q.input_ids.len() as i32).map(move |i| q.cached_len + i))
+            .collect();
+        let wire = WirePlan {
+            kind: "plan".into(),
+            version: PROTOCOL_VERSION,
+            step: self.step,
+            mode: self.mode(),
+            page_size: self.page_size,
+            num_reqs: r.len() as u32,
+            num_tokens: self.num_tokens() as u32,
+            num_pages: r.iter().map(|q| q.pages.len() as u32).sum(),
+            req_ids: u64::to_bin(&r.iter().map(|q| q.id).collect::<Vec<_>>()),
+            query_start: i32::to_bin(&offsets(r.iter().map(|q| q.input_ids.as_slice()))),
+            input_ids: flat_i32(|q| &q.input_ids),
+            positions: i32::to_bin(&positions),
+            cached_lens: i32::to_bin(&r.iter().map(|q| q.cached_len).collect::<Vec<_>>()),
+            page_start: i32::to_bin(&offsets(r.iter().map(|q| q.pages.as_slice()))),
+            page_table: flat_i32(|q| &q.pages),
+            out_slots: flat_i32(|q| &q.out_slots),
+            sample: u8::to_bin(&r.iter().map(|q| q.sample as u8).collect::<Vec<_>>()),
+            prompt_logprobs: u8::to_bin(&r.iter().map(|q| q.prompt_logprobs as u8).collect::<Vec<_>>()),
+            temperature: col_f32(|s| s.temperature),
+            top_p: col_f32(|s| s.top_p),
+            top_k: i32::to_bin(&r.iter().map(|q| q.sampling.top_k).collect::<Vec<_>>()),
+            min_p: col_f32(|s| s.min_p),
+            repetition_penalty: col_f32(|s| s.repetition_penalty),
+            frequency_penalty: col_f32(|s| s.frequency_penalty),
+            presence_penalty: col_f32(|s| s.presence_penalty),
+            seed: u64::to_bin(&r.iter().map(|q| q.sampling.seed.unwrap_or(0)).collect::<Vec<_>>()),
+            has_seed: u8::to_bin(&r.iter().map(|q| q.sampling.seed.is_some() as u8).collect::<Vec<_>>()),
+            top_logprobs: i32::to_bin(
+                &r.iter()
+                    .map(|q| q.sampling.top_logprobs.map_or(-1, |n| n as i32))
+                    .collect::<Vec<_>>(),
+            ),
+            history_start: i32::to_bin(&offsets(r.iter().map(|q| q.history.as_slice()))),
+            history: flat_i32(|q| &q.history),
+            history_prompt_lens: i32::to_bin(&r.iter().map(|q| q.history_prompt_len).collect::<Vec<_>>()),
+        };
+        Ok(rmp_serde::to_vec_named(&wire)?)
+    }
+
+    /// Decodes and validates a plan. The router never needs this at run time; it exists so the
+    /// golden vectors and fuzz tests can check the encoder against the documented rules.
+    pub fn decode(bytes: &[u8]) -> Result<Self, PlanError> {
+        let w: WirePlan = rmp_serde::from_slice(bytes)?;
+        let bad = |m: String| Err(PlanError::Invalid(m));
+        if w.kind != "plan" {
+            return bad(format!("kind is {:?}, expected \"plan\"", w.kind));
+        }
+        if w.version != PROTOCOL_VERSION {
+            return bad(format!("protocol version {} (expected {PROTOCOL_VERSION})", w.version));
+        }
+        let n = w.num_reqs as usize;
+        let ids = u64::from_bin("req_ids", &w.req_ids)?;
+        let qs = i32::from_bin("query_start", &w.query_start)?;
+        let toks = i32::from_bin("input_ids", &w.input_ids)?;
+        let pos = i32::from_bin("positions", &w.positions)?;
+        let cached = i32::from_bin("cached_lens", &w.cached_lens)?;
+        let ps = i32::from_bin("page_start", &w.page_start)?;
+        let pt = i32::from_bin("page_table", &w.page_table)?;
+        let slots = i32::from_bin("out_slots", &w.out_slots)?;
+        let hs = i32::from_bin("history_start", &w.history_start)?;
+        let hist = i32::from_bin("history", &w.history)?;
+        let per_req: [(&str, usize); 2] = [("req_ids", ids.len()), ("cached_lens", cached.len())];
+        for (name, len) in per_req {
+            if len != n {
+                return bad(format!("{name} has {len} entries for {n} requests"));
+            }
+        }
+        for (name, off, total) in [
+            ("query_start", &qs, toks.len()),
+            ("page_start", &ps, pt.len()),
+            ("history_start", &hs, hist.len()),
+        ] {
+            if off.len() != n + 1 || off[0] != 0 || off[n] as usize != total || off.windows(2).any(|p| p[0] > p[1]) {
+                return bad(format!("{name} is not monotonic offsets 0..{total} over {n} requests"));
+            }
+        }
+        if toks.len() != w.num_tokens as usize || pos.len() != toks.len() || slots.len() != toks.len() {
+            return bad("input_ids, positions, out_slots and num_tokens disagree".into());
+        }
+        let col = |name: &'static str, b: &ByteBuf| -> Result<Vec<f32>, PlanError> {
+            let v = f32::from_bin(name, b)?;
+            if v.len() != n {
+                return Err(PlanError::Invalid(format!("{name} has {} entries for {n} requests", v.len())));
+            }
+            Ok(v)
+        };
+        let temperature = col("temperature", &w.temperature)?;
+        let top_p = col("top_p", &w.top_p)?;
+        let min_p = col("min_p", &w.min_p)?;
+        let rep = col("repetition_penalty", &w.repetition_penalty)?;
+        let freq = col("frequency_penalty", &w.frequency_penalty)?;
+        let pres = col("presence_penalty", &w.presence_penalty)?;
+        let top_k = i32::from_bin("top_k", &w.top_k)?;
+        let seed = u64::from_bin("seed", &w.seed)?;
+        let has_seed = u8::from_bin("has_seed", &w.has_seed)?;
+        let tlp = i32::from_bin("top_logprobs", &w.top_logprobs)?;
+        let sample = u8::from_bin("sample", &w.sample)?;
+        let plp = u8::from_bin("prompt_logprobs", &w.prompt_logprobs)?;
+        let hpl = i32::from_bin("history_prompt_lens", &w.history_prompt_lens)?;
+        for (name, len) in [
+            ("top_k", top_k.len()),
+            ("seed", seed.len()),
+            ("has_seed", has_seed.len()),
+            ("top_logprobs", tlp.len()),
+            ("sample", sample.len()),
+            ("prompt_logprobs", plp.len()),
+            ("history_prompt_lens", hpl.len()),
+        ] {
+            if len != n {
+                return bad(format!("{name} has {len} entries for {n} requests"));
+            }
+        }
+        let mut requests = Vec::with_capacity(n);
+        for i in 0..n {
+            let (t0, t1) = (qs[i] as usize, qs[i + 1] as usize);
+            if pos[t0..t1].iter().enumerate().any(|(k, &p)| p != cached[i] + k as i32) {
+                return bad(format!("request {}: positions do not follow cached_len", ids[i]));
+            }
+            requests.push(PlannedRequest {
+                id: ids[i],
+                input_ids: toks[t0..t1].to_vec(),
+                cached_len: cached[i],
+                pages: pt[ps[i] as usize..ps[i + 1] as usize].to_vec(),
+                out_slots: slots[t0..t1].to_vec(),
+                sample: sample[i] != 0,
+                prompt_logprobs: plp[i] != 0,
+                sampling: SamplingParams {
+                    temperature: temperature[i],
+                    top_p: top_p[i],
+                    top_k: top_k[i],
+                    min_p: min_p[i],
+                    repetition_penalty: rep[i],
+                    frequency_penalty: freq[i],
+                    presence_penalty: pres[i],
+                    seed: (has_seed[i] != 0).then_some(seed[i]),
+                    top_logprobs: (tlp[i] >= 0).then_some(tlp[i] as u32),
+                },
+                history: hist[hs[i] as usize..hs[i + 1] as usize].to_vec(),
+                history_prompt_len: hpl[i],
+            });
+        }
+        let plan = BatchPlan { step: w.step, page_size: w.page_size, requests };
+        if w.mode != plan.mode() {
+            return bad(format!("mode {:?} contradicts the requests, which make it {:?}", w.mode, plan.mode()));
+        }
+        plan.validate(None)?;
+        Ok(plan)
+    }
+
+    /// The consistency rules every plan must satisfy (the worker checks the same ones).
+    /// `num_pages`: the pool size, when known, to range-check page ids.
+    pub fn validate(&self, num_pages: Option<u32>) -> Result<(), PlanError> {
+        let bad = |m: String| Err(PlanError::Invalid(m));
+        let ps = self.page_size as i32;
+        if ps <= 0 {
+            return bad("page_size must be positive".into());
+        }
+        let mut written = std::collections::HashSet::new();
+        for r in &self.requests {
+            let id = r.id;
+            if r.cached_len < 0 {
+                return bad(format!("request {id}: negative cached_len"));
+            }
+            if r.input_ids.is_empty() {
+                return bad(format!("request {id}: no tokens to run"));
+            }
+            if r.out_slots.len() != r.input_ids.len() {
+                return bad(format!("request {id}: {} out_slots for {} tokens", r.out_slots.len(), r.input_ids.len()));
+            }
+            let need_pages = (r.seq_len() + ps - 1) / ps;
+            if (r.pages.len() as i32) < need_pages {
+                return bad(format!("request {id}: {} pages cannot hold {} tokens", r.pages.len(), r.seq_len()));
+            }
+            if let Some(p) = r.pages.iter().find(|&&p| p < 0 || num_pages.is_some_and(|n| p as u32 >= n)) {
+                return bad(format!("request {id}: page {p} outside the pool"));
+            }
+            for (k, &slot) in r.out_slots.iter().enumerate() {
+                let pos = r.cached_len + k as i32;
+                let expect = r.pages[(pos / ps) as usize] * ps + pos % ps;
+                if slot != expect {
+                    return bad(format!("request {id}: token {pos} writes slot {slot}, its page table says {expect}"));
+                }
+                if !written.insert(slot) {
+                    return bad(format!("request {id}: slot {slot} written twice in one step"));
+                }
+            }
+            if r.history_prompt_len < 0 || r.history_prompt_len as usize > r.history.len() {
+                return bad(format!("request {id}: history_prompt_len out of range"));
+            }
+        }
+        Ok(())
+    }
+}
