@@ -14,6 +14,8 @@ import torch
 
 from ..protocol.messages import Plan
 
+NUMPY_OF = {torch.int64: np.int64, torch.int32: np.int32}
+
 
 @dataclass
 class ForwardBatch:
@@ -80,7 +82,10 @@ def build_forward_batch(plan: Plan, device: torch.device) -> ForwardBatch:
     logits_index = np.concatenate(rows) if rows else np.zeros(0, dtype=np.int64)
 
     def dev(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
-        return torch.from_numpy(np.ascontiguousarray(a)).to(device=device, dtype=dtype, non_blocking=True)
+        # np.array copies: plan arrays are read-only views of the received message, and the
+        # host copy is a few KB even for a 1024-request decode step.
+        host = torch.from_numpy(np.array(a, dtype=NUMPY_OF[dtype]))
+        return host.to(device=device, non_blocking=True)
 
     return ForwardBatch(
         mode=plan.mode,

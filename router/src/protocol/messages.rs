@@ -10,7 +10,6 @@ use super::plan::PlanError;
 /// Sent once by every rank when its model and KV pool are ready.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Hello {
-    pub version: u32,
     pub rank: u32,
     pub tp_size: u32,
     pub pid: u32,
@@ -21,6 +20,7 @@ pub struct Hello {
     /// Longest sequence (prompt + output) the model supports.
     pub max_context: u32,
     pub vocab_size: u32,
+    pub version: u32,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
