@@ -5,8 +5,9 @@
 use std::path::PathBuf;
 
 use nsaserve_router::protocol::{
-    decode_worker_message, encode_router_message, encode_worker_message, BatchPlan, Fatal, Heartbeat, Hello,
-    PlannedRequest, PromptLogprobs, RouterMessage, SamplingParams, StepResult, TokenLogprobs, WorkerMessage,
+    decode_worker_message, encode_router_message, encode_worker_message, BatchPlan, Fatal,
+    Heartbeat, Hello, PlannedRequest, PromptLogprobs, RouterMessage, SamplingParams, StepResult,
+    TokenLogprobs, WorkerMessage,
 };
 use serde_json::Value;
 
@@ -25,7 +26,11 @@ fn ints<T: TryFrom<i64>>(v: &Value) -> Vec<T>
 where
     T::Error: std::fmt::Debug,
 {
-    v.as_array().unwrap().iter().map(|x| T::try_from(x.as_i64().unwrap()).unwrap()).collect()
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|x| T::try_from(x.as_i64().unwrap()).unwrap())
+        .collect()
 }
 
 fn f32_of(v: &Value) -> f32 {
@@ -47,6 +52,7 @@ fn plan_from_json(c: &Value) -> BatchPlan {
                 out_slots: ints(&q["out_slots"]),
                 sample: q["sample"].as_bool().unwrap(),
                 prompt_logprobs: q["prompt_logprobs"].as_bool().unwrap(),
+                next_prompt_token: q["next_prompt_token"].as_i64().unwrap() as i32,
                 sampling: SamplingParams {
                     temperature: f32_of(&s["temperature"]),
                     top_p: f32_of(&s["top_p"]),
@@ -63,11 +69,19 @@ fn plan_from_json(c: &Value) -> BatchPlan {
             }
         })
         .collect();
-    BatchPlan { step: c["step"].as_u64().unwrap(), page_size: c["page_size"].as_u64().unwrap() as u32, requests }
+    BatchPlan {
+        step: c["step"].as_u64().unwrap(),
+        page_size: c["page_size"].as_u64().unwrap() as u32,
+        requests,
+    }
 }
 
 fn top_of(v: &Value) -> Vec<(i32, f32)> {
-    v.as_array().unwrap().iter().map(|p| (p[0].as_i64().unwrap() as i32, f32_of(&p[1]))).collect()
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|p| (p[0].as_i64().unwrap() as i32, f32_of(&p[1])))
+        .collect()
 }
 
 fn result_from_json(c: &Value) -> StepResult {
@@ -78,8 +92,15 @@ fn result_from_json(c: &Value) -> StepResult {
             .unwrap()
             .iter()
             .map(|s| {
-                let lp = s["logprob"].as_f64().map(|lp| TokenLogprobs { logprob: lp as f32, top: top_of(&s["top"]) });
-                (s["req_id"].as_u64().unwrap(), s["token"].as_i64().unwrap() as i32, lp)
+                let lp = s["logprob"].as_f64().map(|lp| TokenLogprobs {
+                    logprob: lp as f32,
+                    top: top_of(&s["top"]),
+                });
+                (
+                    s["req_id"].as_u64().unwrap(),
+                    s["token"].as_i64().unwrap() as i32,
+                    lp,
+                )
             })
             .collect(),
         prompt_logprobs: c["prompt_logprobs"]
@@ -94,7 +115,10 @@ fn result_from_json(c: &Value) -> StepResult {
                     .as_array()
                     .unwrap()
                     .iter()
-                    .map(|e| TokenLogprobs { logprob: f32_of(&e[0]), top: top_of(&e[1]) })
+                    .map(|e| TokenLogprobs {
+                        logprob: f32_of(&e[0]),
+                        top: top_of(&e[1]),
+                    })
                     .collect(),
             })
             .collect(),
@@ -124,9 +148,18 @@ fn plans_encode_to_the_golden_bytes_and_decode_back() {
     for name in ["plan_idle", "plan_decode", "plan_mixed"] {
         let (json, bytes) = load(name);
         let plan = plan_from_json(&json);
-        plan.validate(None).unwrap_or_else(|e| panic!("{name}: {e}"));
-        assert_eq!(plan.encode().unwrap(), bytes, "{name}: encoder drifted from the golden bytes");
-        assert_eq!(BatchPlan::decode(&bytes).unwrap(), plan, "{name}: decoder drifted");
+        plan.validate(None)
+            .unwrap_or_else(|e| panic!("{name}: {e}"));
+        assert_eq!(
+            plan.encode().unwrap(),
+            bytes,
+            "{name}: encoder drifted from the golden bytes"
+        );
+        assert_eq!(
+            BatchPlan::decode(&bytes).unwrap(),
+            plan,
+            "{name}: decoder drifted"
+        );
     }
 }
 
@@ -135,15 +168,26 @@ fn worker_messages_encode_to_the_golden_bytes_and_decode_back() {
     for name in ["result", "result_empty", "hello", "heartbeat", "fatal"] {
         let (json, bytes) = load(name);
         let msg = worker_message_from_json(&json);
-        assert_eq!(encode_worker_message(&msg).unwrap(), bytes, "{name}: encoder drifted from the golden bytes");
-        assert_eq!(decode_worker_message(&bytes).unwrap(), msg, "{name}: decoder drifted");
+        assert_eq!(
+            encode_worker_message(&msg).unwrap(),
+            bytes,
+            "{name}: encoder drifted from the golden bytes"
+        );
+        assert_eq!(
+            decode_worker_message(&bytes).unwrap(),
+            msg,
+            "{name}: decoder drifted"
+        );
     }
 }
 
 #[test]
 fn shutdown_encodes_to_the_golden_bytes() {
     let (_, bytes) = load("shutdown");
-    assert_eq!(encode_router_message(&RouterMessage::Shutdown).unwrap(), bytes);
+    assert_eq!(
+        encode_router_message(&RouterMessage::Shutdown).unwrap(),
+        bytes
+    );
 }
 
 #[test]
@@ -152,8 +196,21 @@ fn the_mixed_plan_has_every_field_even_without_a_cached_prefix() {
     // page table are still full arrays, never absent.
     let (_, bytes) = load("plan_mixed");
     let map: rmpv::Value = rmpv::decode::read_value(&mut &bytes[..]).unwrap();
-    let keys: Vec<String> = map.as_map().unwrap().iter().map(|(k, _)| k.as_str().unwrap().to_string()).collect();
-    for required in ["cached_lens", "page_table", "page_start", "out_slots", "query_start", "positions", "mode"] {
+    let keys: Vec<String> = map
+        .as_map()
+        .unwrap()
+        .iter()
+        .map(|(k, _)| k.as_str().unwrap().to_string())
+        .collect();
+    for required in [
+        "cached_lens",
+        "page_table",
+        "page_start",
+        "out_slots",
+        "query_start",
+        "positions",
+        "mode",
+    ] {
         assert!(keys.iter().any(|k| k == required), "missing {required}");
     }
 }

@@ -29,6 +29,7 @@ def plan_from_json(c: dict):
             out_slots=q["out_slots"],
             sample=q["sample"],
             prompt_logprobs=q["prompt_logprobs"],
+            next_prompt_token=q["next_prompt_token"],
             sampling=SamplingSpec(**q["sampling"]),
             history=q["history"],
             history_prompt_len=q["history_prompt_len"],

@@ -18,7 +18,7 @@ HERE = Path(__file__).parent
 PAGE = 4  # a small page size keeps the vectors readable
 
 
-def req(id, input_ids, cached_len, pages, *, sample=True, prompt_logprobs=False, history=(), history_prompt_len=0, **sampling):
+def req(id, input_ids, cached_len, pages, *, sample=True, prompt_logprobs=False, next_prompt_token=-1, history=(), history_prompt_len=0, **sampling):
     slots = [pages[(cached_len + k) // PAGE] * PAGE + (cached_len + k) % PAGE for k in range(len(input_ids))]
     return {
         "id": id,
@@ -28,6 +28,7 @@ def req(id, input_ids, cached_len, pages, *, sample=True, prompt_logprobs=False,
         "out_slots": slots,
         "sample": sample,
         "prompt_logprobs": prompt_logprobs,
+        "next_prompt_token": next_prompt_token,
         "history": list(history),
         "history_prompt_len": history_prompt_len,
         "sampling": {
@@ -65,7 +66,7 @@ MESSAGES = {
         "page_size": PAGE,
         "requests": [
             req(1, [5, 6, 7], 8, [0, 4, 10], prompt_logprobs=True, top_logprobs=0),
-            req(2, [1, 2, 3, 4, 5, 6], 0, [5, 8], sample=False),
+            req(2, [1, 2, 3, 4, 5, 6], 0, [5, 8], sample=False, prompt_logprobs=True, next_prompt_token=77),
             req(3, [9], 2, [7], repetition_penalty=1.1, frequency_penalty=0.5, presence_penalty=-0.25, history=[4, 4, 9], history_prompt_len=2, min_p=0.05),
         ],
     },

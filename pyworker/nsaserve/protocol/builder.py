@@ -35,6 +35,7 @@ class RequestSpec:
     out_slots: Sequence[int] | None = None  # None: derived from pages, as the router does
     sample: bool = True
     prompt_logprobs: bool = False
+    next_prompt_token: int = -1
     sampling: SamplingSpec = field(default_factory=SamplingSpec)
     history: Sequence[int] = ()
     history_prompt_len: int = 0
@@ -77,6 +78,7 @@ def build_plan(step: int, page_size: int, requests: Sequence[RequestSpec]) -> Pl
         out_slots=flat(slots),
         sample=col(lambda q: q.sample, U8),
         prompt_logprobs=col(lambda q: q.prompt_logprobs, U8),
+        next_prompt_token=col(lambda q: q.next_prompt_token, I32),
         temperature=col(lambda q: q.sampling.temperature, F32),
         top_p=col(lambda q: q.sampling.top_p, F32),
         top_k=col(lambda q: q.sampling.top_k, I32),

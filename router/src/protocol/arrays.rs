@@ -28,7 +28,11 @@ pub trait LeArray: Sized + Copy {
 
     fn from_bin(field: &'static str, bytes: &[u8]) -> Result<Vec<Self>, ArrayError> {
         if bytes.len() % Self::WIDTH != 0 {
-            return Err(ArrayError { field, len: bytes.len(), elem: Self::WIDTH });
+            return Err(ArrayError {
+                field,
+                len: bytes.len(),
+                elem: Self::WIDTH,
+            });
         }
         Ok(bytes.chunks_exact(Self::WIDTH).map(Self::get).collect())
     }

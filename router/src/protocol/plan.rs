@@ -61,7 +61,9 @@ impl Default for SamplingParams {
 impl SamplingParams {
     /// True when the sampler needs the request's token history.
     pub fn needs_history(&self) -> bool {
-        self.repetition_penalty != 1.0 || self.frequency_penalty != 0.0 || self.presence_penalty != 0.0
+        self.repetition_penalty != 1.0
+            || self.frequency_penalty != 0.0
+            || self.presence_penalty != 0.0
     }
 }
 
@@ -82,6 +84,10 @@ pub struct PlannedRequest {
     pub sample: bool,
     /// Whether to return the logprobs of this step's prompt tokens (for `echo`).
     pub prompt_logprobs: bool,
+    /// With `prompt_logprobs` on a non-final prompt chunk: the prompt token right after this
+    /// chunk, so the chunk's last row can score it (the next chunk cannot: its logits come from
+    /// this one). -1 otherwise.
+    pub next_prompt_token: i32,
     pub sampling: SamplingParams,
     /// Prompt and generated tokens so far, sent only when a penalty needs them (else empty).
     pub history: Vec<i32>,
@@ -135,6 +141,7 @@ struct WirePlan {
     out_slots: ByteBuf,
     sample: ByteBuf,
     prompt_logprobs: ByteBuf,
+    next_prompt_token: ByteBuf,
     temperature: ByteBuf,
     top_p: ByteBuf,
     top_k: ByteBuf,
@@ -170,7 +177,11 @@ impl BatchPlan {
     /// decode-shaped (whether it is a generated token or a one-token prompt tail), any other
     /// is prefill-shaped. The mode is always this function of the requests, never a choice.
     pub fn mode(&self) -> ForwardMode {
-        let decodes = self.requests.iter().filter(|r| r.input_ids.len() == 1).count();
+        let decodes = self
+            .requests
+            .iter()
+            .filter(|r| r.input_ids.len() == 1)
+            .count();
         match (self.requests.len(), decodes) {
             (0, _) => ForwardMode::Idle,
             (n, d) if d == n => ForwardMode::Decode,
@@ -185,7 +196,11 @@ impl BatchPlan {
             f32::to_bin(&r.iter().map(|q| f(&q.sampling)).collect::<Vec<_>>())
         };
         let flat_i32 = |f: fn(&PlannedRequest) -> &[i32]| {
-            i32::to_bin(&r.iter().flat_map(|q| f(q).iter().copied()).collect::<Vec<_>>())
+            i32::to_bin(
+                &r.iter()
+                    .flat_map(|q| f(q).iter().copied())
+                    .collect::<Vec<_>>(),
+            )
         };
         let positions: Vec<i32> = r
             .iter()
@@ -209,7 +224,14 @@ impl BatchPlan {
             page_table: flat_i32(|q| &q.pages),
             out_slots: flat_i32(|q| &q.out_slots),
             sample: u8::to_bin(&r.iter().map(|q| q.sample as u8).collect::<Vec<_>>()),
-            prompt_logprobs: u8::to_bin(&r.iter().map(|q| q.prompt_logprobs as u8).collect::<Vec<_>>()),
+            prompt_logprobs: u8::to_bin(
+                &r.iter()
+                    .map(|q| q.prompt_logprobs as u8)
+                    .collect::<Vec<_>>(),
+            ),
+            next_prompt_token: i32::to_bin(
+                &r.iter().map(|q| q.next_prompt_token).collect::<Vec<_>>(),
+            ),
             temperature: col_f32(|s| s.temperature),
             top_p: col_f32(|s| s.top_p),
             top_k: i32::to_bin(&r.iter().map(|q| q.sampling.top_k).collect::<Vec<_>>()),
@@ -217,8 +239,16 @@ impl BatchPlan {
             repetition_penalty: col_f32(|s| s.repetition_penalty),
             frequency_penalty: col_f32(|s| s.frequency_penalty),
             presence_penalty: col_f32(|s| s.presence_penalty),
-            seed: u64::to_bin(&r.iter().map(|q| q.sampling.seed.unwrap_or(0)).collect::<Vec<_>>()),
-            has_seed: u8::to_bin(&r.iter().map(|q| q.sampling.seed.is_some() as u8).collect::<Vec<_>>()),
+            seed: u64::to_bin(
+                &r.iter()
+                    .map(|q| q.sampling.seed.unwrap_or(0))
+                    .collect::<Vec<_>>(),
+            ),
+            has_seed: u8::to_bin(
+                &r.iter()
+                    .map(|q| q.sampling.seed.is_some() as u8)
+                    .collect::<Vec<_>>(),
+            ),
             top_logprobs: i32::to_bin(
                 &r.iter()
                     .map(|q| q.sampling.top_logprobs.map_or(-1, |n| n as i32))
@@ -226,7 +256,9 @@ impl BatchPlan {
             ),
             history_start: i32::to_bin(&offsets(r.iter().map(|q| q.history.as_slice()))),
             history: flat_i32(|q| &q.history),
-            history_prompt_lens: i32::to_bin(&r.iter().map(|q| q.history_prompt_len).collect::<Vec<_>>()),
+            history_prompt_lens: i32::to_bin(
+                &r.iter().map(|q| q.history_prompt_len).collect::<Vec<_>>(),
+            ),
         };
         Ok(rmp_serde::to_vec_named(&wire)?)
     }
@@ -240,7 +272,10 @@ impl BatchPlan {
             return bad(format!("kind is {:?}, expected \"plan\"", w.kind));
         }
         if w.version != PROTOCOL_VERSION {
-            return bad(format!("protocol version {} (expected {PROTOCOL_VERSION})", w.version));
+            return bad(format!(
+                "protocol version {} (expected {PROTOCOL_VERSION})",
+                w.version
+            ));
         }
         let n = w.num_reqs as usize;
         let ids = u64::from_bin("req_ids", &w.req_ids)?;
@@ -264,17 +299,29 @@ impl BatchPlan {
             ("page_start", &ps, pt.len()),
             ("history_start", &hs, hist.len()),
         ] {
-            if off.len() != n + 1 || off[0] != 0 || off[n] as usize != total || off.windows(2).any(|p| p[0] > p[1]) {
-                return bad(format!("{name} is not monotonic offsets 0..{total} over {n} requests"));
+            if off.len() != n + 1
+                || off[0] != 0
+                || off[n] as usize != total
+                || off.windows(2).any(|p| p[0] > p[1])
+            {
+                return bad(format!(
+                    "{name} is not monotonic offsets 0..{total} over {n} requests"
+                ));
             }
         }
-        if toks.len() != w.num_tokens as usize || pos.len() != toks.len() || slots.len() != toks.len() {
+        if toks.len() != w.num_tokens as usize
+            || pos.len() != toks.len()
+            || slots.len() != toks.len()
+        {
             return bad("input_ids, positions, out_slots and num_tokens disagree".into());
         }
         let col = |name: &'static str, b: &ByteBuf| -> Result<Vec<f32>, PlanError> {
             let v = f32::from_bin(name, b)?;
             if v.len() != n {
-                return Err(PlanError::Invalid(format!("{name} has {} entries for {n} requests", v.len())));
+                return Err(PlanError::Invalid(format!(
+                    "{name} has {} entries for {n} requests",
+                    v.len()
+                )));
             }
             Ok(v)
         };
@@ -290,6 +337,7 @@ impl BatchPlan {
         let tlp = i32::from_bin("top_logprobs", &w.top_logprobs)?;
         let sample = u8::from_bin("sample", &w.sample)?;
         let plp = u8::from_bin("prompt_logprobs", &w.prompt_logprobs)?;
+        let npt = i32::from_bin("next_prompt_token", &w.next_prompt_token)?;
         let hpl = i32::from_bin("history_prompt_lens", &w.history_prompt_lens)?;
         for (name, len) in [
             ("top_k", top_k.len()),
@@ -298,6 +346,7 @@ impl BatchPlan {
             ("top_logprobs", tlp.len()),
             ("sample", sample.len()),
             ("prompt_logprobs", plp.len()),
+            ("next_prompt_token", npt.len()),
             ("history_prompt_lens", hpl.len()),
         ] {
             if len != n {
@@ -307,8 +356,15 @@ impl BatchPlan {
         let mut requests = Vec::with_capacity(n);
         for i in 0..n {
             let (t0, t1) = (qs[i] as usize, qs[i + 1] as usize);
-            if pos[t0..t1].iter().enumerate().any(|(k, &p)| p != cached[i] + k as i32) {
-                return bad(format!("request {}: positions do not follow cached_len", ids[i]));
+            if pos[t0..t1]
+                .iter()
+                .enumerate()
+                .any(|(k, &p)| p != cached[i] + k as i32)
+            {
+                return bad(format!(
+                    "request {}: positions do not follow cached_len",
+                    ids[i]
+                ));
             }
             requests.push(PlannedRequest {
                 id: ids[i],
@@ -318,6 +374,7 @@ impl BatchPlan {
                 out_slots: slots[t0..t1].to_vec(),
                 sample: sample[i] != 0,
                 prompt_logprobs: plp[i] != 0,
+                next_prompt_token: npt[i],
                 sampling: SamplingParams {
                     temperature: temperature[i],
                     top_p: top_p[i],
@@ -333,9 +390,17 @@ impl BatchPlan {
                 history_prompt_len: hpl[i],
             });
         }
-        let plan = BatchPlan { step: w.step, page_size: w.page_size, requests };
+        let plan = BatchPlan {
+            step: w.step,
+            page_size: w.page_size,
+            requests,
+        };
         if w.mode != plan.mode() {
-            return bad(format!("mode {:?} contradicts the requests, which make it {:?}", w.mode, plan.mode()));
+            return bad(format!(
+                "mode {:?} contradicts the requests, which make it {:?}",
+                w.mode,
+                plan.mode()
+            ));
         }
         plan.validate(None)?;
         Ok(plan)
@@ -359,13 +424,25 @@ impl BatchPlan {
                 return bad(format!("request {id}: no tokens to run"));
             }
             if r.out_slots.len() != r.input_ids.len() {
-                return bad(format!("request {id}: {} out_slots for {} tokens", r.out_slots.len(), r.input_ids.len()));
+                return bad(format!(
+                    "request {id}: {} out_slots for {} tokens",
+                    r.out_slots.len(),
+                    r.input_ids.len()
+                ));
             }
             let need_pages = (r.seq_len() + ps - 1) / ps;
             if (r.pages.len() as i32) < need_pages {
-                return bad(format!("request {id}: {} pages cannot hold {} tokens", r.pages.len(), r.seq_len()));
+                return bad(format!(
+                    "request {id}: {} pages cannot hold {} tokens",
+                    r.pages.len(),
+                    r.seq_len()
+                ));
             }
-            if let Some(p) = r.pages.iter().find(|&&p| p < 0 || num_pages.is_some_and(|n| p as u32 >= n)) {
+            if let Some(p) = r
+                .pages
+                .iter()
+                .find(|&&p| p < 0 || num_pages.is_some_and(|n| p as u32 >= n))
+            {
                 return bad(format!("request {id}: page {p} outside the pool"));
             }
             for (k, &slot) in r.out_slots.iter().enumerate() {
@@ -375,7 +452,9 @@ impl BatchPlan {
                     return bad(format!("request {id}: token {pos} writes slot {slot}, its page table says {expect}"));
                 }
                 if !written.insert(slot) {
-                    return bad(format!("request {id}: slot {slot} written twice in one step"));
+                    return bad(format!(
+                        "request {id}: slot {slot} written twice in one step"
+                    ));
                 }
             }
             if r.history_prompt_len < 0 || r.history_prompt_len as usize > r.history.len() {
