@@ -73,3 +73,15 @@ def test_rejects_mismatched_scales():
     q = quantize_fp8_block(torch.randn(130, 64))
     with pytest.raises(ValueError):
         dequantize_fp8_block(q.weight, q.weight_scale_inv[:1])
+
+
+def test_matches_transformers_dequantisation():
+    # Cross-check against the torch dequantisation transformers uses for these checkpoints (a private
+    # helper, hence the skip if it moves).
+    fp8 = pytest.importorskip("transformers.integrations.finegrained_fp8")
+    helper = getattr(fp8, "_dequantize_fp8_weight", None)
+    if helper is None:
+        pytest.skip("transformers no longer has _dequantize_fp8_weight")
+    q = quantize_fp8_block(torch.randn(300, 200, generator=torch.Generator().manual_seed(4)))
+    theirs = helper(q.weight, q.weight_scale_inv, [128, 128], torch.float32)
+    assert torch.equal(dequantize_fp8_block(*q), theirs)

@@ -3,7 +3,7 @@ import os
 
 import pytest
 import torch
-from nsaserve.kernels.quant import dequantize_fp8_block, dequantize_nvfp4, load_quant_scheme
+from nsaserve.kernels.quant import dequantize_fp8_block, dequantize_nvfp4, load_quant_scheme, module_tensors
 from nsaserve.kernels.quant.make_checkpoint import main, make_checkpoint
 from safetensors.torch import load_file, save_file
 
@@ -119,9 +119,14 @@ def test_nvfp4_all_linear_sharded(source, tmp_path):
         "model.layers.1.self_attn.indexer.wk",
         "model.layers.1.self_attn.odd_proj",
     }
+    on_disk = {n for n in out}
     for module in linear_modules(sd):
         precision = scheme.precision_of(module)
         assert precision == ("bf16" if module in expected_bf16 else "nvfp4"), module
+        load, skip = module_tensors(precision)
+        # Tensors directly under the module; the router also owns its (never quantised) correction bias.
+        own = {n for n in on_disk if n.rpartition(".")[0] == module and not n.endswith("e_score_correction_bias")}
+        assert own == {f"{module}.{s}" for s in load + skip}
         if precision == "bf16":
             assert torch.equal(out[module + ".weight"], sd[module + ".weight"])
             assert module + ".weight_scale" not in out

@@ -25,8 +25,8 @@ Which modules are quantised:
     scheme = load_quant_scheme(model_dir)       # or parse_quant_scheme(config_dict, hf_quant_config_dict)
     scheme.precision_of("model.layers.3.mlp.experts.0.up_proj")  -> "bf16" | "nvfp4" | "fp8_block"
 
-A loader for an "nvfp4" module reads weight, weight_scale, weight_scale_2 (and reads and drops
-input_scale); for "fp8_block", weight and weight_scale_inv; for "bf16", weight.
+    module_tensors("nvfp4") -> (("weight", "weight_scale", "weight_scale_2"), ("input_scale",))
+                                 # (suffixes to load, suffixes present on disk but unused by W4A16)
 
 Making quantised checkpoints: ``make_checkpoint(src, dst, "nvfp4" | "fp8_block", ...)`` or
 ``python -m nsaserve.kernels.quant.make_checkpoint --help``.
@@ -36,7 +36,7 @@ from .fp8_block import Fp8BlockWeight, dequantize_fp8_block, fp8_block_linear, q
 from .indexer_k_fp8 import INDEXER_K_BYTES, encode_indexer_k, read_indexer_k, write_indexer_k
 from .mla_kv_fp8 import MLA_KV_BYTES, decode_mla_kv, encode_mla_kv, read_mla_kv, write_mla_kv
 from .nvfp4 import Nvfp4Weight, dequantize_nvfp4, nvfp4_linear, quantize_nvfp4
-from .precision import BF16, FP8_BLOCK, NVFP4, QuantScheme, load_quant_scheme, parse_quant_scheme
+from .precision import BF16, FP8_BLOCK, NVFP4, QuantScheme, load_quant_scheme, module_tensors, parse_quant_scheme
 
 __all__ = [
     "BF16",
@@ -54,6 +54,7 @@ __all__ = [
     "encode_mla_kv",
     "fp8_block_linear",
     "load_quant_scheme",
+    "module_tensors",
     "nvfp4_linear",
     "parse_quant_scheme",
     "quantize_fp8_block",

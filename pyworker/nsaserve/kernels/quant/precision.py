@@ -38,6 +38,21 @@ ALWAYS_BF16 = ("*embed_tokens", "lm_head", "*shared_head.head", "*.mlp.gate", "*
 _NVFP4_ALGOS = {"NVFP4", "W4A16_NVFP4"}
 
 
+# Tensors a Linear module has on disk in each precision: (read by the loader, present but unused).
+# NVFP4's input_scale is the static activation scale of W4A4 kernels; W4A16 reads past it.
+_MODULE_TENSORS = {
+    BF16: (("weight",), ()),
+    NVFP4: (("weight", "weight_scale", "weight_scale_2"), ("input_scale",)),
+    FP8_BLOCK: (("weight", "weight_scale_inv"), ()),
+}
+
+
+def module_tensors(precision: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(tensor suffixes to load, suffixes that may be present and are to be skipped) of a Linear module
+    stored in ``precision``; e.g. NVFP4 -> (("weight", "weight_scale", "weight_scale_2"), ("input_scale",))."""
+    return _MODULE_TENSORS[precision]
+
+
 def module_matches(name: str, patterns) -> bool:
     """True if ``name`` or one of its dotted parents matches one of the glob ``patterns``."""
     parts = name.split(".")
