@@ -76,12 +76,14 @@ class ShardedWriter:
         self._pending: dict[str, torch.Tensor] = {}
         self._pending_bytes = 0
         self._shards: list[tuple[str, list[str]]] = []  # (temporary file name, tensor names)
+        self._seen: set[str] = set()
         self.total_bytes = 0
         os.makedirs(directory, exist_ok=True)
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
-        if name in self._pending or any(name in names for _, names in self._shards):
+        if name in self._seen:
             raise ValueError(f"tensor {name} written twice")
+        self._seen.add(name)
         nbytes = tensor.numel() * tensor.element_size()
         if self._pending and self._pending_bytes + nbytes > self.max_shard_bytes:
             self._flush()

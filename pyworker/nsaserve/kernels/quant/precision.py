@@ -26,8 +26,10 @@ other non-Linear tensors are never quantised in these formats.
 
 import json
 import os
+import re
 from dataclasses import dataclass, field
-from fnmatch import fnmatchcase
+from fnmatch import translate
+from functools import lru_cache
 
 BF16 = "bf16"
 NVFP4 = "nvfp4"
@@ -53,11 +55,24 @@ def module_tensors(precision: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
     return _MODULE_TENSORS[precision]
 
 
+@lru_cache(maxsize=64)
+def _compile(patterns: tuple[str, ...]) -> tuple[frozenset[str], re.Pattern | None]:
+    """Exact names (set lookup) and one regex for the real globs: exports can list thousands of
+    module names, and a loader asks for every one of tens of thousands of modules."""
+    literals = frozenset(p for p in patterns if not any(c in p for c in "*?["))
+    globs = [translate(p) for p in patterns if p not in literals]
+    return literals, (re.compile("|".join(globs)) if globs else None)
+
+
 def module_matches(name: str, patterns) -> bool:
     """True if ``name`` or one of its dotted parents matches one of the glob ``patterns``."""
+    literals, regex = _compile(tuple(patterns))
     parts = name.split(".")
-    candidates = [".".join(parts[: i + 1]) for i in range(len(parts))]
-    return any(fnmatchcase(c, p) for p in patterns for c in candidates)
+    for i in range(len(parts)):
+        candidate = ".".join(parts[: i + 1])
+        if candidate in literals or (regex is not None and regex.match(candidate)):
+            return True
+    return False
 
 
 @dataclass(frozen=True)
