@@ -201,3 +201,24 @@ def test_single_file_source_and_refusals(tmp_path):
         make_checkpoint(dst, str(tmp_path / "again"), "nvfp4")  # already quantised
     with pytest.raises(ValueError):
         make_checkpoint(src, str(tmp_path / "x"), "int4")
+
+
+@pytest.mark.parametrize("quantize_mtp", [False, True])
+def test_mtp_layers_stay_bf16_unless_asked(tmp_path, quantize_mtp):
+    g = torch.Generator().manual_seed(7)
+    sd = {f"model.layers.{i}.mlp.experts.0.up_proj.weight": torch.randn(16, 32, generator=g).bfloat16() for i in (0, 1)}
+    src, dst = str(tmp_path / "src"), str(tmp_path / "dst")
+    write_source(src, sd, sharded=False)
+    with open(os.path.join(src, "config.json")) as f:
+        config = json.load(f)
+    config["num_hidden_layers"] = 1  # layer 1 is the MTP layer
+    with open(os.path.join(src, "config.json"), "w") as f:
+        json.dump(config, f)
+    qc = make_checkpoint(src, dst, "nvfp4", quantize_mtp=quantize_mtp)
+    out = read_output(dst)
+    assert "model.layers.0.mlp.experts.0.up_proj.weight_scale" in out
+    assert ("model.layers.1.mlp.experts.0.up_proj.weight_scale" in out) == quantize_mtp
+    assert ("model.layers.1" in qc["ignore"]) != quantize_mtp
+    assert load_quant_scheme(dst).precision_of("model.layers.1.mlp.experts.0.up_proj") == (
+        "nvfp4" if quantize_mtp else "bf16"
+    )

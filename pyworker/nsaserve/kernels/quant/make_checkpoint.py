@@ -5,7 +5,9 @@
 
 What gets quantised: every 2-D ``*.weight`` of a Linear module, except modules in ``ALWAYS_BF16``
 (router, indexer weights_proj, lm_head, embeddings), modules matching ``--exclude`` and, for NVFP4,
-weights whose input dimension is not a multiple of 16. ``--scope experts`` quantises only routed
+weights whose input dimension is not a multiple of 16, and the MTP layers (``model.layers.{i}`` with
+i >= config.json's ``num_hidden_layers``; released NVFP4 checkpoints ship them in bf16 or not at all;
+``--quantize-mtp`` overrides). ``--scope experts`` quantises only routed
 experts (``*.mlp.experts.*``), which is what the GLM-5 NVFP4 release does; the default ``linear``
 also quantises attention, shared experts and dense MLPs, like NVIDIA's DeepSeek-V3.2 NVFP4.
 Everything else (norms, biases, the router's correction bias, 1-D tensors) is copied unchanged.
@@ -30,6 +32,7 @@ held in host memory.
 import argparse
 import json
 import os
+import re
 import shutil
 
 import torch
@@ -53,6 +56,15 @@ def _wants_quantisation(module: str, shape: list[int], fmt: str, exclude: list[s
     if scope == "experts" and ".mlp.experts." not in module + ".":
         return False
     return not (fmt == NVFP4 and shape[1] % NVFP4_GROUP_SIZE)
+
+
+def _mtp_layers(names, config: dict) -> list[str]:
+    """Module names of the layers past ``num_hidden_layers`` (the multi-token-prediction layers)."""
+    n_layers = config.get("num_hidden_layers")
+    if n_layers is None:
+        return []
+    found = {int(m.group(1)) for n in names if (m := re.match(r"model\.layers\.(\d+)\.", n))}
+    return [f"model.layers.{i}" for i in sorted(found) if i >= n_layers]
 
 
 def _gate_up_partner(module: str) -> str | None:
@@ -104,6 +116,7 @@ def make_checkpoint(
     device: str = "cpu",
     max_shard_bytes: int = 4 << 30,
     input_scale: float = 1.0,
+    quantize_mtp: bool = False,
     progress: bool = False,
 ) -> dict:
     """Write the quantised copy of ``src`` to ``dst`` (which must not hold a checkpoint yet).
@@ -127,6 +140,8 @@ def make_checkpoint(
     done: set[str] = set()
     with CheckpointReader(src) as reader:
         names = reader.names()
+        if not quantize_mtp:
+            exclude += [m for m in _mtp_layers(names, config) if m not in exclude]
         if progress:
             from tqdm import tqdm
 
@@ -209,6 +224,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--input-scale", type=float, default=1.0, help="value written as the (uncalibrated) NVFP4 input_scale"
     )
+    parser.add_argument("--quantize-mtp", action="store_true", help="quantise the MTP layers too (default: bf16)")
     parser.add_argument("--progress", action="store_true", help="show a progress bar")
     args = parser.parse_args(argv)
     make_checkpoint(
@@ -220,6 +236,7 @@ def main(argv: list[str] | None = None) -> None:
         device=args.device,
         max_shard_bytes=int(args.max_shard_gb * (1 << 30)),
         input_scale=args.input_scale,
+        quantize_mtp=args.quantize_mtp,
         progress=args.progress,
     )
 
