@@ -188,18 +188,22 @@ def make_checkpoint(
     writer.close()
     ignore = list(ALWAYS_BF16) + [p for p in exclude if p not in ALWAYS_BF16] + sorted(set(kept_linear))
     qc, hf = _quantization_config(fmt, ignore)
-    config["quantization_config"] = qc
+    _write_side_files(src, dst, config | {"quantization_config": qc}, hf)
+    return qc
+
+
+def _write_side_files(src: str, dst: str, config: dict, hf_quant_config: dict | None) -> None:
+    """config.json (with the quantization_config), hf_quant_config.json, and the source's other files."""
     with open(os.path.join(dst, "config.json"), "w") as f:
         json.dump(config, f, indent=2)
-    if hf is not None:
+    if hf_quant_config is not None:
         with open(os.path.join(dst, "hf_quant_config.json"), "w") as f:
-            json.dump(hf, f, indent=2)
+            json.dump(hf_quant_config, f, indent=2)
     skip = {"config.json", "hf_quant_config.json", INDEX_FILE}
     for entry in os.listdir(src):
         path = os.path.join(src, entry)
         if os.path.isfile(path) and entry not in skip and not entry.endswith(".safetensors"):
             shutil.copy2(path, os.path.join(dst, entry))
-    return qc
 
 
 def main(argv: list[str] | None = None) -> None:
