@@ -1,5 +1,6 @@
 import pytest
 import torch
+
 from nsaserve.kernels.quant.e2m1 import decode_e2m1, e2m1_value_table, encode_e2m1, pack_e2m1, unpack_e2m1
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])

@@ -1,5 +1,6 @@
 import pytest
 import torch
+
 from nsaserve.kernels.quant import dequantize_fp8_block, fp8_block_linear, quantize_fp8_block
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])

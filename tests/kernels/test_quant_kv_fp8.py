@@ -1,5 +1,6 @@
 import pytest
 import torch
+
 from nsaserve.kernels.quant import (
     INDEXER_K_BYTES,
     MLA_KV_BYTES,

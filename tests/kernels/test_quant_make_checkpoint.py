@@ -3,9 +3,10 @@ import os
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
+
 from nsaserve.kernels.quant import dequantize_fp8_block, dequantize_nvfp4, load_quant_scheme, module_tensors
 from nsaserve.kernels.quant.make_checkpoint import main, make_checkpoint
-from safetensors.torch import load_file, save_file
 
 H, INTER, E = 64, 32, 4  # hidden, expert intermediate, routed experts
 

@@ -1,5 +1,6 @@
 import pytest
 import torch
+
 from nsaserve.kernels.quant import dequantize_nvfp4, nvfp4_linear, quantize_nvfp4
 from nsaserve.kernels.quant.nvfp4 import nvfp4_global_scale
 

@@ -1,6 +1,7 @@
 import json
 
 import pytest
+
 from nsaserve.kernels.quant import load_quant_scheme, parse_quant_scheme
 
 # Shaped like a GLM-5 NVFP4 ModelOpt export: routed experts NVFP4; attention, shared experts, the

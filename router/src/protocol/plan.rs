@@ -25,6 +25,17 @@ pub enum ForwardMode {
     Mixed,
 }
 
+impl ForwardMode {
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            ForwardMode::Idle => "idle",
+            ForwardMode::Prefill => "prefill",
+            ForwardMode::Decode => "decode",
+            ForwardMode::Mixed => "mixed",
+        }
+    }
+}
+
 /// Sampling parameters of one request, as the worker's sampler reads them.
 #[derive(Debug, Clone, PartialEq)]
 pub struct SamplingParams {
@@ -120,6 +131,9 @@ pub enum PlanError {
     Invalid(String),
 }
 
+/// Number of keys in a plan message (the fields of `WirePlan`).
+const PLAN_KEYS: u32 = 32;
+
 /// The wire form. Field order and names are the protocol; see docs/protocol.md.
 #[derive(Debug, Serialize, Deserialize)]
 struct WirePlan {
@@ -157,15 +171,81 @@ struct WirePlan {
     history_prompt_lens: ByteBuf,
 }
 
-/// Offsets `[0, a, a+b, ...]` of consecutive variable-length lists.
-fn offsets<'a, T: 'a>(lists: impl Iterator<Item = &'a [T]>) -> Vec<i32> {
-    let mut out = vec![0i32];
-    let mut total = 0i32;
-    for l in lists {
-        total += l.len() as i32;
-        out.push(total);
+/// Writes msgpack directly (the subset a plan needs).
+struct PlanWriter {
+    buf: Vec<u8>,
+    declared_keys: u32,
+    written_keys: u32,
+}
+
+impl PlanWriter {
+    fn with_capacity(n: usize) -> Self {
+        Self {
+            buf: Vec::with_capacity(n),
+            declared_keys: 0,
+            written_keys: 0,
+        }
     }
-    out
+
+    fn map_len(&mut self, len: u32) {
+        self.declared_keys = len;
+        rmp::encode::write_map_len(&mut self.buf, len).expect("writing to a Vec cannot fail");
+    }
+
+    fn key(&mut self, key: &str) {
+        self.written_keys += 1;
+        rmp::encode::write_str(&mut self.buf, key).expect("writing to a Vec cannot fail");
+    }
+
+    fn str_field(&mut self, key: &str, value: &str) {
+        self.key(key);
+        rmp::encode::write_str(&mut self.buf, value).expect("writing to a Vec cannot fail");
+    }
+
+    fn uint_field(&mut self, key: &str, value: u64) {
+        self.key(key);
+        rmp::encode::write_uint(&mut self.buf, value).expect("writing to a Vec cannot fail");
+    }
+
+    /// A `bin` of `count` little-endian elements.
+    fn array<T: LeArray>(&mut self, key: &str, count: usize, values: impl Iterator<Item = T>) {
+        self.key(key);
+        self.bin_header(count * T::WIDTH);
+        let start = self.buf.len();
+        for v in values {
+            v.put(&mut self.buf);
+        }
+        assert_eq!(
+            self.buf.len() - start,
+            count * T::WIDTH,
+            "array `{key}` has a wrong count"
+        );
+    }
+
+    /// `[0, a, a+b, ...]` of consecutive lengths, as an i32 `bin`.
+    fn offsets(&mut self, key: &str, lengths: impl ExactSizeIterator<Item = usize>) {
+        self.key(key);
+        self.bin_header((lengths.len() + 1) * 4);
+        let mut total = 0i32;
+        total.put(&mut self.buf);
+        for len in lengths {
+            total += len as i32;
+            total.put(&mut self.buf);
+        }
+    }
+
+    fn bin_header(&mut self, bytes: usize) {
+        rmp::encode::write_bin_len(&mut self.buf, bytes as u32)
+            .expect("writing to a Vec cannot fail");
+    }
+
+    fn finish(self) -> Vec<u8> {
+        assert_eq!(
+            self.written_keys, self.declared_keys,
+            "plan map length does not match its keys"
+        );
+        self.buf
+    }
 }
 
 impl BatchPlan {
@@ -190,77 +270,105 @@ impl BatchPlan {
         }
     }
 
+    /// Encodes the plan straight into one buffer: keys in `WirePlan` order, each array's `bin`
+    /// header followed by its little-endian elements. No intermediate vectors, because this
+    /// runs every step for every running request (the golden vectors pin the same bytes that
+    /// `rmp_serde` would produce from `WirePlan`).
     pub fn encode(&self) -> Result<Vec<u8>, PlanError> {
         let r = &self.requests;
-        let col_f32 = |f: fn(&SamplingParams) -> f32| {
-            f32::to_bin(&r.iter().map(|q| f(&q.sampling)).collect::<Vec<_>>())
-        };
-        let flat_i32 = |f: fn(&PlannedRequest) -> &[i32]| {
-            i32::to_bin(
-                &r.iter()
-                    .flat_map(|q| f(q).iter().copied())
-                    .collect::<Vec<_>>(),
-            )
-        };
-        let positions: Vec<i32> = r
-            .iter()
-            .flat_map(|q| (0..q.input_ids.len() as i32).map(move |i| q.cached_len + i))
-            .collect();
-        let wire = WirePlan {
-            kind: "plan".into(),
-            version: PROTOCOL_VERSION,
-            step: self.step,
-            mode: self.mode(),
-            page_size: self.page_size,
-            num_reqs: r.len() as u32,
-            num_tokens: self.num_tokens() as u32,
-            num_pages: r.iter().map(|q| q.pages.len() as u32).sum(),
-            req_ids: u64::to_bin(&r.iter().map(|q| q.id).collect::<Vec<_>>()),
-            query_start: i32::to_bin(&offsets(r.iter().map(|q| q.input_ids.as_slice()))),
-            input_ids: flat_i32(|q| &q.input_ids),
-            positions: i32::to_bin(&positions),
-            cached_lens: i32::to_bin(&r.iter().map(|q| q.cached_len).collect::<Vec<_>>()),
-            page_start: i32::to_bin(&offsets(r.iter().map(|q| q.pages.as_slice()))),
-            page_table: flat_i32(|q| &q.pages),
-            out_slots: flat_i32(|q| &q.out_slots),
-            sample: u8::to_bin(&r.iter().map(|q| q.sample as u8).collect::<Vec<_>>()),
-            prompt_logprobs: u8::to_bin(
-                &r.iter()
-                    .map(|q| q.prompt_logprobs as u8)
-                    .collect::<Vec<_>>(),
-            ),
-            next_prompt_token: i32::to_bin(
-                &r.iter().map(|q| q.next_prompt_token).collect::<Vec<_>>(),
-            ),
-            temperature: col_f32(|s| s.temperature),
-            top_p: col_f32(|s| s.top_p),
-            top_k: i32::to_bin(&r.iter().map(|q| q.sampling.top_k).collect::<Vec<_>>()),
-            min_p: col_f32(|s| s.min_p),
-            repetition_penalty: col_f32(|s| s.repetition_penalty),
-            frequency_penalty: col_f32(|s| s.frequency_penalty),
-            presence_penalty: col_f32(|s| s.presence_penalty),
-            seed: u64::to_bin(
-                &r.iter()
-                    .map(|q| q.sampling.seed.unwrap_or(0))
-                    .collect::<Vec<_>>(),
-            ),
-            has_seed: u8::to_bin(
-                &r.iter()
-                    .map(|q| q.sampling.seed.is_some() as u8)
-                    .collect::<Vec<_>>(),
-            ),
-            top_logprobs: i32::to_bin(
-                &r.iter()
-                    .map(|q| q.sampling.top_logprobs.map_or(-1, |n| n as i32))
-                    .collect::<Vec<_>>(),
-            ),
-            history_start: i32::to_bin(&offsets(r.iter().map(|q| q.history.as_slice()))),
-            history: flat_i32(|q| &q.history),
-            history_prompt_lens: i32::to_bin(
-                &r.iter().map(|q| q.history_prompt_len).collect::<Vec<_>>(),
-            ),
-        };
-        Ok(rmp_serde::to_vec_named(&wire)?)
+        let n = r.len();
+        let tokens = self.num_tokens();
+        let pages: usize = r.iter().map(|q| q.pages.len()).sum();
+        let history: usize = r.iter().map(|q| q.history.len()).sum();
+        let mut w = PlanWriter::with_capacity(512 + 4 * (3 * tokens + pages + history) + 70 * n);
+        w.map_len(PLAN_KEYS);
+        w.str_field("kind", "plan");
+        w.uint_field("version", PROTOCOL_VERSION as u64);
+        w.uint_field("step", self.step);
+        w.str_field("mode", self.mode().as_str());
+        w.uint_field("page_size", self.page_size as u64);
+        w.uint_field("num_reqs", n as u64);
+        w.uint_field("num_tokens", tokens as u64);
+        w.uint_field("num_pages", pages as u64);
+        w.array("req_ids", n, r.iter().map(|q| q.id));
+        w.offsets("query_start", r.iter().map(|q| q.input_ids.len()));
+        w.array(
+            "input_ids",
+            tokens,
+            r.iter().flat_map(|q| q.input_ids.iter().copied()),
+        );
+        w.array(
+            "positions",
+            tokens,
+            r.iter()
+                .flat_map(|q| (0..q.input_ids.len() as i32).map(move |i| q.cached_len + i)),
+        );
+        w.array("cached_lens", n, r.iter().map(|q| q.cached_len));
+        w.offsets("page_start", r.iter().map(|q| q.pages.len()));
+        w.array(
+            "page_table",
+            pages,
+            r.iter().flat_map(|q| q.pages.iter().copied()),
+        );
+        w.array(
+            "out_slots",
+            tokens,
+            r.iter().flat_map(|q| q.out_slots.iter().copied()),
+        );
+        w.array("sample", n, r.iter().map(|q| q.sample as u8));
+        w.array(
+            "prompt_logprobs",
+            n,
+            r.iter().map(|q| q.prompt_logprobs as u8),
+        );
+        w.array(
+            "next_prompt_token",
+            n,
+            r.iter().map(|q| q.next_prompt_token),
+        );
+        w.array("temperature", n, r.iter().map(|q| q.sampling.temperature));
+        w.array("top_p", n, r.iter().map(|q| q.sampling.top_p));
+        w.array("top_k", n, r.iter().map(|q| q.sampling.top_k));
+        w.array("min_p", n, r.iter().map(|q| q.sampling.min_p));
+        w.array(
+            "repetition_penalty",
+            n,
+            r.iter().map(|q| q.sampling.repetition_penalty),
+        );
+        w.array(
+            "frequency_penalty",
+            n,
+            r.iter().map(|q| q.sampling.frequency_penalty),
+        );
+        w.array(
+            "presence_penalty",
+            n,
+            r.iter().map(|q| q.sampling.presence_penalty),
+        );
+        w.array("seed", n, r.iter().map(|q| q.sampling.seed.unwrap_or(0)));
+        w.array(
+            "has_seed",
+            n,
+            r.iter().map(|q| q.sampling.seed.is_some() as u8),
+        );
+        w.array(
+            "top_logprobs",
+            n,
+            r.iter()
+                .map(|q| q.sampling.top_logprobs.map_or(-1, |k| k as i32)),
+        );
+        w.offsets("history_start", r.iter().map(|q| q.history.len()));
+        w.array(
+            "history",
+            history,
+            r.iter().flat_map(|q| q.history.iter().copied()),
+        );
+        w.array(
+            "history_prompt_lens",
+            n,
+            r.iter().map(|q| q.history_prompt_len),
+        );
+        Ok(w.finish())
     }
 
     /// Decodes and validates a plan. The router never needs this at run time; it exists so the
