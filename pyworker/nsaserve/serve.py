@@ -166,14 +166,18 @@ class Supervisor:
             f"(tp {i['tp_size']}, {self.device}, {i['num_pages']} KV pages of {i['page_size']} tokens)",
             flush=True,
         )
+        # Until signalled. A dead worker fails every open request and turns /health red (the
+        # router answers 503 from then on); the HTTP server stays up so load balancers see it.
+        reported = False
         while True:
             time.sleep(POLL_S)
             dead = self.dead_worker()
-            if dead is not None:
+            if dead is not None and not reported:
                 self.router.worker_exited(dead[0], dead[1])
-                raise ServeError(f"worker rank {dead[0]} {dead[1]}")
-            if not self.router.is_running():
-                raise ServeError(self.router.exit_reason() or "the router stopped")
+            if not reported and (dead is not None or not self.router.is_running()):
+                reason = self.router.exit_reason() or (f"worker rank {dead[0]} {dead[1]}" if dead else "the engine stopped")
+                print(f"nsaserve: error: {reason}; answering 503 until restarted", file=sys.stderr, flush=True)
+                reported = True
 
     def stop(self) -> None:
         if self.router is not None:
