@@ -3,5 +3,6 @@
 //! `python`); everything else is plain Rust, tested with `cargo test`.
 
 pub mod engine;
+pub mod metrics;
 pub mod protocol;
 pub mod tokenizer;
