@@ -103,10 +103,14 @@ fn write_model_dir(dir: &std::path::Path, chat_template: &str) {
 
 const TEMPLATE: &str = "{{ bos_token }}{% for m in messages %}{% if m.role == 'tool' and not tools %}{{ raise_exception('tool messages need tools') }}{% endif %}<|{{ m.role }}|>{{ m.content }}{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}{% if greeting is defined %}{{ greeting }}{% endif %}";
 
-fn tokenizer() -> Arc<TokenizerBundle> {
+fn tokenizer_with_template(template: &str) -> Arc<TokenizerBundle> {
     let dir = tempfile::tempdir().unwrap();
-    write_model_dir(dir.path(), TEMPLATE);
+    write_model_dir(dir.path(), template);
     Arc::new(TokenizerBundle::from_model_dir(dir.path()).unwrap())
+}
+
+fn tokenizer() -> Arc<TokenizerBundle> {
+    tokenizer_with_template(TEMPLATE)
 }
 
 // ---------------------------------------------------------------- scripted engine
@@ -267,7 +271,17 @@ struct Harness {
 }
 
 fn harness_with(configure: impl FnOnce(&mut HttpConfig)) -> Harness {
-    let tokenizer = tokenizer();
+    build_harness(tokenizer(), configure)
+}
+
+fn harness_with_template(template: &str) -> Harness {
+    build_harness(tokenizer_with_template(template), |_| {})
+}
+
+fn build_harness(
+    tokenizer: Arc<TokenizerBundle>,
+    configure: impl FnOnce(&mut HttpConfig),
+) -> Harness {
     let engine = ScriptedEngine::new(Arc::clone(&tokenizer));
     let metrics = Arc::new(Metrics::new());
     let mut cfg = HttpConfig::new("tiny");
@@ -888,6 +902,31 @@ async fn chat_template_errors_are_bad_requests() {
         )
         .await;
     assert_eq!(r.status, StatusCode::OK, "{}", r.body);
+    // Assistant tool calls reach the template with their JSON-string arguments parsed.
+    let h2 = harness_with_template(
+        "{% for m in messages %}{% for c in m.tool_calls or [] %}{% for k, v in c.function.arguments.items() %}{{ k }}={{ v }};{% endfor %}{% endfor %}{% endfor %}",
+    );
+    let messages = json!([
+        {"role": "user", "content": "x"},
+        {"role": "assistant", "content": null, "tool_calls": [{"id": "c1", "type": "function",
+            "function": {"name": "f", "arguments": "{\"city\": \"Paris\", \"days\": 2}"}}]},
+        {"role": "tool", "content": "sunny", "tool_call_id": "c1"}
+    ]);
+    let r = h2
+        .post("/v1/chat/completions", json!({"messages": messages}))
+        .await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.body);
+    let rendered = h2
+        .tokenizer
+        .decode(&h2.engine.submitted.lock()[0].prompt_ids, false);
+    assert_eq!(rendered, "city=Paris;days=2;");
+    let r = h
+        .post(
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "assistant", "content": null}]}),
+        )
+        .await;
+    assert_error(&r, StatusCode::BAD_REQUEST, "content");
     let r = h
         .post(
             "/v1/chat/completions",
@@ -1230,6 +1269,28 @@ async fn dropping_a_stream_aborts_the_request() {
     assert!(h.engine.aborted.lock().is_empty());
     drop(body);
     assert_eq!(wait_for_aborts(&h.engine, 1).await, vec![1]);
+}
+
+#[tokio::test]
+async fn dropping_a_waiting_response_aborts_every_sample() {
+    let h = harness();
+    *h.engine.delay.lock() = Duration::from_millis(50);
+    let body = json!({"prompt": "x", "n": 2}).to_string();
+    let request = Request::post("/v1/completions")
+        .body(Body::from(body))
+        .unwrap();
+    let pending = tokio::spawn(h.app.clone().oneshot(request));
+    for _ in 0..200 {
+        if h.engine.submitted.lock().len() == 2 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    assert_eq!(h.engine.submitted.lock().len(), 2);
+    pending.abort();
+    let mut aborted = wait_for_aborts(&h.engine, 2).await;
+    aborted.sort_unstable();
+    assert_eq!(aborted, vec![1, 2]);
 }
 
 #[tokio::test]

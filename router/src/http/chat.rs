@@ -95,7 +95,27 @@ fn normalize_message(i: usize, message: Value) -> Result<Value, ApiError> {
         ));
     }
     m.insert("content".into(), content);
+    if let Some(Value::Array(calls)) = m.get_mut("tool_calls") {
+        calls.iter_mut().for_each(parse_tool_call_arguments);
+    }
     Ok(Value::Object(m))
+}
+
+/// OpenAI sends a tool call's `arguments` as a JSON string; Hugging Face chat templates iterate
+/// over them as a mapping (`arguments.items()`), so a string that holds a JSON object is
+/// parsed (as vLLM does). Anything else is left for the template to print.
+fn parse_tool_call_arguments(call: &mut Value) {
+    let Some(arguments) = call
+        .get_mut("function")
+        .and_then(|f| f.get_mut("arguments"))
+    else {
+        return;
+    };
+    if let Some(Ok(parsed @ Value::Object(_))) =
+        arguments.as_str().map(serde_json::from_str::<Value>)
+    {
+        *arguments = parsed;
+    }
 }
 
 /// Renders the conversation and tokenizes it (without adding special tokens: the template
