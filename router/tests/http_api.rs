@@ -13,13 +13,14 @@ use futures::StreamExt;
 use http_body_util::BodyExt;
 use parking_lot::Mutex;
 use serde_json::{json, Value};
-use tokio::sync::mpsc;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::sync::{mpsc, oneshot};
 use tower::ServiceExt;
 
 use nsaserve_router::engine::{
     Engine, FinishReason, GenerateEvent, GenerateRequest, ModelInfo, RequestStream, SubmitError,
 };
-use nsaserve_router::http::{router, HttpConfig};
+use nsaserve_router::http::{router, serve_listener, HttpConfig};
 use nsaserve_router::metrics::{Metrics, SchedulerGauges};
 use nsaserve_router::protocol::{PromptLogprobs, TokenLogprobs};
 use nsaserve_router::tokenizer::TokenizerBundle;
@@ -951,6 +952,10 @@ async fn chat_template_errors_are_bad_requests() {
         )
         .await;
     assert_error(&r, StatusCode::BAD_REQUEST, "logprobs");
+    let body = json!({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 0});
+    let r = h.post("/v1/chat/completions", body).await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.body);
+    assert!(r.json()["choices"][0]["logprobs"].is_null());
     let r = h.post("/v1/chat/completions", json!({"messages": [{"role": "user", "content": "x"}], "logprobs": true, "top_logprobs": 21})).await;
     assert_error(&r, StatusCode::BAD_REQUEST, "top_logprobs");
 }
@@ -1301,6 +1306,7 @@ async fn api_key_guards_v1_routes_only() {
         .send(Request::post("/v1/completions").body(body()).unwrap())
         .await;
     assert_error(&r, StatusCode::UNAUTHORIZED, "API key");
+    assert_eq!(r.headers[header::WWW_AUTHENTICATE], "Bearer");
     let r = h
         .send(
             Request::post("/v1/completions")
@@ -1451,4 +1457,58 @@ fn incremental_detokenizer_matches_full_decode() {
     }
     out.push_str(&d.flush(&tok));
     assert_eq!(out, text);
+}
+
+// ---------------------------------------------------------------- over TCP
+
+/// One HTTP/1.1 exchange on a fresh connection; returns the raw response.
+async fn raw_http(addr: std::net::SocketAddr, request: &str) -> String {
+    let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
+    stream.write_all(request.as_bytes()).await.unwrap();
+    let mut response = Vec::new();
+    stream.read_to_end(&mut response).await.unwrap();
+    String::from_utf8(response).unwrap()
+}
+
+#[tokio::test]
+async fn serves_over_tcp_and_shuts_down() {
+    let tokenizer = tokenizer();
+    let engine = ScriptedEngine::new(Arc::clone(&tokenizer));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let (stop_tx, stop_rx) = oneshot::channel::<()>();
+    let server = tokio::spawn(serve_listener(
+        listener,
+        HttpConfig::new("tiny"),
+        engine,
+        tokenizer,
+        Arc::new(Metrics::new()),
+        async move {
+            let _ = stop_rx.await;
+        },
+    ));
+    let body = json!({"prompt": "x", "stream": true}).to_string();
+    let request = format!(
+        "POST /v1/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    let response = raw_http(addr, &request).await;
+    assert!(response.starts_with("HTTP/1.1 200 OK\r\n"), "{response}");
+    assert!(
+        response.contains("content-type: text/event-stream"),
+        "{response}"
+    );
+    assert!(response.contains("data: [DONE]"), "{response}");
+    let health = raw_http(
+        addr,
+        "GET /health HTTP/1.1\r\nHost: test\r\nConnection: close\r\n\r\n",
+    )
+    .await;
+    assert!(health.starts_with("HTTP/1.1 200 OK\r\n"), "{health}");
+    stop_tx.send(()).unwrap();
+    tokio::time::timeout(Duration::from_secs(5), server)
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap();
 }

@@ -158,7 +158,8 @@ async fn handle(app: AppState, request: Request) -> Result<Response, ApiError> {
     check_model(body.model.as_deref(), &app.cfg.served_model_name)?;
     let top_n = match (body.logprobs, body.top_logprobs) {
         (Some(true), top) => Some(check_logprobs("top_logprobs", top.unwrap_or(0))?),
-        (_, Some(_)) => {
+        // `top_logprobs: 0` without logprobs asks for nothing; more needs `logprobs: true`.
+        (_, Some(top)) if top != 0 => {
             return Err(ApiError::invalid_param(
                 "top_logprobs",
                 "`top_logprobs` needs `logprobs` set to true.",

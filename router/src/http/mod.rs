@@ -134,6 +134,21 @@ pub async fn serve_http(
     let listener = tokio::net::TcpListener::bind(&address)
         .await
         .with_context(|| format!("cannot listen on {address}"))?;
+    serve_listener(listener, cfg, engine, tokenizer, metrics, shutdown).await
+}
+
+/// [`serve_http`] on a listener the caller bound (e.g. to port 0, to learn the port).
+pub async fn serve_listener(
+    listener: tokio::net::TcpListener,
+    cfg: HttpConfig,
+    engine: Arc<dyn Engine>,
+    tokenizer: Arc<TokenizerBundle>,
+    metrics: Arc<Metrics>,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> anyhow::Result<()> {
+    let address = listener
+        .local_addr()
+        .context("the listener has no address")?;
     tracing::info!(%address, model = %cfg.served_model_name, "HTTP API listening");
     let app = router(cfg, engine, tokenizer, metrics);
     axum::serve(listener, app)
