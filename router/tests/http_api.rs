@@ -1126,6 +1126,59 @@ async fn request_validation_errors() {
 }
 
 #[tokio::test]
+async fn unsupported_features_are_refused_not_ignored() {
+    let h = harness();
+    let c = "/v1/completions";
+    let chat = "/v1/chat/completions";
+    let msgs = json!([{"role": "user", "content": "x"}]);
+    let cases = [
+        (
+            c,
+            json!({"prompt": "x", "logit_bias": {"5": 10}}),
+            "logit_bias",
+        ),
+        (c, json!({"prompt": "x", "best_of": 3}), "best_of"),
+        (c, json!({"prompt": "x", "suffix": "end"}), "suffix"),
+        (
+            chat,
+            json!({"messages": msgs, "tool_choice": "required"}),
+            "tool_choice",
+        ),
+        (
+            chat,
+            json!({"messages": msgs, "tool_choice": {"type": "function", "function": {"name": "f"}}}),
+            "tool_choice",
+        ),
+        (
+            chat,
+            json!({"messages": msgs, "response_format": {"type": "json_object"}}),
+            "response_format",
+        ),
+    ];
+    for (path, body, param) in cases {
+        let r = h.post(path, body).await;
+        assert_error(&r, StatusCode::BAD_REQUEST, param);
+        assert_eq!(r.json()["error"]["param"], param);
+        assert_eq!(r.json()["error"]["code"], "unsupported_parameter");
+    }
+    let accepted = [
+        (
+            c,
+            json!({"prompt": "x", "logit_bias": {}, "best_of": 1, "suffix": ""}),
+        ),
+        (
+            chat,
+            json!({"messages": msgs, "tool_choice": "auto", "response_format": {"type": "text"}}),
+        ),
+        (chat, json!({"messages": msgs, "tool_choice": "none"})),
+    ];
+    for (path, body) in accepted {
+        let r = h.post(path, body).await;
+        assert_eq!(r.status, StatusCode::OK, "{}", r.body);
+    }
+}
+
+#[tokio::test]
 async fn configurable_limits_and_body_size() {
     let h = harness_with(|c| {
         c.max_body_bytes = 1000;
@@ -1511,4 +1564,29 @@ async fn serves_over_tcp_and_shuts_down() {
         .unwrap()
         .unwrap()
         .unwrap();
+}
+
+proptest::proptest! {
+    #![proptest_config(proptest::prelude::ProptestConfig::with_cases(64))]
+    /// Streaming decode equals the full decode for any text, and no piece ends mid-character.
+    #[test]
+    fn incremental_detokenizer_property(text in "[a-z hé日😀,]{0,30}", prompt in "[a-z é]{0,8}") {
+        let tok = shared_tokenizer();
+        let ids = tok.encode(&text, false).unwrap();
+        let prompt_ids = tok.encode(&prompt, true).unwrap();
+        let mut d = nsaserve_router::tokenizer::IncrementalDetokenizer::new(&prompt_ids);
+        let mut out = String::new();
+        for &id in &ids {
+            let piece = d.push(&tok, id);
+            proptest::prop_assert!(!piece.contains(char::REPLACEMENT_CHARACTER), "broken piece {:?}", piece);
+            out.push_str(&piece);
+        }
+        out.push_str(&d.flush(&tok));
+        proptest::prop_assert_eq!(out, text);
+    }
+}
+
+fn shared_tokenizer() -> Arc<TokenizerBundle> {
+    static SHARED: std::sync::OnceLock<Arc<TokenizerBundle>> = std::sync::OnceLock::new();
+    Arc::clone(SHARED.get_or_init(tokenizer))
 }

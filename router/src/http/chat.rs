@@ -23,7 +23,7 @@ use super::openai_types::{
 use super::prompt::blocking;
 use super::sse::{sse_response, to_json, ChunkWriter};
 use super::validation::{
-    check_logprobs, check_model, fit_context, generate_requests, validate_sampling,
+    check_logprobs, check_model, fit_context, generate_requests, unsupported, validate_sampling,
 };
 use super::{unix_now, AppState};
 
@@ -156,6 +156,25 @@ async fn handle(app: AppState, request: Request) -> Result<Response, ApiError> {
     let body: ChatRequest = read_json(request, app.cfg.max_body_bytes).await?;
     let info = app.engine.model_info();
     check_model(body.model.as_deref(), &app.cfg.served_model_name)?;
+    match body.tool_choice.as_ref().map(|c| c.as_str()) {
+        None | Some(Some("auto")) | Some(Some("none")) => {}
+        _ => {
+            return Err(unsupported(
+                "tool_choice",
+                "Only `tool_choice` \"auto\" and \"none\" are supported.",
+            ))
+        }
+    }
+    if body
+        .response_format
+        .as_ref()
+        .is_some_and(|f| f.get("type").and_then(Value::as_str) != Some("text"))
+    {
+        return Err(unsupported(
+            "response_format",
+            "Only `response_format` {\"type\": \"text\"} is supported.",
+        ));
+    }
     let top_n = match (body.logprobs, body.top_logprobs) {
         (Some(true), top) => Some(check_logprobs("top_logprobs", top.unwrap_or(0))?),
         // `top_logprobs: 0` without logprobs asks for nothing; more needs `logprobs: true`.

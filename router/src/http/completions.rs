@@ -22,7 +22,7 @@ use super::openai_types::{
 use super::prompt::{completion_prompts, Prompt};
 use super::sse::{sse_response, to_json, ChunkWriter};
 use super::validation::{
-    check_logprobs, check_model, fit_context, generate_requests, validate_sampling,
+    check_logprobs, check_model, fit_context, generate_requests, unsupported, validate_sampling,
 };
 use super::{unix_now, AppState};
 
@@ -49,6 +49,18 @@ async fn handle(app: AppState, request: Request) -> Result<Response, ApiError> {
     let body: CompletionRequest = read_json(request, app.cfg.max_body_bytes).await?;
     let info = app.engine.model_info();
     check_model(body.model.as_deref(), &app.cfg.served_model_name)?;
+    if body
+        .best_of
+        .is_some_and(|b| b != body.sampling.n.unwrap_or(1))
+    {
+        return Err(unsupported(
+            "best_of",
+            "`best_of` is not supported (use `n`).",
+        ));
+    }
+    if body.suffix.as_ref().is_some_and(|s| !s.is_empty()) {
+        return Err(unsupported("suffix", "`suffix` is not supported."));
+    }
     let top_n = body
         .logprobs
         .map(|n| check_logprobs("logprobs", n))

@@ -50,6 +50,8 @@ pub struct SamplingFields {
     /// Accepted for compatibility; it identifies the end user in OpenAI's logs.
     #[allow(dead_code)]
     pub user: Option<String>,
+    /// Not supported: a non-empty map is refused rather than silently ignored.
+    pub logit_bias: Option<Map<String, Value>>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -61,6 +63,10 @@ pub struct CompletionRequest {
     /// Top-N logprobs per token (0 = only the chosen token's).
     pub logprobs: Option<i64>,
     pub echo: Option<bool>,
+    /// Not supported beyond `best_of == n` (no server-side ranking of samples).
+    pub best_of: Option<i64>,
+    /// Not supported (no fill-in-the-middle).
+    pub suffix: Option<String>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -76,6 +82,10 @@ pub struct ChatRequest {
     pub chat_template_kwargs: Option<Map<String, Value>>,
     /// Extension (as in vLLM): render without the assistant header, e.g. to continue a turn.
     pub add_generation_prompt: Option<bool>,
+    /// Only "auto" and "none" are supported: output is not constrained to a tool call.
+    pub tool_choice: Option<Value>,
+    /// Only `{"type": "text"}` is supported: output is not constrained to JSON.
+    pub response_format: Option<Value>,
 }
 
 #[derive(Debug, Clone, Copy, Serialize)]

@@ -4,7 +4,9 @@
 
 use std::convert::Infallible;
 
-use axum::response::sse::{Event, Sse};
+use std::time::Duration;
+
+use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use futures::stream::{self, BoxStream, StreamExt};
 
@@ -22,6 +24,7 @@ pub trait ChunkWriter: Send + 'static {
 }
 
 const DONE: &str = "[DONE]";
+const KEEP_ALIVE_INTERVAL: Duration = Duration::from_secs(15);
 
 struct Driver<W> {
     events: BoxStream<'static, ChoiceEvent>,
@@ -79,7 +82,11 @@ pub fn sse_response<W: ChunkWriter>(
                 .map(|data| Ok::<_, Infallible>(Event::default().data(data))),
         )
     });
-    Sse::new(chunks).into_response()
+    // Comment lines while a request waits in the queue or prefills keep proxies from closing
+    // an idle connection; SSE clients ignore them.
+    Sse::new(chunks)
+        .keep_alive(KeepAlive::new().interval(KEEP_ALIVE_INTERVAL))
+        .into_response()
 }
 
 /// Serializes a chunk; our response types always serialize.

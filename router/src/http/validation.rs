@@ -170,6 +170,9 @@ pub fn validate_sampling(
         f.stop_token_ids.as_deref().unwrap_or(&[]),
         model.vocab_size,
     )?;
+    if f.logit_bias.as_ref().is_some_and(|b| !b.is_empty()) {
+        return Err(unsupported("logit_bias", "`logit_bias` is not supported."));
+    }
     let stream = f.stream.unwrap_or(false);
     if f.stream_options.is_some() && !stream {
         return Err(ApiError::invalid_param(
@@ -212,6 +215,14 @@ pub fn validate_sampling(
             .and_then(|o| o.include_usage)
             .unwrap_or(false),
     })
+}
+
+/// 400 for a feature this server does not implement: refusing beats silently ignoring it.
+pub fn unsupported(param: &str, message: &str) -> ApiError {
+    ApiError {
+        code: Some("unsupported_parameter"),
+        ..ApiError::invalid_param(param, message)
+    }
 }
 
 /// Checks a logprobs count (completions `logprobs`, chat `top_logprobs`).

@@ -53,16 +53,19 @@ impl StopMatcher {
 
     /// Length in bytes of the longest suffix of the held text that begins some stop string.
     fn partial_match_len(&self) -> usize {
-        let len = self.held.len();
+        let held = self.held.as_bytes();
+        let len = held.len();
         let longest = self.stops.iter().map(String::len).max().unwrap_or(0);
+        // Candidates start where a stop string's first byte occurs: a cheap filter before the
+        // full prefix comparison (stop strings can be long). A UTF-8 continuation byte never
+        // starts a string, so a match always begins on a character boundary.
         (1..longest.min(len + 1))
             .rev()
             .find(|&k| {
-                self.held.is_char_boundary(len - k)
-                    && self
-                        .stops
-                        .iter()
-                        .any(|s| s.starts_with(&self.held[len - k..]))
+                let tail = &held[len - k..];
+                self.stops
+                    .iter()
+                    .any(|s| s.as_bytes()[0] == tail[0] && s.as_bytes().starts_with(tail))
             })
             .unwrap_or(0)
     }
@@ -115,6 +118,28 @@ mod tests {
     fn multibyte_text_is_cut_on_char_boundaries() {
         assert_eq!(run(&["é!"], &["café", "!x"]), ("caf".into(), true));
         assert_eq!(run(&["日本"], &["今日", "は"]), ("今日は".into(), false));
+    }
+
+    proptest::proptest! {
+        /// However the text is split, the output is the text up to the earliest stop string.
+        #[test]
+        fn streaming_equals_cutting_the_whole_text(
+            text in "[abé日 ]{0,40}",
+            stops in proptest::collection::vec("[abé日 ]{1,4}", 0..4),
+            cuts in proptest::collection::vec(0usize..40, 0..10),
+        ) {
+            let expected = match stops.iter().filter_map(|s| text.find(s.as_str())).min() {
+                Some(pos) => (text[..pos].to_owned(), true),
+                None => (text.clone(), false),
+            };
+            let mut bounds: Vec<usize> = cuts.into_iter().filter(|&c| text.is_char_boundary(c.min(text.len()))).map(|c| c.min(text.len())).collect();
+            bounds.push(0);
+            bounds.push(text.len());
+            bounds.sort_unstable();
+            let pieces: Vec<&str> = bounds.windows(2).map(|w| &text[w[0]..w[1]]).collect();
+            let stop_refs: Vec<&str> = stops.iter().map(String::as_str).collect();
+            proptest::prop_assert_eq!(run(&stop_refs, &pieces), expected);
+        }
     }
 
     #[test]
