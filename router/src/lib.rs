@@ -3,5 +3,8 @@
 //! `python`); everything else is plain Rust, tested with `cargo test`.
 
 pub mod engine;
+pub mod http;
+pub mod metrics;
 pub mod protocol;
+pub mod tokenizer;
 pub mod transport;

@@ -27,7 +27,7 @@ pub trait LeArray: Sized + Copy {
     }
 
     fn from_bin(field: &'static str, bytes: &[u8]) -> Result<Vec<Self>, ArrayError> {
-        if bytes.len() % Self::WIDTH != 0 {
+        if !bytes.len().is_multiple_of(Self::WIDTH) {
             return Err(ArrayError {
                 field,
                 len: bytes.len(),
