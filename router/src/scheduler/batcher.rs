@@ -63,7 +63,7 @@ impl Scheduler {
             };
             if let Some(t) = take {
                 if !decoding {
-                    budget -= t.tokens;
+                    budget = budget.saturating_sub(t.tokens);
                     prefilled = true;
                 }
                 plan.requests.push(self.plan_step(slot, t));
@@ -82,7 +82,7 @@ impl Scheduler {
             self.waiting.pop_front();
             self.running.push(slot);
             if !self.req(slot).is_decoding() {
-                budget -= t.tokens;
+                budget = budget.saturating_sub(t.tokens);
                 prefilled = true;
             }
             plan.requests.push(self.plan_step(slot, t));

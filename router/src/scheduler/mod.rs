@@ -218,11 +218,11 @@ impl Scheduler {
     fn release_pages(&mut self, slot: usize, cache: bool) {
         let ps = self.cfg.page_size as usize;
         let r = self.slots[slot].as_mut().expect("live request slot");
-        let pages = std::mem::take(&mut r.pages);
+        let mut pages = std::mem::take(&mut r.pages);
         if cache && !self.cfg.disable_radix_cache {
             let full = (r.kv_len / ps).min(pages.len());
             self.radix
-                .insert(&r.tokens[..full * ps], &pages[..full], &mut self.alloc);
+                .insert(&r.tokens[..full * ps], &mut pages[..full], &mut self.alloc);
         }
         r.kv_len = 0;
         for p in pages {

@@ -137,26 +137,39 @@ impl RadixCache {
     }
 
     /// Indexes the full pages of a sequence: `tokens` covers exactly `pages.len()` pages and
-    /// `pages[k]` holds the KV of `tokens[k*page_size..(k+1)*page_size]`. Pages already indexed
-    /// for the same prefix are left as they are; new ones gain the tree's reference.
-    pub fn insert(&mut self, tokens: &[i32], pages: &[PageId], alloc: &mut PageAllocator) {
+    /// `pages[k]` holds the KV of `tokens[k*page_size..(k+1)*page_size]`; the caller holds a
+    /// reference to each. New pages gain the tree's reference. Where the tree already has
+    /// the same prefix on another page (computed twice), the caller's entry is swapped for
+    /// the tree's page and its own copy released: this frees the duplicate at once, and keeps
+    /// the rule that whoever holds a node's page holds its ancestors' pages too, so a cached
+    /// ancestor is never pinned by a request that does not hold it.
+    pub fn insert(&mut self, tokens: &[i32], pages: &mut [PageId], alloc: &mut PageAllocator) {
         debug_assert_eq!(tokens.len(), pages.len() * self.page_size);
         let now = self.tick();
         let mut node = ROOT;
-        for (chunk, &page) in tokens.chunks_exact(self.page_size).zip(pages) {
+        for (chunk, page) in tokens.chunks_exact(self.page_size).zip(pages.iter_mut()) {
             let key = hash_tokens(chunk);
             let next = match self.nodes[node as usize].children.get(&key) {
-                Some(&c) if *self.nodes[c as usize].tokens == *chunk => c,
+                Some(&c) if *self.nodes[c as usize].tokens == *chunk => {
+                    let cached = self.nodes[c as usize].page;
+                    if cached != *page {
+                        alloc.retain(cached);
+                        let own = std::mem::replace(page, cached);
+                        alloc.release(own);
+                        self.page_released(own, alloc);
+                    }
+                    c
+                }
                 // A hash collision with other tokens: the path cannot go on.
                 Some(_) => break,
                 None => {
-                    if self.node_of_page[page as usize] != NO_NODE {
+                    if self.node_of_page[*page as usize] != NO_NODE {
                         // The page already sits elsewhere in the tree; a page has one node.
                         break;
                     }
-                    let c = self.new_node(node, chunk, page);
+                    let c = self.new_node(node, chunk, *page);
                     self.nodes[node as usize].children.insert(key, c);
-                    alloc.mark_cached(page);
+                    alloc.mark_cached(*page);
                     self.refresh(node, alloc);
                     c
                 }
@@ -312,7 +325,7 @@ mod tests {
         let mut t = RadixCache::new(4, 8);
         let toks = seq(10, 100);
         let pages = take(&mut a, 3);
-        t.insert(&toks[..8], &pages[..2], &mut a);
+        t.insert(&toks[..8], &mut pages[..2].to_vec(), &mut a);
         for &p in &pages {
             a.release(p);
             t.page_released(p, &a);
@@ -333,9 +346,9 @@ mod tests {
         let mut a = PageAllocator::new(4);
         let mut t = RadixCache::new(2, 4);
         let x = take(&mut a, 2);
-        t.insert(&[1, 2, 3, 4], &x, &mut a);
+        t.insert(&[1, 2, 3, 4], &mut x.clone(), &mut a);
         let y = take(&mut a, 1);
-        t.insert(&[9, 9], &y, &mut a);
+        t.insert(&[9, 9], &mut y.clone(), &mut a);
         for &p in x.iter().chain(&y) {
             a.release(p);
             t.page_released(p, &a);
@@ -355,17 +368,22 @@ mod tests {
     }
 
     #[test]
-    fn duplicate_insert_keeps_first_page() {
+    fn duplicate_insert_swaps_in_the_cached_page() {
         let mut a = PageAllocator::new(4);
         let mut t = RadixCache::new(2, 4);
-        let first = take(&mut a, 1);
-        let second = take(&mut a, 1);
-        t.insert(&[5, 6], &first, &mut a);
-        t.insert(&[5, 6], &second, &mut a);
+        let mut first = take(&mut a, 1);
+        let mut second = take(&mut a, 1);
+        t.insert(&[5, 6], &mut first, &mut a);
+        let dup = second[0];
+        t.insert(&[5, 6], &mut second, &mut a);
         assert_eq!(t.cached_pages(), 1);
-        assert!(a.release(second[0]));
-        a.release(first[0]);
-        t.page_released(first[0], &a);
+        assert_eq!(second, first);
+        assert_eq!((a.refs(dup), a.refs(first[0])), (0, 3));
+        for p in first.iter().chain(&second) {
+            a.release(*p);
+            t.page_released(*p, &a);
+        }
+        t.check(&a).unwrap();
         t.clear(&mut a);
         assert_eq!(a.free_count(), 4);
         a.check().unwrap();

@@ -120,8 +120,11 @@ impl Scheduler {
                 // same prefix can share them before this one finishes.
                 let ps = self.cfg.page_size as usize;
                 let full = r.kv_len / ps;
-                self.radix
-                    .insert(&r.tokens[..full * ps], &r.pages[..full], &mut self.alloc);
+                self.radix.insert(
+                    &r.tokens[..full * ps],
+                    &mut r.pages[..full],
+                    &mut self.alloc,
+                );
             }
         }
         if left {
