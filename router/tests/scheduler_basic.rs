@@ -132,7 +132,8 @@ fn a_shared_prefix_is_reused_but_the_last_prompt_token_always_runs() {
     let mut s = Scheduler::new(cfg.clone());
     let mut exec = FakeExecutor::new(&cfg);
     let mut out = HashMap::new();
-    let first = request(seq(12, 0), 3, vec![]);
+    // 12 prompt + 10 generated tokens: the KV of the first 21 is stored, 5 full pages.
+    let first = request(seq(12, 0), 10, vec![]);
     s.submit(1, first.clone()).unwrap();
     run_to_end(&mut s, &mut exec, &mut out);
     // Same 12-token prompt: 3 full pages cached, but one token must run, so 2 pages are reused.
@@ -146,19 +147,25 @@ fn a_shared_prefix_is_reused_but_the_last_prompt_token_always_runs() {
         (8, 4)
     );
     record(&mut out, s.on_result(&plan, &exec.run(&plan)));
-    // A longer prompt with the same start reuses the cached pages, including generated ones.
+    // A longer prompt with the same start (the first request's whole sequence) reuses the
+    // cached pages, the generated ones included.
     let mut longer = seq(12, 0);
     longer.extend(reference(&first, cfg.max_context).0);
     longer.extend([7, 7, 7]);
     s.submit(3, request(longer.clone(), 2, vec![])).unwrap();
+    // Prompts that hold the same tokens at other positions must not hit (keys are prefixes).
+    let shifted = request(longer[4..].to_vec(), 2, vec![]);
+    s.submit(4, shifted.clone()).unwrap();
     run_to_end(&mut s, &mut exec, &mut out);
     check_outcome(2, &first, &out[&2], cfg.max_context);
     check_outcome(3, &request(longer, 2, vec![]), &out[&3], cfg.max_context);
+    check_outcome(4, &shifted, &out[&4], cfg.max_context);
     assert_eq!(out[&2].finish.unwrap().3, 8);
-    assert_eq!(out[&3].finish.unwrap().3, 12);
+    assert_eq!(out[&3].finish.unwrap().3, 20);
+    assert_eq!(out[&4].finish.unwrap().3, 0);
     let st = s.stats();
-    assert_eq!(st.prefix_hit_tokens_total, 20);
-    assert_eq!(st.prompt_tokens_total, 12 + 12 + 18);
+    assert_eq!(st.prefix_hit_tokens_total, 28);
+    assert_eq!(st.prompt_tokens_total, 12 + 12 + 25 + 21);
     assert_eq!(st.pages_free + st.pages_cached, st.pages_total);
     assert!(st.pages_cached > 0);
 }
