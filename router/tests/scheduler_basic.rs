@@ -366,3 +366,43 @@ fn history_goes_only_to_requests_with_penalties_and_prompt_logprobs_arrive_once(
     }
     check_outcome(1, &with_penalty, &out[&1], cfg.max_context);
 }
+
+#[test]
+fn the_scheduler_can_move_to_the_engine_thread() {
+    fn assert_send<T: Send + 'static>() {}
+    assert_send::<Scheduler>();
+}
+
+#[test]
+fn requests_in_flight_are_not_planned_again_until_their_result() {
+    let cfg = config(4, 64);
+    let mut s = Scheduler::new(cfg.clone());
+    let mut exec = FakeExecutor::new(&cfg);
+    let mut out = HashMap::new();
+    s.submit(1, request(seq(6, 0), 4, vec![])).unwrap();
+    let first = s.schedule(0).unwrap();
+    s.submit(2, request(seq(6, 10), 4, vec![])).unwrap();
+    // Step 1 is planned before step 0's result: only the newcomer can run.
+    let second = s.schedule(1).unwrap();
+    assert_eq!(
+        second.requests.iter().map(|r| r.id).collect::<Vec<_>>(),
+        vec![2]
+    );
+    assert!(s.schedule(2).is_none());
+    record(&mut out, s.on_result(&first, &exec.run(&first)));
+    record(&mut out, s.on_result(&second, &exec.run(&second)));
+    // A result applied twice changes nothing.
+    assert!(s.on_result(&first, &exec.run(&first)).is_empty());
+    s.check_invariants().unwrap();
+    let mut n = 3;
+    while step(&mut s, &mut exec, n, &mut out) {
+        n += 1;
+    }
+    check_outcome(1, &request(seq(6, 0), 4, vec![]), &out[&1], cfg.max_context);
+    check_outcome(
+        2,
+        &request(seq(6, 10), 4, vec![]),
+        &out[&2],
+        cfg.max_context,
+    );
+}

@@ -159,7 +159,7 @@ fn run_case(cfg: SchedulerConfig, ops: Vec<Op>) {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 400, ..ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig { cases: 1000, ..ProptestConfig::default() })]
 
     #[test]
     fn random_operations_keep_the_pool_and_the_outputs_right(cfg in cfg(), ops in prop::collection::vec(op(), 1..80)) {
