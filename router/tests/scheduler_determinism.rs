@@ -9,13 +9,13 @@ mod scheduler_common;
 use std::collections::HashMap;
 
 use nsaserve_router::engine::GenerateRequest;
-use nsaserve_router::scheduler::{Scheduler, SchedulerConfig};
+use nsaserve_router::scheduler::{Scheduler, SchedulerConfig, SchedulerStats};
 use scheduler_common::*;
 
 fn cfg(radix: bool, chunk: Option<usize>) -> SchedulerConfig {
     SchedulerConfig {
         page_size: 8,
-        num_pages: 160,
+        num_pages: 64,
         max_running_requests: 32,
         max_prefill_tokens: 192,
         chunked_prefill_size: chunk,
@@ -37,7 +37,11 @@ fn probes() -> Vec<GenerateRequest> {
 }
 
 /// Runs `reqs` through one scheduler; they arrive `per_step` at a time.
-fn run(cfg: &SchedulerConfig, reqs: &[GenerateRequest], per_step: usize) -> HashMap<u64, Outcome> {
+fn run(
+    cfg: &SchedulerConfig,
+    reqs: &[GenerateRequest],
+    per_step: usize,
+) -> (HashMap<u64, Outcome>, SchedulerStats) {
     let mut s = Scheduler::new(cfg.clone());
     let mut exec = FakeExecutor::new(cfg);
     let mut out = HashMap::new();
@@ -57,7 +61,7 @@ fn run(cfg: &SchedulerConfig, reqs: &[GenerateRequest], per_step: usize) -> Hash
     }
     let st = s.stats();
     assert_eq!(st.pages_free + st.pages_cached, st.pages_total);
-    out
+    (out, st)
 }
 
 #[test]
@@ -66,7 +70,7 @@ fn outputs_do_not_depend_on_batch_mates_cache_or_chunking() {
     let alone: Vec<Vec<i32>> = probes
         .iter()
         .map(|p| {
-            run(&cfg(false, None), std::slice::from_ref(p), 1)[&0]
+            run(&cfg(false, None), std::slice::from_ref(p), 1).0[&0]
                 .tokens
                 .clone()
         })
@@ -90,7 +94,12 @@ fn outputs_do_not_depend_on_batch_mates_cache_or_chunking() {
     for radix in [true, false] {
         for chunk in [None, Some(16)] {
             let c = cfg(radix, chunk);
-            let out = run(&c, &crowd, 5);
+            let (out, st) = run(&c, &crowd, 5);
+            assert!(
+                st.preemptions_total > 0,
+                "the crowd should overflow the pool"
+            );
+            assert_eq!(st.prefix_hit_tokens_total > 0, radix);
             for &(id, i) in &probe_ids {
                 assert_eq!(
                     out[&id].tokens, alone[i],
@@ -100,7 +109,7 @@ fn outputs_do_not_depend_on_batch_mates_cache_or_chunking() {
             for (id, req) in crowd.iter().enumerate() {
                 check_outcome(id as u64, req, &out[&(id as u64)], c.max_context);
             }
-            let alone_same_cfg = run(&c, std::slice::from_ref(&probes[0]), 1);
+            let (alone_same_cfg, _) = run(&c, std::slice::from_ref(&probes[0]), 1);
             assert_eq!(alone_same_cfg[&0].tokens, alone[0]);
         }
     }
