@@ -6,5 +6,6 @@ pub mod engine;
 pub mod http;
 pub mod metrics;
 pub mod protocol;
+pub mod scheduler;
 pub mod tokenizer;
 pub mod transport;
