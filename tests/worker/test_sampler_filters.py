@@ -93,6 +93,14 @@ def test_top_p_applies_to_the_top_k_distribution():
     assert kept(lg, top_k=2, top_p=0.7) == [0, 1]
 
 
+def test_top_p_counts_ties_of_the_kth_value_beyond_k():
+    # top_k=2 keeps 5 and all three 3s (ties); p(token 0) = e^5 / (e^5 + 3 e^3) = 0.711, so
+    # top_p=0.85 needs more than token 0, and the cut lands on the tied 3s: all four stay.
+    lg = [5.0, 3.0, 3.0, 3.0, 0.0]
+    assert kept(lg, top_k=2, top_p=0.85) == [0, 1, 2, 3]
+    assert kept(lg, top_k=2, top_p=0.7) == [0]
+
+
 def test_top_k_edges():
     lg = [0.3, 2.0, -1.0, 1.5, 0.9]
     assert kept(lg, top_k=1) == [1]

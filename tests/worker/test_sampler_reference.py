@@ -36,10 +36,13 @@ def random_request(rng: random.Random, vocab: int) -> SamplingRequest:
     return r
 
 
-def random_case(seed: int):
+def random_case(seed: int, all_top_k: bool = False):
     rng = random.Random(seed)
     vocab = rng.choice([64, 257, 1000])
     reqs = [random_request(rng, vocab) for _ in range(rng.randint(1, 24))]
+    if all_top_k:  # no row without top-k: top-p then runs on the top-k candidates, not a full sort
+        for r in reqs:
+            r.top_k = rng.choice([1, 2, 7, 50])
     plan = make_plan(reqs)
     gen = torch.Generator().manual_seed(seed)
     S = int(plan.sample.sum())
@@ -48,8 +51,9 @@ def random_case(seed: int):
 
 
 @pytest.mark.parametrize("seed", range(40))
-def test_random_batches_match_reference(seed):
-    plan, logits = random_case(seed)
+@pytest.mark.parametrize("all_top_k", [False, True])
+def test_random_batches_match_reference(seed, all_top_k):
+    plan, logits = random_case(seed, all_top_k)
     assert validate_plan(plan, num_pages=10**6)[1] == []
     sb = SamplingBatch.from_plan(plan, "cpu")
     gen = torch.Generator().manual_seed(1000 + seed)

@@ -39,8 +39,10 @@ def pick_tokens(x: torch.Tensor, u: torch.Tensor | None, sb: SamplingBatch) -> t
     """argmax(x + Gumbel(u)) on sampling rows and argmax(x) on greedy rows, in one pass."""
     if u is None:
         return x.argmax(dim=1)
-    g = gumbel(u).masked_fill_(sb.greedy.unsqueeze(1), 0.0)
-    return (x + g).argmax(dim=1)
+    g = gumbel(u)
+    if sb.any_greedy:
+        g.masked_fill_(sb.greedy.unsqueeze(1), 0.0)
+    return g.add_(x).argmax(dim=1)
 
 
 def draw_uniform(

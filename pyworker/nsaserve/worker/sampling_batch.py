@@ -52,8 +52,11 @@ class SamplingBatch:
 
     # Host-side flags so `sample` can skip whole stages without reading the device.
     all_greedy: bool
+    any_greedy: bool
     any_top_p: bool
+    top_p_without_k: bool  # some row has top-p but no top-k: its threshold needs a full sort
     top_k_or_p_rows: torch.Tensor  # int64, rows with top-k or top-p active
+    top_k_or_p_all: bool  # every row has one: work on the whole batch, no row gather
     max_top_k: int  # largest active top_k (0 if none)
     any_min_p: bool
 
@@ -119,8 +122,11 @@ class SamplingBatch:
             logprob_rows=dev(lp_rows, torch.int64),
             max_top_logprobs=int(tlp.max()) if S and tlp.max() > 0 else 0,
             all_greedy=bool(greedy.all()),
+            any_greedy=bool(greedy.any()),
             any_top_p=bool(p_active.any()),
+            top_p_without_k=bool((p_active & ~k_active).any()),
             top_k_or_p_rows=dev(kp_rows, torch.int64),
+            top_k_or_p_all=len(kp_rows) == S,
             max_top_k=int(top_k[k_active].max()) if k_active.any() else 0,
             any_min_p=bool(((min_p > 0) & ~greedy).any()),
         )

@@ -44,6 +44,11 @@ def apply_penalties(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
     return out
 
 
+# Up to this many candidates, top-k (and top-p on top of it) reads the k largest logits
+# instead of sorting the whole vocabulary; past it a full sort costs about the same.
+CANDIDATE_LIMIT = 1024
+
+
 def top_k_top_p_threshold(x: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
     """Per row of `sb.top_k_or_p_rows`, the smallest logit top-k and top-p let through: [R, 1].
 
@@ -51,21 +56,27 @@ def top_k_top_p_threshold(x: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
     smallest prefix of tokens, most likely first, whose mass reaches top_p; its last logit.
     """
     rows = sb.top_k_or_p_rows
-    sub = x.index_select(0, rows)
+    sub = x if sb.top_k_or_p_all else x.index_select(0, rows)
     V = sub.shape[1]
     k = sb.top_k.index_select(0, rows)
     k = torch.where((k <= 0) | (k > V), V, k).unsqueeze(1)
-    if not sb.any_top_p:
-        # Only top-k: the k largest values are enough, no full sort.
+    if sb.top_p_without_k or sb.max_top_k > CANDIDATE_LIMIT:
+        vals = sub.sort(dim=1, descending=True).values
+    else:
+        # Every row here has a top-k no larger than max_top_k: its candidates are all in view.
         vals = sub.topk(min(sb.max_top_k, V), dim=1).values
-        return vals.gather(1, k.clamp(max=vals.shape[1]) - 1)
-    vals = sub.sort(dim=1, descending=True).values
     kth = vals.gather(1, k - 1)
-    in_k = torch.where(vals >= kth, vals, float("-inf"))
-    cum = in_k.softmax(dim=1).cumsum(dim=1)
+    if not sb.any_top_p:
+        return kth
+    # Masses relative to the top-k set's total, taken over the whole row so that tokens tied
+    # with the k-th value beyond the candidates still count.
+    top = vals[:, :1]
+    total = (sub - top).exp().masked_fill_(sub < kth, 0.0).sum(dim=1, keepdim=True)
+    cum = (vals - top).exp().masked_fill_(vals < kth, 0.0).cumsum(dim=1) / total
     top_p = sb.top_p.index_select(0, rows).unsqueeze(1)
-    # The cut is the first position whose cumulative mass reaches top_p.
-    m = (cum < top_p).sum(dim=1, keepdim=True).clamp(max=V - 1)
+    # The cut is the first position whose cumulative mass reaches top_p; past position k - 1
+    # only ties of the k-th value remain, so the cut never needs to go further.
+    m = torch.minimum((cum < top_p).sum(dim=1, keepdim=True), k - 1)
     pth = vals.gather(1, m)
     pth = torch.where(top_p >= 1.0, float("-inf"), pth)  # top_p = 1 is off, whatever cum's rounding
     return torch.maximum(kth, pth)
@@ -73,17 +84,19 @@ def top_k_top_p_threshold(x: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
 
 def filter_logits(x: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
     """Top-k, top-p and min-p on temperature-scaled logits; dropped tokens become -inf (new tensor)."""
-    if sb.top_k_or_p_rows.numel():
+    if sb.top_k_or_p_all:
+        x = x.masked_fill(x < top_k_top_p_threshold(x, sb), float("-inf"))
+    elif sb.top_k_or_p_rows.numel():
         th = top_k_top_p_threshold(x, sb)
         rows = sb.top_k_or_p_rows
         sub = x.index_select(0, rows)
-        x = x.index_copy(0, rows, torch.where(sub >= th, sub, float("-inf")))
+        x = x.index_copy(0, rows, sub.masked_fill_(sub < th, float("-inf")))
     if sb.any_min_p:
         # p_i >= min_p * p_max  <=>  x_i >= x_max + log(min_p): no softmax needed, and min_p = 0
         # gives -inf (keep all). Top-k/top-p never drop the maximum, so x_max is unchanged.
         log_min_p = torch.where(sb.min_p > 0, sb.min_p.log(), float("-inf")).unsqueeze(1)
         th = x.amax(dim=1, keepdim=True) + log_min_p
-        x = torch.where(x >= th, x, float("-inf"))
+        x = x.masked_fill(x < th, float("-inf"))
     return x
 
 
