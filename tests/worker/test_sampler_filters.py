@@ -7,6 +7,7 @@ from nsaserve.worker.sampling_logits import apply_penalties, process_logits
 from nsaserve.worker.sampling_plans import SamplingRequest, make_plan
 
 NEG = float("-inf")
+DEVICES = ["cpu", *(["cuda"] if torch.cuda.is_available() else [])]
 
 
 def batch(*reqs: SamplingRequest) -> SamplingBatch:
@@ -51,11 +52,18 @@ def test_penalties_only_touch_their_own_rows():
     assert out[1].tolist() == [3.0, 3.0, 2.0, 2.0 - 2.0, 3.0]
 
 
-def test_greedy_is_argmax_with_lowest_id_on_ties():
+@pytest.mark.parametrize("device", DEVICES)
+def test_greedy_is_argmax_with_lowest_id_on_ties(device):
     logits = torch.tensor([[0.0, 5.0, 1.0, 5.0], [7.0, 7.0, 7.0, 7.0], [-1.0, -2.0, -0.5, -0.5]])
-    sb = batch(*[SamplingRequest(temperature=0.0, top_p=0.5, top_k=3, min_p=0.5) for _ in range(3)])
+    # A wide row too, so a parallel argmax has to merge partial results across the ties.
+    wide = torch.zeros(1, 200000)
+    wide[0, [150000, 70000, 199999]] = 3.0
+    reqs = [SamplingRequest(temperature=0.0, top_p=0.5, top_k=3, min_p=0.5) for _ in range(3)]
+    sb = SamplingBatch.from_plan(make_plan(reqs), device)
+    wide_sb = SamplingBatch.from_plan(make_plan([SamplingRequest(temperature=0.0)]), device)
     for _ in range(5):
-        assert sample(logits, sb).tokens.tolist() == [1, 0, 2]
+        assert sample(logits.to(device), sb).tokens.tolist() == [1, 0, 2]
+        assert sample(wide.to(device), wide_sb).tokens.tolist() == [70000]
 
 
 def test_greedy_applies_penalties_first():

@@ -8,11 +8,16 @@ from nsaserve.worker.sampler import SamplingBatch, prompt_logprobs, sample
 from nsaserve.worker.sampling_plans import SamplingRequest, make_plan
 from nsaserve.worker.sampling_reference import reference_prompt_logprobs
 
+DEVICES = ["cpu", *(["cuda"] if torch.cuda.is_available() else [])]
 
-def test_greedy_token_logprob_is_the_max_log_softmax():
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_greedy_token_logprob_is_the_max_log_softmax(device):
     gen = torch.Generator().manual_seed(0)
-    logits = torch.randn(8, 1000, generator=gen) * 5
-    sb = SamplingBatch.from_plan(make_plan([SamplingRequest(temperature=0.0, top_logprobs=3) for _ in range(8)]), "cpu")
+    logits = torch.randn(8, 1000, generator=gen).to(device) * 5
+    sb = SamplingBatch.from_plan(
+        make_plan([SamplingRequest(temperature=0.0, top_logprobs=3) for _ in range(8)]), device
+    )
     out = sample(logits, sb)
     lsm = torch.log_softmax(logits, dim=1)
     assert torch.equal(out.tokens, logits.argmax(dim=1))

@@ -13,6 +13,9 @@ from nsaserve.worker.sampling_noise import seeded_uniform
 from nsaserve.worker.sampling_plans import SamplingRequest, make_plan
 from nsaserve.worker.sampling_reference import reference_sample
 
+# Every path runs on CPU; the CUDA path is checked against the same reference where there is a GPU.
+DEVICES = ["cpu", *(["cuda"] if torch.cuda.is_available() else [])]
+
 
 def random_request(rng: random.Random, vocab: int) -> SamplingRequest:
     prompt = [rng.randrange(vocab) for _ in range(rng.randint(1, 40))]
@@ -50,21 +53,23 @@ def random_case(seed: int, all_top_k: bool = False):
     return plan, logits
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("seed", range(40))
 @pytest.mark.parametrize("all_top_k", [False, True])
-def test_random_batches_match_reference(seed, all_top_k):
+def test_random_batches_match_reference(seed, all_top_k, device):
     plan, logits = random_case(seed, all_top_k)
     assert validate_plan(plan, num_pages=10**6)[1] == []
-    sb = SamplingBatch.from_plan(plan, "cpu")
-    gen = torch.Generator().manual_seed(1000 + seed)
-    u = draw_uniform(sb, logits.shape[1], "cpu", gen)
-    u = torch.rand(logits.shape, generator=gen) if u is None else u
-    x = process_logits(logits, sb)
+    sb = SamplingBatch.from_plan(plan, device)
+    gen = torch.Generator(device).manual_seed(1000 + seed)
+    u = draw_uniform(sb, logits.shape[1], device, gen)
+    u = torch.rand(logits.shape, generator=gen, device=device) if u is None else u
+    x = process_logits(logits.to(device), sb)
     tokens = pick_tokens(x, u, sb)
-    ref = reference_sample(logits, plan, u)
+    ref = reference_sample(logits, plan, u.cpu())
     assert tokens.tolist() == [r.token for r in ref]
 
     greedy = sb.greedy.tolist()
+    x = x.cpu()
     probs = torch.softmax(x, dim=1).double()
     for j, r in enumerate(ref):
         if greedy[j]:
@@ -74,27 +79,30 @@ def test_random_batches_match_reference(seed, all_top_k):
         torch.testing.assert_close(probs[j], r.probs, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("seed", range(40, 60))
-def test_sample_end_to_end_matches_reference_on_seeded_rows(seed):
+def test_sample_end_to_end_matches_reference_on_seeded_rows(seed, device):
     """`sample` itself (its own noise) agrees with the reference wherever the noise is known: seeded rows."""
     plan, logits = random_case(seed)
-    sb = SamplingBatch.from_plan(plan, "cpu")
-    out = sample(logits, sb)
+    sb = SamplingBatch.from_plan(plan, device)
+    out = sample(logits.to(device), sb)
     V = logits.shape[1]
     u = torch.rand(logits.shape)  # unseeded rows: any noise; only seeded and greedy rows are compared
     for row, gen_seed in sb.seeded:
-        u[row] = seeded_uniform(gen_seed, V, "cpu")
+        u[row] = seeded_uniform(gen_seed, V, device).cpu()
     ref = reference_sample(logits, plan, u)
-    check = {row for row, _ in sb.seeded} | set(np.flatnonzero(sb.greedy.numpy()).tolist())
+    check = {row for row, _ in sb.seeded} | set(np.flatnonzero(sb.greedy.cpu().numpy()).tolist())
     for j in sorted(check):
         assert out.tokens[j].item() == ref[j].token
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("seed", range(60, 80))
-def test_logprobs_match_reference(seed):
+def test_logprobs_match_reference(seed, device):
     plan, logits = random_case(seed)
-    sb = SamplingBatch.from_plan(plan, "cpu")
-    out = sample(logits, sb)
+    sb = SamplingBatch.from_plan(plan, device)
+    out = sample(logits.to(device), sb)
+    out = type(out)(*(t.cpu() for t in (out.tokens, out.logprobs, out.top_ids, out.top_logprobs)))
     # Reference given the tokens actually sampled: logprobs describe the raw model.
     lsm = torch.log_softmax(logits.double(), dim=1)
     asked = plan.top_logprobs[plan.sample.astype(bool)]

@@ -2,11 +2,13 @@
 
 import random
 
+import pytest
 import torch
 from nsaserve.worker.sampler import SamplingBatch, sample
 from nsaserve.worker.sampling_plans import SamplingRequest, make_plan
 
 V = 500
+DEVICES = ["cpu", *(["cuda"] if torch.cuda.is_available() else [])]
 
 
 def seeded_request(**kw) -> SamplingRequest:
@@ -37,23 +39,25 @@ def token_of(
     after: list[SamplingRequest],
     row_logits: torch.Tensor,
     gen_seed: int,
+    device: str = "cpu",
 ) -> int:
     plan = make_plan(before + [target] + after)
-    sb = SamplingBatch.from_plan(plan, "cpu")
-    gen = torch.Generator().manual_seed(gen_seed)
-    logits = torch.randn(sb.num_rows, V, generator=gen) * 4
+    sb = SamplingBatch.from_plan(plan, device)
+    gen = torch.Generator(device).manual_seed(gen_seed)
+    logits = torch.randn(sb.num_rows, V, generator=gen, device=device) * 4
     row = int(plan.sample[: len(before)].sum())
-    logits[row] = row_logits
+    logits[row] = row_logits.to(device)
     return sample(logits, sb, gen).tokens[row].item()
 
 
-def test_seeded_token_is_independent_of_the_batch():
+@pytest.mark.parametrize("device", DEVICES)
+def test_seeded_token_is_independent_of_the_batch(device):
     rng = random.Random(0)
     row_logits = torch.randn(V, generator=torch.Generator().manual_seed(1))  # flat enough that noise decides
-    alone = token_of(seeded_request(), [], [], row_logits, 0)
+    alone = token_of(seeded_request(), [], [], row_logits, 0, device)
     for trial in range(12):
         before, after = others(rng, rng.randint(0, 40)), others(rng, rng.randint(0, 40))
-        assert token_of(seeded_request(), before, after, row_logits, 100 + trial) == alone
+        assert token_of(seeded_request(), before, after, row_logits, 100 + trial, device) == alone
 
 
 def test_seeded_token_depends_only_on_the_position_not_on_the_chunking():

@@ -1,12 +1,14 @@
 """Sampled frequencies follow the filtered softmax (chi-square goodness of fit, fixed seeds)."""
 
 import numpy as np
+import pytest
 import torch
 from nsaserve.worker.sampler import SamplingBatch, sample
 from nsaserve.worker.sampling_plans import SamplingRequest, make_plan
 
 LOGITS = torch.tensor([2.0, 1.5, 0.3, 0.0, -0.5, -1.0, -2.0, -4.0])
 N = 20000
+DEVICES = ["cpu", *(["cuda"] if torch.cuda.is_available() else [])]
 
 
 def chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
@@ -19,14 +21,16 @@ def chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
     return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), stat / 2))
 
 
-def frequencies(reqs: list[SamplingRequest], gen_seed: int) -> torch.Tensor:
-    sb = SamplingBatch.from_plan(make_plan(reqs), "cpu")
-    tokens = sample(LOGITS.expand(len(reqs), -1).contiguous(), sb, torch.Generator().manual_seed(gen_seed)).tokens
-    return torch.bincount(tokens, minlength=len(LOGITS))
+def frequencies(reqs: list[SamplingRequest], gen_seed: int, device: str = "cpu") -> torch.Tensor:
+    sb = SamplingBatch.from_plan(make_plan(reqs), device)
+    logits = LOGITS.to(device).expand(len(reqs), -1).contiguous()
+    tokens = sample(logits, sb, torch.Generator(device).manual_seed(gen_seed)).tokens
+    return torch.bincount(tokens.cpu(), minlength=len(LOGITS))
 
 
-def test_temperature_sampling_matches_softmax():
-    counts = frequencies([SamplingRequest(temperature=0.7) for _ in range(N)], gen_seed=0)
+@pytest.mark.parametrize("device", DEVICES)
+def test_temperature_sampling_matches_softmax(device):
+    counts = frequencies([SamplingRequest(temperature=0.7) for _ in range(N)], gen_seed=0, device=device)
     assert chi_square_p_value(counts, torch.softmax(LOGITS / 0.7, 0)) > 1e-3
 
 
