@@ -169,7 +169,10 @@ def test_rows_are_the_sampling_requests_in_plan_order():
     assert out.tokens.tolist() == [1, 2]
 
 
-def test_history_token_outside_the_vocabulary_is_refused():
-    sb = batch(SamplingRequest(prompt=[0, 9], repetition_penalty=1.2))
-    with pytest.raises(ValueError, match="outside the vocabulary"):
-        sample(torch.zeros(1, 5), sb)
+def test_history_ids_outside_the_vocabulary_are_ignored():
+    plan = make_plan(
+        [SamplingRequest(prompt=[0, 9, 2], generated=[9, 3, 1], repetition_penalty=2.0, presence_penalty=1.0)]
+    )
+    plan.history[2] = -3  # the prompt's 2 becomes an impossible id
+    out = apply_penalties(torch.full((1, 5), 4.0), SamplingBatch.from_plan(plan, "cpu"))
+    assert out.tolist() == [[2.0, 1.0, 4.0, 1.0, 4.0]]

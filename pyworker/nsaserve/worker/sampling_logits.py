@@ -21,17 +21,18 @@ def apply_penalties(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
     - repetition penalty r over prompt + generated tokens: positive logits / r, others * r;
     - frequency f and presence q over generated tokens only: logit -= f * count + q * (count > 0).
     """
-    if sb.penalty_rows.numel() == 0:
+    if sb.history_token.numel() == 0:
         return logits
-    if sb.max_history_token >= logits.shape[1]:
-        raise ValueError(f"token history holds id {sb.max_history_token}, outside the vocabulary of {logits.shape[1]}")
     rows = sb.penalty_rows
     x = logits.index_select(0, rows)
     P, V = x.shape
-    seen = torch.zeros(P, V, dtype=torch.bool, device=x.device)
-    seen[sb.history_row, sb.history_token] = True
+    # Counts per (row, token) by scatter-add; ids outside the vocabulary weigh nothing.
+    tok = sb.history_token
+    valid = ((tok >= 0) & (tok < V)).float()
+    index = (sb.history_row, tok.clamp(0, V - 1))
+    seen = torch.zeros(P, V, dtype=torch.float32, device=x.device).index_put_(index, valid, accumulate=True) > 0
     counts = torch.zeros(P, V, dtype=torch.float32, device=x.device)
-    counts.index_put_((sb.history_row, sb.history_token), sb.history_generated, accumulate=True)
+    counts.index_put_(index, valid * sb.history_generated, accumulate=True)
 
     r = sb.repetition_penalty.index_select(0, rows).unsqueeze(1)
     x = torch.where(seen, torch.where(x > 0, x / r, x * r), x)

@@ -36,9 +36,10 @@ def reference_penalties(logits: torch.Tensor, plan: Plan, i: int) -> torch.Tenso
     pres = float(plan.presence_penalty[i])
     if rep == 1.0 and freq == 0.0 and pres == 0.0:
         return x  # the router sends no history then; a stray one must not matter
-    for t in {t for t in hist if t >= 0}:
+    V = x.shape[0]
+    for t in {t for t in hist if 0 <= t < V}:  # an id outside the vocabulary has no logit
         x[t] = x[t] / rep if x[t] > 0 else x[t] * rep
-    for t, c in Counter(t for t in hist[n_prompt:] if t >= 0).items():
+    for t, c in Counter(t for t in hist[n_prompt:] if 0 <= t < V).items():
         x[t] -= freq * c + pres
     return x
 
