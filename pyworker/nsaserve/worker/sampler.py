@@ -9,8 +9,8 @@ Order of operations, as vLLM/SGLang users expect:
 
 Logprobs are those of the raw model distribution (see sampling_logprobs).
 Reproducibility: a seeded request's token depends only on its logits, its parameters, its seed
-and the position of the token being sampled, never on the rest of the batch. The caller's
-logits are not modified.
+and the position of the token being sampled (on one kind of device), never on the rest of the
+batch. The caller's logits are not modified.
 """
 
 from __future__ import annotations

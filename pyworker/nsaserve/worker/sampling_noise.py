@@ -7,8 +7,10 @@ a pure function of its filtered logits and its uniform row; that is what makes s
 reproducible and what lets the reference sampler be compared token for token.
 
 Seeded rows get their uniforms from a generator seeded with a mix of (request seed, position of
-the token being sampled) and nothing else, so the batch they share does not matter. Unseeded
-rows share one draw from the caller's generator (torch's default one when none is given).
+the token being sampled) and nothing else, so the batch they share does not matter. The stream
+is torch's for that device: CPU and CUDA (and possibly different GPU models) give different
+draws for one seed, so reproducibility holds on one kind of machine. Unseeded rows share one
+draw from the caller's generator (torch's default one when none is given).
 """
 
 from __future__ import annotations

@@ -2,8 +2,9 @@
 
 It reads each request straight from the plan, works in float64, and applies every rule the
 direct way (min-p in probability space, top-p by walking the sorted tokens), so it shares no
-code with the vectorised path beyond the Gumbel transform of the uniforms. Tests compare the
-two on random batches. Not for serving: it loops in Python over requests and tokens.
+code with the vectorised path beyond the greedy threshold and the Gumbel transform of the
+uniforms. Tests compare the two on random batches. Not for serving: it loops in Python over
+requests and tokens.
 """
 
 from __future__ import annotations
