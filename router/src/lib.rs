@@ -6,6 +6,9 @@ pub mod engine;
 pub mod http;
 pub mod metrics;
 pub mod protocol;
+#[cfg(feature = "python")]
+mod python;
 pub mod scheduler;
+pub mod server;
 pub mod tokenizer;
 pub mod transport;

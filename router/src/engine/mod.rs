@@ -1,9 +1,16 @@
 //! The engine: the step loop that turns queued requests into batch plans, sends them to the
 //! workers and routes their sampled tokens back to each request's event stream.
 
+mod core;
+mod handle;
 mod request;
+mod shared;
+mod startup;
 
+pub use handle::{EngineHandle, EngineLimits};
 pub use request::{
     Engine, FinishReason, GenerateEvent, GenerateRequest, ModelInfo, RequestId, RequestStream,
     SubmitError,
 };
+pub use shared::Shared;
+pub use startup::{Startup, WorkersInfo};

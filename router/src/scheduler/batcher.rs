@@ -235,7 +235,11 @@ impl Scheduler {
             sample,
             prompt_logprobs,
             // The chunk's last row scores the next chunk's first prompt token.
-            next_prompt_token: if prompt_logprobs && end < r.prompt_len { r.tokens[end] } else { -1 },
+            next_prompt_token: if prompt_logprobs && end < r.prompt_len {
+                r.tokens[end]
+            } else {
+                -1
+            },
             sampling: r.sampling.clone(),
             history_prompt_len: if history.is_empty() {
                 0

@@ -1,0 +1,279 @@
+//! The engine thread: one loop that owns the scheduler and the plan sockets.
+//!
+//! Each step: take new submissions and aborts, let the scheduler build the step's plan, send it
+//! to every rank, wait for rank 0's result (heart-beating ranks keep the wait alive), hand the
+//! result to the scheduler and forward the resulting events to each request's stream.
+//! Everything arrives on one channel (`Input`), so the loop has a single place where it blocks.
+
+use std::collections::HashMap;
+use std::sync::atomic::Ordering;
+use std::sync::mpsc::{Receiver, RecvTimeoutError};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tokio::sync::mpsc::UnboundedSender;
+
+use super::shared::Shared;
+use super::{GenerateEvent, GenerateRequest, RequestId};
+use crate::protocol::{BatchPlan, StepResult, WorkerMessage};
+use crate::scheduler::Scheduler;
+use crate::transport::PlanSender;
+
+pub enum Input {
+    Submit {
+        id: RequestId,
+        request: GenerateRequest,
+        events: UnboundedSender<GenerateEvent>,
+    },
+    Abort(RequestId),
+    Worker(WorkerMessage),
+    /// Reported by `serve`'s supervisor (process exit) or by the receiver (heartbeat silence).
+    WorkerGone {
+        rank: u32,
+        reason: String,
+    },
+    Shutdown,
+}
+
+pub struct EngineCore {
+    pub scheduler: Scheduler,
+    pub sender: PlanSender,
+    pub inputs: Receiver<Input>,
+    pub shared: Arc<Shared>,
+    pub heartbeat_timeout: Duration,
+    pub streams: HashMap<RequestId, UnboundedSender<GenerateEvent>>,
+    pub last_seen: Vec<Instant>,
+    pub step: u64,
+}
+
+/// Why the loop stopped.
+pub enum Exit {
+    Shutdown,
+    WorkersGone(String),
+}
+
+impl EngineCore {
+    pub fn run(mut self) -> Exit {
+        loop {
+            // Block only when there is nothing to run; otherwise just drain what is queued.
+            let stats = self.scheduler.stats();
+            let idle = stats.waiting + stats.running == 0;
+            let first = if idle {
+                match self.inputs.recv_timeout(Duration::from_millis(500)) {
+                    Ok(i) => Some(i),
+                    Err(RecvTimeoutError::Timeout) => None,
+                    Err(RecvTimeoutError::Disconnected) => return Exit::Shutdown,
+                }
+            } else {
+                None
+            };
+            let mut pending: Vec<Input> = first.into_iter().collect();
+            pending.extend(self.inputs.try_iter());
+            for input in pending {
+                if let Some(exit) = self.handle(input) {
+                    return self.stop(exit);
+                }
+            }
+            if let Some(reason) = self.silent_rank() {
+                return self.stop(Exit::WorkersGone(reason));
+            }
+            self.publish_stats();
+            if let Some(exit) = self.step_once() {
+                return self.stop(exit);
+            }
+        }
+    }
+
+    /// Applies one input; `Some` when the loop must stop.
+    fn handle(&mut self, input: Input) -> Option<Exit> {
+        match input {
+            Input::Submit {
+                id,
+                request,
+                events,
+            } => match self.scheduler.submit(id, request) {
+                Ok(()) => {
+                    self.streams.insert(id, events);
+                }
+                Err(e) => {
+                    let _ = events.send(GenerateEvent::Failed {
+                        message: e.to_string(),
+                        retryable: false,
+                    });
+                }
+            },
+            Input::Abort(id) => {
+                self.scheduler.abort(id);
+                self.streams.remove(&id);
+            }
+            Input::Worker(WorkerMessage::Heartbeat(h)) => self.seen(h.rank),
+            Input::Worker(WorkerMessage::Hello(h)) => self.seen(h.rank),
+            Input::Worker(WorkerMessage::Fatal(f)) => {
+                return Some(Exit::WorkersGone(format!(
+                    "worker rank {} failed: {}",
+                    f.rank, f.message
+                )))
+            }
+            Input::Worker(WorkerMessage::Result(_)) => {
+                // A result outside a step (late or duplicated): nothing waits for it.
+            }
+            Input::WorkerGone { rank, reason } => {
+                return Some(Exit::WorkersGone(format!(
+                    "worker rank {rank} is gone: {reason}"
+                )))
+            }
+            Input::Shutdown => return Some(Exit::Shutdown),
+        }
+        None
+    }
+
+    fn seen(&mut self, rank: u32) {
+        if let Some(t) = self.last_seen.get_mut(rank as usize) {
+            *t = Instant::now();
+        }
+    }
+
+    fn silent_rank(&self) -> Option<String> {
+        let limit = self.heartbeat_timeout;
+        self.last_seen
+            .iter()
+            .enumerate()
+            .find(|(_, t)| t.elapsed() > limit)
+            .map(|(rank, t)| {
+                format!(
+                    "worker rank {rank} sent nothing for {:.1} s (limit {:.0} s)",
+                    t.elapsed().as_secs_f64(),
+                    limit.as_secs_f64()
+                )
+            })
+    }
+
+    /// Runs one step if the scheduler has one; `Some` when the loop must stop.
+    fn step_once(&mut self) -> Option<Exit> {
+        let plan = self.scheduler.schedule(self.step)?;
+        self.step += 1;
+        let bytes = match plan.encode() {
+            Ok(b) => b,
+            Err(e) => {
+                // A plan we cannot encode is a router bug: fail its requests, keep serving.
+                let result =
+                    fail_everything(&plan, &format!("router could not encode the plan: {e}"));
+                self.finish_step(&plan, result);
+                return None;
+            }
+        };
+        if let Err(e) = self.sender.broadcast(&bytes) {
+            return Some(Exit::WorkersGone(format!(
+                "could not send a plan to the workers: {e}"
+            )));
+        }
+        match self.await_result(&plan) {
+            Ok(result) => {
+                self.finish_step(&plan, result);
+                None
+            }
+            Err(exit) => Some(exit),
+        }
+    }
+
+    /// Waits for rank 0's answer to `plan`, handling everything else that arrives meanwhile.
+    fn await_result(&mut self, plan: &BatchPlan) -> Result<StepResult, Exit> {
+        loop {
+            match self.inputs.recv_timeout(Duration::from_millis(500)) {
+                Ok(Input::Worker(WorkerMessage::Result(r))) => {
+                    self.seen(0);
+                    return Ok(r);
+                }
+                Ok(other) => {
+                    if let Some(exit) = self.handle(other) {
+                        return Err(exit);
+                    }
+                }
+                Err(RecvTimeoutError::Timeout) => {}
+                Err(RecvTimeoutError::Disconnected) => return Err(Exit::Shutdown),
+            }
+            if let Some(reason) = self.silent_rank() {
+                return Err(Exit::WorkersGone(format!(
+                    "{reason} during step {}",
+                    plan.step
+                )));
+            }
+        }
+    }
+
+    fn finish_step(&mut self, plan: &BatchPlan, mut result: StepResult) {
+        complete_result(plan, &mut result);
+        self.shared.observe_step(plan);
+        for (id, event) in self.scheduler.on_result(plan, &result) {
+            let done = matches!(
+                event,
+                GenerateEvent::Finished { .. } | GenerateEvent::Failed { .. }
+            );
+            if let Some(tx) = self.streams.get(&id) {
+                // A send error means the client went away; its abort is already queued.
+                let _ = tx.send(event);
+            }
+            if done {
+                self.streams.remove(&id);
+            }
+        }
+    }
+
+    fn publish_stats(&self) {
+        self.shared.set_scheduler_stats(&self.scheduler.stats());
+    }
+
+    fn stop(mut self, exit: Exit) -> Exit {
+        let message = match &exit {
+            Exit::Shutdown => "the server is shutting down".to_string(),
+            Exit::WorkersGone(reason) => reason.clone(),
+        };
+        self.shared.healthy.store(false, Ordering::SeqCst);
+        for (id, event) in self.scheduler.fail_all(&message) {
+            if let Some(tx) = self.streams.get(&id) {
+                let _ = tx.send(event);
+            }
+        }
+        self.streams.clear();
+        self.publish_stats();
+        self.sender.shutdown_all();
+        exit
+    }
+}
+
+/// A worker must answer every request of the plan that samples: with a token or an error.
+/// Whatever it left out (an unreadable plan, a worker bug) becomes an error here, so no request
+/// ever waits for a token that will not come.
+fn complete_result(plan: &BatchPlan, result: &mut StepResult) {
+    if result.step != plan.step {
+        // The worker could not read the plan (it answers step 0; steps start at 1): nothing of
+        // it ran, not even prompt chunks that sample nothing.
+        *result = fail_everything(plan, "the worker could not read this step's plan");
+        return;
+    }
+    let answered: std::collections::HashSet<u64> = result
+        .sampled
+        .iter()
+        .map(|s| s.0)
+        .chain(result.errors.iter().map(|e| e.0))
+        .collect();
+    for r in &plan.requests {
+        if r.sample && !answered.contains(&r.id) {
+            result
+                .errors
+                .push((r.id, "the worker returned no token for this request".into()));
+        }
+    }
+}
+
+fn fail_everything(plan: &BatchPlan, message: &str) -> StepResult {
+    StepResult {
+        step: plan.step,
+        errors: plan
+            .requests
+            .iter()
+            .map(|r| (r.id, message.to_string()))
+            .collect(),
+        ..Default::default()
+    }
+}

@@ -1,0 +1,220 @@
+//! The running engine as the rest of the router sees it: submit requests, report dead workers,
+//! shut down. Implements the `Engine` trait the HTTP layer uses.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::mpsc::Sender;
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use parking_lot::Mutex;
+use tokio::sync::mpsc;
+
+use super::core::{EngineCore, Exit, Input};
+use super::shared::Shared;
+use super::startup::{ReceiverThread, Startup, WorkersInfo};
+use super::{Engine, GenerateRequest, ModelInfo, RequestStream, SubmitError};
+use crate::metrics::Metrics;
+use crate::scheduler::{Scheduler, SchedulerConfig};
+
+/// Scheduling limits chosen on the command line (the pool size comes from the workers).
+#[derive(Debug, Clone)]
+pub struct EngineLimits {
+    pub served_model_name: String,
+    pub max_running_requests: usize,
+    pub max_prefill_tokens: usize,
+    pub chunked_prefill_size: Option<usize>,
+    pub disable_radix_cache: bool,
+    pub max_waiting: usize,
+    pub heartbeat_timeout: Duration,
+}
+
+pub struct EngineHandle {
+    inputs: Sender<Input>,
+    abort_tx: mpsc::UnboundedSender<u64>,
+    next_id: AtomicU64,
+    pub shared: Arc<Shared>,
+    max_waiting: usize,
+    thread: Mutex<Option<JoinHandle<Exit>>>,
+    exit_reason: Arc<Mutex<Option<String>>>,
+    running: Arc<AtomicBool>,
+    _receiver: ReceiverThread,
+    _ctx: zmq::Context,
+}
+
+impl EngineHandle {
+    pub fn start(
+        startup: Startup,
+        workers: &WorkersInfo,
+        limits: &EngineLimits,
+        metrics: Arc<Metrics>,
+    ) -> Arc<Self> {
+        let mut startup = startup;
+        let early = startup.take_early();
+        let Startup {
+            ctx,
+            sender,
+            inputs_tx,
+            inputs_rx,
+            receiver,
+            ..
+        } = startup;
+        for input in early {
+            let _ = inputs_tx.send(input);
+        }
+        let info = ModelInfo {
+            served_model_name: limits.served_model_name.clone(),
+            max_context: workers.max_context,
+            vocab_size: workers.vocab_size,
+        };
+        let shared = Arc::new(Shared::new(
+            info,
+            workers.num_pages,
+            workers.page_size,
+            metrics,
+        ));
+        let scheduler = Scheduler::new(SchedulerConfig {
+            page_size: workers.page_size,
+            num_pages: workers.num_pages,
+            max_running_requests: limits.max_running_requests,
+            max_prefill_tokens: limits.max_prefill_tokens,
+            chunked_prefill_size: limits.chunked_prefill_size,
+            disable_radix_cache: limits.disable_radix_cache,
+            max_context: workers.max_context,
+            max_waiting: limits.max_waiting,
+        });
+        let core = EngineCore {
+            scheduler,
+            sender,
+            inputs: inputs_rx,
+            shared: shared.clone(),
+            heartbeat_timeout: limits.heartbeat_timeout,
+            streams: HashMap::new(),
+            last_seen: vec![Instant::now(); workers.tp_size as usize],
+            step: 1,
+        };
+        let running = Arc::new(AtomicBool::new(true));
+        let exit_reason = Arc::new(Mutex::new(None));
+        let (run_flag, reason_slot) = (running.clone(), exit_reason.clone());
+        let thread = std::thread::Builder::new()
+            .name("nsaserve-engine".into())
+            .spawn(move || {
+                let exit = core.run();
+                if let Exit::WorkersGone(reason) = &exit {
+                    tracing::error!("engine stopped: {reason}");
+                    *reason_slot.lock() = Some(reason.clone());
+                }
+                run_flag.store(false, Ordering::SeqCst);
+                exit
+            })
+            .expect("spawn the engine thread");
+
+        // Dropped request streams send their id here; forward them into the engine's channel.
+        let (abort_tx, mut abort_rx) = mpsc::unbounded_channel::<u64>();
+        let forward = inputs_tx.clone();
+        std::thread::Builder::new()
+            .name("nsaserve-aborts".into())
+            .spawn(move || {
+                while let Some(id) = abort_rx.blocking_recv() {
+                    if forward.send(Input::Abort(id)).is_err() {
+                        return;
+                    }
+                }
+            })
+            .expect("spawn the abort forwarder");
+
+        Arc::new(Self {
+            inputs: inputs_tx,
+            abort_tx,
+            next_id: AtomicU64::new(1),
+            shared,
+            max_waiting: limits.max_waiting,
+            thread: Mutex::new(Some(thread)),
+            exit_reason,
+            running,
+            _receiver: receiver,
+            _ctx: ctx,
+        })
+    }
+
+    fn send(&self, input: Input) -> bool {
+        self.inputs.send(input).is_ok()
+    }
+
+    /// `serve`'s supervisor saw a worker process exit.
+    pub fn worker_exited(&self, rank: u32, reason: String) {
+        self.send(Input::WorkerGone { rank, reason });
+    }
+
+    pub fn is_running(&self) -> bool {
+        self.running.load(Ordering::SeqCst)
+    }
+
+    /// Why the engine stopped, if workers failed.
+    pub fn exit_reason(&self) -> Option<String> {
+        self.exit_reason.lock().clone()
+    }
+
+    /// Stops the loop (every open request fails with "shutting down") and tells workers to exit.
+    pub fn shutdown(&self) {
+        self.send(Input::Shutdown);
+        if let Some(t) = self.thread.lock().take() {
+            let _ = t.join();
+        }
+    }
+}
+
+impl Engine for EngineHandle {
+    fn submit(&self, request: GenerateRequest) -> Result<RequestStream, SubmitError> {
+        if !self.healthy() {
+            let why = self
+                .exit_reason()
+                .unwrap_or_else(|| "the engine is not running".into());
+            return Err(SubmitError::Unavailable(why));
+        }
+        let info = &self.shared.info;
+        let total = request.prompt_ids.len() as u64 + request.max_new_tokens as u64;
+        if total > info.max_context as u64 {
+            return Err(SubmitError::Invalid(format!(
+                "this model's maximum context length is {} tokens; the prompt ({}) plus max_tokens ({}) is {total}",
+                info.max_context,
+                request.prompt_ids.len(),
+                request.max_new_tokens
+            )));
+        }
+        let pool_tokens = self.shared.num_pages as u64 * self.shared.page_size as u64;
+        if total > pool_tokens {
+            return Err(SubmitError::Invalid(format!(
+                "the request needs up to {total} tokens of KV cache, more than the whole pool ({pool_tokens})"
+            )));
+        }
+        if self.shared.waiting.load(Ordering::Relaxed) >= self.max_waiting {
+            return Err(SubmitError::Overloaded(format!(
+                "{} requests are already waiting",
+                self.max_waiting
+            )));
+        }
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let (tx, rx) = mpsc::unbounded_channel();
+        if !self.send(Input::Submit {
+            id,
+            request,
+            events: tx,
+        }) {
+            return Err(SubmitError::Unavailable("the engine has stopped".into()));
+        }
+        // Count it as waiting now, so a burst cannot overshoot the bound before the engine
+        // publishes its next statistics.
+        self.shared.waiting.fetch_add(1, Ordering::Relaxed);
+        Ok(RequestStream::new(id, rx, self.abort_tx.clone()))
+    }
+
+    fn healthy(&self) -> bool {
+        self.shared.healthy.load(Ordering::SeqCst) && self.is_running()
+    }
+
+    fn model_info(&self) -> ModelInfo {
+        self.shared.info.clone()
+    }
+}

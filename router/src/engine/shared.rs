@@ -1,0 +1,56 @@
+//! State the engine thread shares with the request handlers: health, queue depth for admission,
+//! and the metrics it feeds every step.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::Arc;
+
+use super::ModelInfo;
+use crate::metrics::{Metrics, SchedulerGauges};
+use crate::protocol::BatchPlan;
+use crate::scheduler::SchedulerStats;
+
+pub struct Shared {
+    pub healthy: AtomicBool,
+    pub waiting: AtomicUsize,
+    pub info: ModelInfo,
+    pub num_pages: u32,
+    pub page_size: u32,
+    pub metrics: Arc<Metrics>,
+    /// The scheduler's cumulative prefix-hit count last published (metrics take deltas).
+    prefix_hits_published: AtomicU64,
+}
+
+impl Shared {
+    pub fn new(info: ModelInfo, num_pages: u32, page_size: u32, metrics: Arc<Metrics>) -> Self {
+        Self {
+            healthy: AtomicBool::new(true),
+            waiting: AtomicUsize::new(0),
+            info,
+            num_pages,
+            page_size,
+            metrics,
+            prefix_hits_published: AtomicU64::new(0),
+        }
+    }
+
+    pub fn set_scheduler_stats(&self, stats: &SchedulerStats) {
+        self.waiting.store(stats.waiting, Ordering::Relaxed);
+        self.metrics.set_scheduler_gauges(SchedulerGauges {
+            waiting: stats.waiting as u64,
+            running: stats.running as u64,
+            kv_pages_used: stats.pages_in_use as u64,
+            kv_pages_free: (stats.pages_free + stats.pages_cached) as u64,
+        });
+        let before = self
+            .prefix_hits_published
+            .swap(stats.prefix_hit_tokens_total, Ordering::Relaxed);
+        if stats.prefix_hit_tokens_total > before {
+            self.metrics
+                .add_prefix_hit_tokens(stats.prefix_hit_tokens_total - before);
+        }
+    }
+
+    pub fn observe_step(&self, plan: &BatchPlan) {
+        self.metrics.observe_batch_size(plan.requests.len());
+    }
+}

@@ -1,0 +1,182 @@
+//! The whole router as `serve` runs it: configuration, the engine thread and the HTTP server on
+//! a tokio runtime of its own.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{Context as _, Result};
+use serde::Deserialize;
+use tokio::sync::oneshot;
+
+use crate::engine::{EngineHandle, EngineLimits, Startup, WorkersInfo};
+use crate::http::{serve_listener, HttpConfig};
+use crate::metrics::Metrics;
+use crate::tokenizer::TokenizerBundle;
+use crate::transport::Endpoints;
+
+/// What `nsaserve serve` passes in (as JSON), flag for flag.
+#[derive(Debug, Clone, Deserialize)]
+pub struct RouterConfig {
+    pub tp: u32,
+    pub endpoints: EndpointsConfig,
+    pub model_path: PathBuf,
+    pub served_model_name: String,
+    pub host: String,
+    pub port: u16,
+    pub api_key: Option<String>,
+    pub max_running_requests: usize,
+    pub max_queued_requests: usize,
+    pub max_prefill_tokens: usize,
+    pub chunked_prefill_size: Option<usize>,
+    pub disable_radix_cache: bool,
+    pub heartbeat_timeout_s: f64,
+    pub log_level: String,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+pub enum EndpointsConfig {
+    Ipc {
+        ipc_dir: String,
+    },
+    Tcp {
+        tcp_host: String,
+        tcp_base_port: u16,
+    },
+}
+
+impl RouterConfig {
+    pub fn endpoints(&self) -> Endpoints {
+        match &self.endpoints {
+            EndpointsConfig::Ipc { ipc_dir } => Endpoints::Ipc {
+                dir: ipc_dir.clone(),
+            },
+            EndpointsConfig::Tcp {
+                tcp_host,
+                tcp_base_port,
+            } => Endpoints::Tcp {
+                host: tcp_host.clone(),
+                base_port: *tcp_base_port,
+            },
+        }
+    }
+
+    fn limits(&self) -> EngineLimits {
+        EngineLimits {
+            served_model_name: self.served_model_name.clone(),
+            max_running_requests: self.max_running_requests,
+            max_prefill_tokens: self.max_prefill_tokens,
+            chunked_prefill_size: self.chunked_prefill_size,
+            disable_radix_cache: self.disable_radix_cache,
+            max_waiting: self.max_queued_requests,
+            heartbeat_timeout: Duration::from_secs_f64(self.heartbeat_timeout_s),
+        }
+    }
+}
+
+pub fn init_logging(level: &str) {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(format!("nsaserve_router={level}")));
+    let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_target(false)
+        .with_ansi(ansi)
+        .with_writer(std::io::stderr)
+        .try_init();
+}
+
+pub fn workers_json(info: &WorkersInfo) -> String {
+    serde_json::json!({
+        "tp_size": info.tp_size,
+        "model_id": info.model_id,
+        "num_pages": info.num_pages,
+        "page_size": info.page_size,
+        "max_context": info.max_context,
+        "vocab_size": info.vocab_size,
+        "pids": info.pids,
+    })
+    .to_string()
+}
+
+pub struct RunningServer {
+    pub engine: Arc<EngineHandle>,
+    runtime: Option<tokio::runtime::Runtime>,
+    http_stop: Option<oneshot::Sender<()>>,
+    http_done: Option<oneshot::Receiver<Result<()>>>,
+}
+
+impl RunningServer {
+    pub fn start(startup: Startup, config: &RouterConfig, workers: &WorkersInfo) -> Result<Self> {
+        let tokenizer = Arc::new(
+            TokenizerBundle::from_model_dir(&config.model_path).with_context(|| {
+                format!("loading the tokenizer of {}", config.model_path.display())
+            })?,
+        );
+        let metrics = Arc::new(Metrics::new());
+        let engine = EngineHandle::start(startup, workers, &config.limits(), metrics.clone());
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .thread_name("nsaserve-http")
+            .enable_all()
+            .build()?;
+        let http_config = HttpConfig {
+            host: config.host.clone(),
+            port: config.port,
+            api_key: config.api_key.clone(),
+            ..HttpConfig::new(config.served_model_name.clone())
+        };
+        let (stop_tx, stop_rx) = oneshot::channel::<()>();
+        let (done_tx, done_rx) = oneshot::channel();
+        // Bind before returning, so a port in use is a startup error, not a log line.
+        let listener = runtime
+            .block_on(tokio::net::TcpListener::bind((
+                config.host.as_str(),
+                config.port,
+            )))
+            .with_context(|| format!("binding {}:{}", config.host, config.port))?;
+        let engine_dyn: Arc<dyn crate::engine::Engine> = engine.clone();
+        runtime.spawn(async move {
+            let shutdown = async move {
+                let _ = stop_rx.await;
+            };
+            let r = serve_listener(
+                listener,
+                http_config,
+                engine_dyn,
+                tokenizer,
+                metrics,
+                shutdown,
+            )
+            .await;
+            let _ = done_tx.send(r);
+        });
+        Ok(Self {
+            engine,
+            runtime: Some(runtime),
+            http_stop: Some(stop_tx),
+            http_done: Some(done_rx),
+        })
+    }
+
+    pub fn is_running(&self) -> bool {
+        self.engine.is_running()
+    }
+
+    pub fn exit_reason(&self) -> Option<String> {
+        self.engine.exit_reason()
+    }
+
+    /// HTTP stops accepting, the engine fails what is open and tells the workers to exit.
+    pub fn shutdown(mut self) {
+        if let Some(stop) = self.http_stop.take() {
+            let _ = stop.send(());
+        }
+        self.engine.shutdown();
+        if let (Some(rt), Some(done)) = (self.runtime.take(), self.http_done.take()) {
+            let _ = rt.block_on(async { tokio::time::timeout(Duration::from_secs(5), done).await });
+            rt.shutdown_timeout(Duration::from_secs(1));
+        }
+    }
+}
