@@ -1,0 +1,226 @@
+//! The engine loop against a fake worker speaking the real protocol over real ZeroMQ sockets:
+//! requests run to completion, stop tokens stop them, a worker that leaves a request out fails
+//! only that request, and a worker that goes silent fails everything and turns health off.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use nsaserve_router::engine::{
+    Engine, EngineHandle, EngineLimits, FinishReason, GenerateEvent, GenerateRequest, Startup,
+};
+use nsaserve_router::metrics::Metrics;
+use nsaserve_router::protocol::{
+    encode_worker_message, BatchPlan, Heartbeat, Hello, SamplingParams, StepResult, WorkerMessage,
+    PROTOCOL_VERSION,
+};
+use nsaserve_router::transport::Endpoints;
+
+/// How the fake worker answers.
+#[derive(Clone, Copy)]
+enum Behaviour {
+    /// Token = 100 + position of the new token.
+    Count,
+    /// Leaves request id 2 out of every result.
+    DropRequestTwo,
+}
+
+fn spawn_fake_worker(endpoints: Endpoints, behaviour: Behaviour, silent: Arc<AtomicBool>) {
+    std::thread::spawn(move || {
+        let ctx = zmq::Context::new();
+        let plans = ctx.socket(zmq::PULL).unwrap();
+        plans.connect(&endpoints.plans(0)).unwrap();
+        plans.set_rcvtimeo(100).unwrap();
+        let events = ctx.socket(zmq::PUSH).unwrap();
+        events.connect(&endpoints.events()).unwrap();
+        let hello = Hello {
+            rank: 0,
+            tp_size: 1,
+            pid: std::process::id(),
+            model_id: "fake".into(),
+            num_pages: 64,
+            page_size: 4,
+            max_context: 256,
+            vocab_size: 1000,
+            version: PROTOCOL_VERSION,
+        };
+        events
+            .send(
+                encode_worker_message(&WorkerMessage::Hello(hello)).unwrap(),
+                0,
+            )
+            .unwrap();
+        loop {
+            if silent.load(Ordering::SeqCst) {
+                std::thread::sleep(Duration::from_millis(50));
+                continue;
+            }
+            let beat = WorkerMessage::Heartbeat(Heartbeat { rank: 0, step: 0 });
+            events
+                .send(encode_worker_message(&beat).unwrap(), 0)
+                .unwrap();
+            let Ok(bytes) = plans.recv_bytes(0) else {
+                continue;
+            };
+            let Ok(plan) = BatchPlan::decode(&bytes) else {
+                return;
+            };
+            let sampled = plan
+                .requests
+                .iter()
+                .filter(|r| r.sample)
+                .filter(|r| !matches!(behaviour, Behaviour::DropRequestTwo) || r.id != 2)
+                .map(|r| (r.id, 100 + r.seq_len(), None))
+                .collect();
+            let result = StepResult {
+                step: plan.step,
+                sampled,
+                ..Default::default()
+            };
+            events
+                .send(
+                    encode_worker_message(&WorkerMessage::Result(result)).unwrap(),
+                    0,
+                )
+                .unwrap();
+        }
+    });
+}
+
+fn start_engine(behaviour: Behaviour) -> (Arc<EngineHandle>, Arc<AtomicBool>, tempfile::TempDir) {
+    let dir = tempfile::tempdir().unwrap();
+    let endpoints = Endpoints::Ipc {
+        dir: dir.path().display().to_string(),
+    };
+    let mut startup = Startup::bind(&endpoints, 1).unwrap();
+    let silent = Arc::new(AtomicBool::new(false));
+    spawn_fake_worker(endpoints, behaviour, silent.clone());
+    let workers = loop {
+        if let Some(w) = startup.poll_ready(Duration::from_secs(5)).unwrap() {
+            break w;
+        }
+    };
+    let limits = EngineLimits {
+        served_model_name: "fake".into(),
+        max_running_requests: 8,
+        max_prefill_tokens: 64,
+        chunked_prefill_size: Some(8),
+        disable_radix_cache: false,
+        max_waiting: 16,
+        heartbeat_timeout: Duration::from_millis(1500),
+    };
+    let engine = EngineHandle::start(startup, &workers, &limits, Arc::new(Metrics::new()));
+    (engine, silent, dir)
+}
+
+fn request(prompt: Vec<i32>, max_new_tokens: u32, stop: Vec<i32>) -> GenerateRequest {
+    GenerateRequest {
+        prompt_ids: prompt,
+        sampling: SamplingParams {
+            temperature: 0.0,
+            ..Default::default()
+        },
+        max_new_tokens,
+        stop_token_ids: stop,
+        prompt_logprobs: false,
+    }
+}
+
+/// Every event of a request, up to and including the last one.
+async fn collect(mut s: nsaserve_router::engine::RequestStream) -> Vec<GenerateEvent> {
+    let mut out = vec![];
+    while let Some(e) = tokio::time::timeout(Duration::from_secs(10), s.events.recv())
+        .await
+        .unwrap()
+    {
+        let last = matches!(
+            e,
+            GenerateEvent::Finished { .. } | GenerateEvent::Failed { .. }
+        );
+        out.push(e);
+        if last {
+            break;
+        }
+    }
+    out
+}
+
+fn tokens(events: &[GenerateEvent]) -> Vec<i32> {
+    events
+        .iter()
+        .filter_map(|e| {
+            if let GenerateEvent::Token { id, .. } = e {
+                Some(*id)
+            } else {
+                None
+            }
+        })
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_run_to_length_and_to_a_stop_token() {
+    let (engine, _silent, _dir) = start_engine(Behaviour::Count);
+    // A 10-token prompt is chunked (8 + 2); the new tokens are 100 + position.
+    let long = engine
+        .submit(request((1..=10).collect(), 4, vec![]))
+        .unwrap();
+    let stopped = engine
+        .submit(request(vec![5, 6, 7], 10, vec![105]))
+        .unwrap();
+    let (long, stopped) = (collect(long).await, collect(stopped).await);
+    assert_eq!(tokens(&long), vec![110, 111, 112, 113]);
+    assert!(matches!(
+        long.last(),
+        Some(GenerateEvent::Finished {
+            reason: FinishReason::Length,
+            completion_tokens: 4,
+            ..
+        })
+    ));
+    assert_eq!(tokens(&stopped), vec![103, 104, 105]);
+    assert!(matches!(
+        stopped.last(),
+        Some(GenerateEvent::Finished {
+            reason: FinishReason::Stop,
+            ..
+        })
+    ));
+    assert!(engine.healthy());
+    engine.shutdown();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_the_worker_leaves_out_fails_alone() {
+    let (engine, _silent, _dir) = start_engine(Behaviour::DropRequestTwo);
+    let one = engine.submit(request(vec![1, 2], 3, vec![])).unwrap();
+    let two = engine.submit(request(vec![1, 2], 3, vec![])).unwrap();
+    assert_eq!(two.id, 2);
+    let (one, two) = (collect(one).await, collect(two).await);
+    assert_eq!(tokens(&one).len(), 3);
+    assert!(
+        matches!(two.last(), Some(GenerateEvent::Failed { message, .. }) if message.contains("no token"))
+    );
+    assert!(engine.healthy());
+    engine.shutdown();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_silent_worker_fails_open_requests_and_turns_health_off() {
+    let (engine, silent, _dir) = start_engine(Behaviour::Count);
+    silent.store(true, Ordering::SeqCst);
+    let stream = engine.submit(request(vec![1, 2, 3], 50, vec![])).unwrap();
+    let started = std::time::Instant::now();
+    let events = collect(stream).await;
+    assert!(
+        matches!(events.last(), Some(GenerateEvent::Failed { .. })),
+        "{events:?}"
+    );
+    assert!(started.elapsed() < Duration::from_secs(5));
+    assert!(!engine.healthy());
+    assert!(matches!(
+        engine.submit(request(vec![1], 1, vec![])),
+        Err(nsaserve_router::engine::SubmitError::Unavailable(_))
+    ));
+    engine.shutdown();
+}
