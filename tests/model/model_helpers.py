@@ -46,7 +46,7 @@ def tiny_config(model_type: str, **over):
     return DeepseekV32Config(**common)
 
 
-def make_checkpoint(model_type: str, path: str, seed: int = 0, **over):
+def make_checkpoint(model_type: str, path: str, seed: int = 0, confident_embedding: float = 0.0, **over):
     """Save a random tiny model to `path`; return the transformers model (eval, float32, eager)."""
     from transformers import AutoModelForCausalLM
 
@@ -62,6 +62,14 @@ def make_checkpoint(model_type: str, path: str, seed: int = 0, **over):
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 b.copy_(0.05 * torch.randn_like(b))
+        if confident_embedding:
+            # A random model's greedy tokens are near coin flips that even bf16 rounding changes.
+            # An lm_head that is a permutation of the embedding gives predictions real margins,
+            # while attention still moves them (tests check that the top-k changes tokens).
+            g = torch.Generator().manual_seed(seed)
+            emb = torch.randn(model.model.embed_tokens.weight.shape, generator=g) * confident_embedding
+            model.model.embed_tokens.weight.copy_(emb)
+            model.lm_head.weight.copy_(emb[torch.randperm(emb.shape[0], generator=g)])
     model.save_pretrained(path)
     return model.eval()
 
@@ -112,7 +120,7 @@ class Session:
     def step(self, work: list[tuple[int, list[int]]], all_logits: bool = False) -> list[torch.Tensor]:
         """work = [(request id, tokens to run now)]. Returns per request the logits of its last
         token ([V]), or of all its tokens ([n, V]) with all_logits."""
-        plan = self.plan(work, all_logits)
+        plan = self.last_plan = self.plan(work, all_logits)
         logits = self.runner.forward(build_forward_batch(plan, self.runner.device))
         for rid, toks in work:
             self.reqs[rid].cached += len(toks)
