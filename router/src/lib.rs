@@ -3,4 +3,9 @@
 //! `python`); everything else is plain Rust, tested with `cargo test`.
 
 pub mod engine;
+pub mod http;
+pub mod metrics;
 pub mod protocol;
+pub mod scheduler;
+pub mod tokenizer;
+pub mod transport;

@@ -36,6 +36,7 @@ class Plan:
     out_slots: np.ndarray  # i32 [T], KV slot each new token writes
     sample: np.ndarray  # u8 [n]
     prompt_logprobs: np.ndarray  # u8 [n]
+    next_prompt_token: np.ndarray  # i32 [n], prompt token after a non-final chunk (for prompt logprobs), else -1
     temperature: np.ndarray  # f32 [n]
     top_p: np.ndarray
     top_k: np.ndarray  # i32 [n]
@@ -71,6 +72,7 @@ PLAN_ARRAYS: tuple[tuple[str, np.dtype], ...] = (
     ("out_slots", I32),
     ("sample", U8),
     ("prompt_logprobs", U8),
+    ("next_prompt_token", I32),
     ("temperature", F32),
     ("top_p", F32),
     ("top_k", I32),
@@ -87,10 +89,10 @@ PLAN_ARRAYS: tuple[tuple[str, np.dtype], ...] = (
 )
 
 
-def _int(msg: dict, key: str) -> int:
+def _int(msg: dict, key: str, limit: int = 2**63) -> int:
     v = msg.get(key)
-    if not isinstance(v, int) or isinstance(v, bool):
-        raise ProtocolError(f"field {key!r} must be an integer, got {v!r}")
+    if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v < limit:
+        raise ProtocolError(f"field {key!r} must be an integer in [0, {limit}), got {v!r}")
     return v
 
 
@@ -116,7 +118,7 @@ def plan_from_msg(msg: dict) -> Plan:
     if mode not in MODES:
         raise ProtocolError(f"unknown forward mode {mode!r}")
     arrays = {name: view(msg, name, dt) for name, dt in PLAN_ARRAYS}
-    return Plan(step=_int(msg, "step"), mode=mode, page_size=_int(msg, "page_size"), **arrays)
+    return Plan(step=_int(msg, "step"), mode=mode, page_size=_int(msg, "page_size", 2**20), **arrays)
 
 
 def encode_plan(plan: Plan) -> bytes:

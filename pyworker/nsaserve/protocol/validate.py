@@ -21,6 +21,7 @@ PER_REQUEST = (
     "cached_lens",
     "sample",
     "prompt_logprobs",
+    "next_prompt_token",
     "temperature",
     "top_p",
     "top_k",

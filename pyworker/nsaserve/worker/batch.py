@@ -14,6 +14,8 @@ import torch
 
 from ..protocol.messages import Plan
 
+NUMPY_OF = {torch.int64: np.int64, torch.int32: np.int32}
+
 
 @dataclass
 class ForwardBatch:
@@ -59,45 +61,83 @@ def prompt_logprob_rows(plan: Plan) -> list[tuple[int, np.ndarray]]:
     return out
 
 
-def build_forward_batch(plan: Plan, device: torch.device) -> ForwardBatch:
-    n, ps = plan.num_reqs, plan.page_size
+@dataclass
+class StagedPlan:
+    """The host half of building a batch: small arrays, already on the device."""
+
+    plan: Plan
+    tensors: dict[str, torch.Tensor]
+    total_kv: int
+    host: dict[str, list[int]]
+
+
+def stage_plan(plan: Plan, device: torch.device) -> StagedPlan:
+    """Host work, O(requests + pages + new tokens): derive the few per-request arrays the
+    device needs and copy them over. Nothing here grows with the context length."""
+    n = plan.num_reqs
     qs = plan.query_start.astype(np.int64)
     qlen = np.diff(qs)
     cached = plan.cached_lens.astype(np.int64)
     seq = cached + qlen
     kv_start = np.zeros(n + 1, dtype=np.int64)
     np.cumsum(seq, out=kv_start[1:])
-
-    # Expand pages to per-position slots: position p of request i is in page
-    # page_table[page_start[i] + p // ps] at offset p % ps.
-    total = int(kv_start[-1])
-    kv_req = np.repeat(np.arange(n), seq)
-    kv_pos = np.arange(total, dtype=np.int64) - kv_start[kv_req]
-    page = plan.page_table[plan.page_start[kv_req].astype(np.int64) + kv_pos // ps].astype(np.int64)
-    kv_slots = page * ps + kv_pos % ps
-
     rows = [sample_rows(plan)] + [r for _, r in prompt_logprob_rows(plan)]
     logits_index = np.concatenate(rows) if rows else np.zeros(0, dtype=np.int64)
 
     def dev(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
-        return torch.from_numpy(np.ascontiguousarray(a)).to(device=device, dtype=dtype, non_blocking=True)
+        # np.array copies: plan arrays are read-only views of the received message.
+        return torch.from_numpy(np.array(a, dtype=NUMPY_OF[dtype])).to(device=device, non_blocking=True)
 
+    tensors = {
+        "input_ids": dev(plan.input_ids, torch.int64),
+        "positions": dev(plan.positions, torch.int64),
+        "token_req": dev(np.repeat(np.arange(n), qlen), torch.int64),
+        "query_start": dev(qs, torch.int32),
+        "cached_lens": dev(cached, torch.int32),
+        "seq_lens": dev(seq, torch.int64),
+        "out_slots": dev(plan.out_slots, torch.int64),
+        "kv_start": dev(kv_start, torch.int64),
+        "page_start": dev(plan.page_start, torch.int64),
+        "page_table": dev(plan.page_table, torch.int64),
+        "logits_index": dev(logits_index, torch.int64),
+    }
+    host = {"query_start": qs.tolist(), "seq_lens": seq.tolist(), "cached_lens": cached.tolist()}
+    return StagedPlan(plan, tensors, int(kv_start[-1]), host)
+
+
+def build_forward_batch(plan: Plan, device: torch.device) -> ForwardBatch:
+    """Stages the plan, then expands the page table into per-position slots on the device
+    (O(total context), so it never runs on the host's critical path on a GPU)."""
+    st = stage_plan(plan, device)
+    t = st.tensors
     return ForwardBatch(
         mode=plan.mode,
-        num_reqs=n,
+        num_reqs=plan.num_reqs,
         num_tokens=plan.num_tokens,
-        page_size=ps,
-        input_ids=dev(plan.input_ids, torch.int64),
-        positions=dev(plan.positions, torch.int64),
-        token_req=dev(np.repeat(np.arange(n), qlen), torch.int64),
-        query_start=dev(qs, torch.int32),
-        cached_lens=dev(cached, torch.int32),
-        seq_lens=dev(seq, torch.int32),
-        out_slots=dev(plan.out_slots, torch.int64),
-        kv_start=dev(kv_start, torch.int32),
-        kv_slots=dev(kv_slots, torch.int64),
-        logits_index=dev(logits_index, torch.int64),
-        query_start_host=qs.tolist(),
-        seq_lens_host=seq.tolist(),
-        cached_lens_host=cached.tolist(),
+        page_size=plan.page_size,
+        input_ids=t["input_ids"],
+        positions=t["positions"],
+        token_req=t["token_req"],
+        query_start=t["query_start"],
+        cached_lens=t["cached_lens"],
+        seq_lens=t["seq_lens"].to(torch.int32),
+        out_slots=t["out_slots"],
+        kv_start=t["kv_start"].to(torch.int32),
+        kv_slots=expand_slots(t["page_table"], t["page_start"], t["seq_lens"], t["kv_start"], plan.page_size, st.total_kv),
+        logits_index=t["logits_index"],
+        query_start_host=st.host["query_start"],
+        seq_lens_host=st.host["seq_lens"],
+        cached_lens_host=st.host["cached_lens"],
     )
+
+
+def expand_slots(
+    page_table: torch.Tensor, page_start: torch.Tensor, seq_lens: torch.Tensor, kv_start: torch.Tensor, page_size: int, total: int
+) -> torch.Tensor:
+    """Physical slot of every logical position of every request, on the device: position p of
+    request i lives in page page_table[page_start[i] + p // page_size] at offset p % page_size.
+    `total` (known on the host) keeps repeat_interleave from synchronising with the device."""
+    n = seq_lens.numel()
+    kv_req = torch.repeat_interleave(torch.arange(n, device=seq_lens.device), seq_lens, output_size=total)
+    pos = torch.arange(total, device=seq_lens.device) - kv_start[kv_req]
+    return page_table[page_start[kv_req] + torch.div(pos, page_size, rounding_mode="floor")] * page_size + pos % page_size

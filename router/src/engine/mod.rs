@@ -4,5 +4,6 @@
 mod request;
 
 pub use request::{
-    Engine, FinishReason, GenerateEvent, GenerateRequest, ModelInfo, RequestId, RequestStream, SubmitError,
+    Engine, FinishReason, GenerateEvent, GenerateRequest, ModelInfo, RequestId, RequestStream,
+    SubmitError,
 };

@@ -46,10 +46,21 @@ impl FinishReason {
 #[derive(Debug, Clone)]
 pub enum GenerateEvent {
     PromptLogprobs(PromptLogprobs),
-    Token { id: i32, logprobs: Option<TokenLogprobs> },
-    Finished { reason: FinishReason, prompt_tokens: u32, completion_tokens: u32, cached_tokens: u32 },
+    Token {
+        id: i32,
+        logprobs: Option<TokenLogprobs>,
+    },
+    Finished {
+        reason: FinishReason,
+        prompt_tokens: u32,
+        completion_tokens: u32,
+        cached_tokens: u32,
+    },
     /// The request failed (a worker error or a dead worker); `retryable` maps to 503.
-    Failed { message: String, retryable: bool },
+    Failed {
+        message: String,
+        retryable: bool,
+    },
 }
 
 /// Why a request was not accepted.

@@ -27,8 +27,12 @@ pub trait LeArray: Sized + Copy {
     }
 
     fn from_bin(field: &'static str, bytes: &[u8]) -> Result<Vec<Self>, ArrayError> {
-        if bytes.len() % Self::WIDTH != 0 {
-            return Err(ArrayError { field, len: bytes.len(), elem: Self::WIDTH });
+        if !bytes.len().is_multiple_of(Self::WIDTH) {
+            return Err(ArrayError {
+                field,
+                len: bytes.len(),
+                elem: Self::WIDTH,
+            });
         }
         Ok(bytes.chunks_exact(Self::WIDTH).map(Self::get).collect())
     }

@@ -10,7 +10,6 @@ use super::plan::PlanError;
 /// Sent once by every rank when its model and KV pool are ready.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Hello {
-    pub version: u32,
     pub rank: u32,
     pub tp_size: u32,
     pub pid: u32,
@@ -21,6 +20,7 @@ pub struct Hello {
     /// Longest sequence (prompt + output) the model supports.
     pub max_context: u32,
     pub vocab_size: u32,
+    pub version: u32,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -121,8 +121,14 @@ struct WireResult {
 }
 
 fn check_offsets(name: &'static str, off: &[i32], n: usize, total: usize) -> Result<(), PlanError> {
-    if off.len() != n + 1 || off[0] != 0 || off[n] as usize != total || off.windows(2).any(|w| w[0] > w[1]) {
-        return Err(PlanError::Invalid(format!("{name} is not monotonic offsets 0..{total} over {n} entries")));
+    if off.len() != n + 1
+        || off[0] != 0
+        || off[n] as usize != total
+        || off.windows(2).any(|w| w[0] > w[1])
+    {
+        return Err(PlanError::Invalid(format!(
+            "{name} is not monotonic offsets 0..{total} over {n} entries"
+        )));
     }
     Ok(())
 }
@@ -131,7 +137,11 @@ fn check_offsets(name: &'static str, off: &[i32], n: usize, total: usize) -> Res
 fn split_top(start: &[i32], ids: &[i32], lps: &[f32]) -> Vec<Vec<(i32, f32)>> {
     start
         .windows(2)
-        .map(|w| (w[0] as usize..w[1] as usize).map(|k| (ids[k], lps[k])).collect())
+        .map(|w| {
+            (w[0] as usize..w[1] as usize)
+                .map(|k| (ids[k], lps[k]))
+                .collect()
+        })
         .collect()
 }
 
@@ -145,7 +155,9 @@ impl WireResult {
         let top_lps = f32::from_bin("top_logprobs", &self.top_logprobs)?;
         let m = ids.len();
         if tokens.len() != m || lps.len() != m || top_ids.len() != top_lps.len() {
-            return Err(PlanError::Invalid("result arrays disagree in length".into()));
+            return Err(PlanError::Invalid(
+                "result arrays disagree in length".into(),
+            ));
         }
         check_offsets("top_start", &top_start, m, top_ids.len())?;
         let tops = split_top(&top_start, &top_ids, &top_lps);
@@ -153,7 +165,13 @@ impl WireResult {
             .into_iter()
             .zip(tokens)
             .zip(lps.into_iter().zip(tops))
-            .map(|((id, tok), (lp, top))| (id, tok, (!lp.is_nan()).then_some(TokenLogprobs { logprob: lp, top })))
+            .map(|((id, tok), (lp, top))| {
+                (
+                    id,
+                    tok,
+                    (!lp.is_nan()).then_some(TokenLogprobs { logprob: lp, top }),
+                )
+            })
             .collect();
 
         let p_ids = u64::from_bin("prompt_req_ids", &self.prompt_req_ids)?;
@@ -165,11 +183,19 @@ impl WireResult {
         let p_top_ids = i32::from_bin("prompt_top_ids", &self.prompt_top_ids)?;
         let p_top_lps = f32::from_bin("prompt_top_logprobs", &self.prompt_top_logprobs)?;
         let q = p_ids.len();
-        if p_first.len() != q || p_tokens.len() != p_lps.len() || p_top_ids.len() != p_top_lps.len() {
-            return Err(PlanError::Invalid("prompt logprob arrays disagree in length".into()));
+        if p_first.len() != q || p_tokens.len() != p_lps.len() || p_top_ids.len() != p_top_lps.len()
+        {
+            return Err(PlanError::Invalid(
+                "prompt logprob arrays disagree in length".into(),
+            ));
         }
         check_offsets("prompt_start", &p_start, q, p_tokens.len())?;
-        check_offsets("prompt_top_start", &p_top_start, p_tokens.len(), p_top_ids.len())?;
+        check_offsets(
+            "prompt_top_start",
+            &p_top_start,
+            p_tokens.len(),
+            p_top_ids.len(),
+        )?;
         let p_tops = split_top(&p_top_start, &p_top_ids, &p_top_lps);
         let prompt_logprobs = (0..q)
             .map(|i| {
@@ -178,11 +204,22 @@ impl WireResult {
                     req_id: p_ids[i],
                     first_pos: p_first[i],
                     tokens: p_tokens[r.clone()].to_vec(),
-                    entries: r.map(|k| TokenLogprobs { logprob: p_lps[k], top: p_tops[k].clone() }).collect(),
+                    entries: r
+                        .map(|k| TokenLogprobs {
+                            logprob: p_lps[k],
+                            top: p_tops[k].clone(),
+                        })
+                        .collect(),
                 }
             })
             .collect();
-        Ok(StepResult { step: self.step, sampled, prompt_logprobs, errors: self.errors, forward_ms: self.forward_ms })
+        Ok(StepResult {
+            step: self.step,
+            sampled,
+            prompt_logprobs,
+            errors: self.errors,
+            forward_ms: self.forward_ms,
+        })
     }
 
     fn from_result(r: &StepResult) -> Self {
@@ -199,10 +236,19 @@ impl WireResult {
             (i32::to_bin(&start), i32::to_bin(&ids), f32::to_bin(&lps))
         };
         let empty = Vec::new();
-        let (top_start, top_ids, top_logprobs) =
-            flat_top(r.sampled.iter().map(|s| s.2.as_ref().map_or(&empty, |t| &t.top)).collect());
-        let entries: Vec<&TokenLogprobs> = r.prompt_logprobs.iter().flat_map(|p| p.entries.iter()).collect();
-        let (prompt_top_start, prompt_top_ids, prompt_top_logprobs) = flat_top(entries.iter().map(|e| &e.top).collect());
+        let (top_start, top_ids, top_logprobs) = flat_top(
+            r.sampled
+                .iter()
+                .map(|s| s.2.as_ref().map_or(&empty, |t| &t.top))
+                .collect(),
+        );
+        let entries: Vec<&TokenLogprobs> = r
+            .prompt_logprobs
+            .iter()
+            .flat_map(|p| p.entries.iter())
+            .collect();
+        let (prompt_top_start, prompt_top_ids, prompt_top_logprobs) =
+            flat_top(entries.iter().map(|e| &e.top).collect());
         let mut p_start = vec![0i32];
         for p in &r.prompt_logprobs {
             p_start.push(p_start.last().unwrap() + p.tokens.len() as i32);
@@ -212,14 +258,34 @@ impl WireResult {
             step: r.step,
             req_ids: u64::to_bin(&r.sampled.iter().map(|s| s.0).collect::<Vec<_>>()),
             tokens: i32::to_bin(&r.sampled.iter().map(|s| s.1).collect::<Vec<_>>()),
-            logprobs: f32::to_bin(&r.sampled.iter().map(|s| s.2.as_ref().map_or(f32::NAN, |t| t.logprob)).collect::<Vec<_>>()),
+            logprobs: f32::to_bin(
+                &r.sampled
+                    .iter()
+                    .map(|s| s.2.as_ref().map_or(f32::NAN, |t| t.logprob))
+                    .collect::<Vec<_>>(),
+            ),
             top_start,
             top_ids,
             top_logprobs,
-            prompt_req_ids: u64::to_bin(&r.prompt_logprobs.iter().map(|p| p.req_id).collect::<Vec<_>>()),
-            prompt_first_pos: i32::to_bin(&r.prompt_logprobs.iter().map(|p| p.first_pos).collect::<Vec<_>>()),
+            prompt_req_ids: u64::to_bin(
+                &r.prompt_logprobs
+                    .iter()
+                    .map(|p| p.req_id)
+                    .collect::<Vec<_>>(),
+            ),
+            prompt_first_pos: i32::to_bin(
+                &r.prompt_logprobs
+                    .iter()
+                    .map(|p| p.first_pos)
+                    .collect::<Vec<_>>(),
+            ),
             prompt_start: i32::to_bin(&p_start),
-            prompt_tokens: i32::to_bin(&r.prompt_logprobs.iter().flat_map(|p| p.tokens.iter().copied()).collect::<Vec<_>>()),
+            prompt_tokens: i32::to_bin(
+                &r.prompt_logprobs
+                    .iter()
+                    .flat_map(|p| p.tokens.iter().copied())
+                    .collect::<Vec<_>>(),
+            ),
             prompt_logprobs: f32::to_bin(&entries.iter().map(|e| e.logprob).collect::<Vec<_>>()),
             prompt_top_start,
             prompt_top_ids,
@@ -234,13 +300,17 @@ impl WireResult {
 pub fn decode_worker_message(bytes: &[u8]) -> Result<WorkerMessage, PlanError> {
     let kind: Kind = rmp_serde::from_slice(bytes)?;
     Ok(match kind.kind.as_str() {
-        "result" => WorkerMessage::Result(rmp_serde::from_slice::<WireResult>(bytes)?.into_result()?),
+        "result" => {
+            WorkerMessage::Result(rmp_serde::from_slice::<WireResult>(bytes)?.into_result()?)
+        }
         _ => match rmp_serde::from_slice::<WireControl>(bytes)? {
             WireControl::Hello(h) => WorkerMessage::Hello(h),
             WireControl::Heartbeat(h) => WorkerMessage::Heartbeat(h),
             WireControl::Fatal(f) => WorkerMessage::Fatal(f),
             WireControl::Shutdown {} => {
-                return Err(PlanError::Invalid("a worker sent a router-only message (shutdown)".into()))
+                return Err(PlanError::Invalid(
+                    "a worker sent a router-only message (shutdown)".into(),
+                ))
             }
         },
     })

@@ -8,8 +8,8 @@ mod plan;
 
 pub use arrays::{ArrayError, LeArray};
 pub use messages::{
-    decode_worker_message, encode_router_message, encode_worker_message, Fatal, Heartbeat, Hello, PromptLogprobs,
-    RouterMessage, StepResult, TokenLogprobs, WorkerMessage,
+    decode_worker_message, encode_router_message, encode_worker_message, Fatal, Heartbeat, Hello,
+    PromptLogprobs, RouterMessage, StepResult, TokenLogprobs, WorkerMessage,
 };
 pub use plan::{BatchPlan, ForwardMode, PlanError, PlannedRequest, SamplingParams};
 

@@ -25,6 +25,17 @@ pub enum ForwardMode {
     Mixed,
 }
 
+impl ForwardMode {
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            ForwardMode::Idle => "idle",
+            ForwardMode::Prefill => "prefill",
+            ForwardMode::Decode => "decode",
+            ForwardMode::Mixed => "mixed",
+        }
+    }
+}
+
 /// Sampling parameters of one request, as the worker's sampler reads them.
 #[derive(Debug, Clone, PartialEq)]
 pub struct SamplingParams {
@@ -61,7 +72,9 @@ impl Default for SamplingParams {
 impl SamplingParams {
     /// True when the sampler needs the request's token history.
     pub fn needs_history(&self) -> bool {
-        self.repetition_penalty != 1.0 || self.frequency_penalty != 0.0 || self.presence_penalty != 0.0
+        self.repetition_penalty != 1.0
+            || self.frequency_penalty != 0.0
+            || self.presence_penalty != 0.0
     }
 }
 
@@ -82,6 +95,10 @@ pub struct PlannedRequest {
     pub sample: bool,
     /// Whether to return the logprobs of this step's prompt tokens (for `echo`).
     pub prompt_logprobs: bool,
+    /// With `prompt_logprobs` on a non-final prompt chunk: the prompt token right after this
+    /// chunk, so the chunk's last row can score it (the next chunk cannot: its logits come from
+    /// this one). -1 otherwise.
+    pub next_prompt_token: i32,
     pub sampling: SamplingParams,
     /// Prompt and generated tokens so far, sent only when a penalty needs them (else empty).
     pub history: Vec<i32>,
@@ -114,6 +131,9 @@ pub enum PlanError {
     Invalid(String),
 }
 
+/// Number of keys in a plan message (the fields of `WirePlan`).
+const PLAN_KEYS: u32 = 32;
+
 /// The wire form. Field order and names are the protocol; see docs/protocol.md.
 #[derive(Debug, Serialize, Deserialize)]
 struct WirePlan {
@@ -135,6 +155,7 @@ struct WirePlan {
     out_slots: ByteBuf,
     sample: ByteBuf,
     prompt_logprobs: ByteBuf,
+    next_prompt_token: ByteBuf,
     temperature: ByteBuf,
     top_p: ByteBuf,
     top_k: ByteBuf,
@@ -150,15 +171,81 @@ struct WirePlan {
     history_prompt_lens: ByteBuf,
 }
 
-/// Offsets `[0, a, a+b, ...]` of consecutive variable-length lists.
-fn offsets<'a, T: 'a>(lists: impl Iterator<Item = &'a [T]>) -> Vec<i32> {
-    let mut out = vec![0i32];
-    let mut total = 0i32;
-    for l in lists {
-        total += l.len() as i32;
-        out.push(total);
+/// Writes msgpack directly (the subset a plan needs).
+struct PlanWriter {
+    buf: Vec<u8>,
+    declared_keys: u32,
+    written_keys: u32,
+}
+
+impl PlanWriter {
+    fn with_capacity(n: usize) -> Self {
+        Self {
+            buf: Vec::with_capacity(n),
+            declared_keys: 0,
+            written_keys: 0,
+        }
     }
-    out
+
+    fn map_len(&mut self, len: u32) {
+        self.declared_keys = len;
+        rmp::encode::write_map_len(&mut self.buf, len).expect("writing to a Vec cannot fail");
+    }
+
+    fn key(&mut self, key: &str) {
+        self.written_keys += 1;
+        rmp::encode::write_str(&mut self.buf, key).expect("writing to a Vec cannot fail");
+    }
+
+    fn str_field(&mut self, key: &str, value: &str) {
+        self.key(key);
+        rmp::encode::write_str(&mut self.buf, value).expect("writing to a Vec cannot fail");
+    }
+
+    fn uint_field(&mut self, key: &str, value: u64) {
+        self.key(key);
+        rmp::encode::write_uint(&mut self.buf, value).expect("writing to a Vec cannot fail");
+    }
+
+    /// A `bin` of `count` little-endian elements.
+    fn array<T: LeArray>(&mut self, key: &str, count: usize, values: impl Iterator<Item = T>) {
+        self.key(key);
+        self.bin_header(count * T::WIDTH);
+        let start = self.buf.len();
+        for v in values {
+            v.put(&mut self.buf);
+        }
+        assert_eq!(
+            self.buf.len() - start,
+            count * T::WIDTH,
+            "array `{key}` has a wrong count"
+        );
+    }
+
+    /// `[0, a, a+b, ...]` of consecutive lengths, as an i32 `bin`.
+    fn offsets(&mut self, key: &str, lengths: impl ExactSizeIterator<Item = usize>) {
+        self.key(key);
+        self.bin_header((lengths.len() + 1) * 4);
+        let mut total = 0i32;
+        total.put(&mut self.buf);
+        for len in lengths {
+            total += len as i32;
+            total.put(&mut self.buf);
+        }
+    }
+
+    fn bin_header(&mut self, bytes: usize) {
+        rmp::encode::write_bin_len(&mut self.buf, bytes as u32)
+            .expect("writing to a Vec cannot fail");
+    }
+
+    fn finish(self) -> Vec<u8> {
+        assert_eq!(
+            self.written_keys, self.declared_keys,
+            "plan map length does not match its keys"
+        );
+        self.buf
+    }
 }
 
 impl BatchPlan {
@@ -170,7 +257,11 @@ impl BatchPlan {
     /// decode-shaped (whether it is a generated token or a one-token prompt tail), any other
     /// is prefill-shaped. The mode is always this function of the requests, never a choice.
     pub fn mode(&self) -> ForwardMode {
-        let decodes = self.requests.iter().filter(|r| r.input_ids.len() == 1).count();
+        let decodes = self
+            .requests
+            .iter()
+            .filter(|r| r.input_ids.len() == 1)
+            .count();
         match (self.requests.len(), decodes) {
             (0, _) => ForwardMode::Idle,
             (n, d) if d == n => ForwardMode::Decode,
@@ -179,56 +270,105 @@ impl BatchPlan {
         }
     }
 
+    /// Encodes the plan straight into one buffer: keys in `WirePlan` order, each array's `bin`
+    /// header followed by its little-endian elements. No intermediate vectors, because this
+    /// runs every step for every running request (the golden vectors pin the same bytes that
+    /// `rmp_serde` would produce from `WirePlan`).
     pub fn encode(&self) -> Result<Vec<u8>, PlanError> {
         let r = &self.requests;
-        let col_f32 = |f: fn(&SamplingParams) -> f32| {
-            f32::to_bin(&r.iter().map(|q| f(&q.sampling)).collect::<Vec<_>>())
-        };
-        let flat_i32 = |f: fn(&PlannedRequest) -> &[i32]| {
-            i32::to_bin(&r.iter().flat_map(|q| f(q).iter().copied()).collect::<Vec<_>>())
-        };
-        let positions: Vec<i32> = r
-            .iter()
-            .flat_map(|q| (0..q.input_ids.len() as i32).map(move |i| q.cached_len + i))
-            .collect();
-        let wire = WirePlan {
-            kind: "plan".into(),
-            version: PROTOCOL_VERSION,
-            step: self.step,
-            mode: self.mode(),
-            page_size: self.page_size,
-            num_reqs: r.len() as u32,
-            num_tokens: self.num_tokens() as u32,
-            num_pages: r.iter().map(|q| q.pages.len() as u32).sum(),
-            req_ids: u64::to_bin(&r.iter().map(|q| q.id).collect::<Vec<_>>()),
-            query_start: i32::to_bin(&offsets(r.iter().map(|q| q.input_ids.as_slice()))),
-            input_ids: flat_i32(|q| &q.input_ids),
-            positions: i32::to_bin(&positions),
-            cached_lens: i32::to_bin(&r.iter().map(|q| q.cached_len).collect::<Vec<_>>()),
-            page_start: i32::to_bin(&offsets(r.iter().map(|q| q.pages.as_slice()))),
-            page_table: flat_i32(|q| &q.pages),
-            out_slots: flat_i32(|q| &q.out_slots),
-            sample: u8::to_bin(&r.iter().map(|q| q.sample as u8).collect::<Vec<_>>()),
-            prompt_logprobs: u8::to_bin(&r.iter().map(|q| q.prompt_logprobs as u8).collect::<Vec<_>>()),
-            temperature: col_f32(|s| s.temperature),
-            top_p: col_f32(|s| s.top_p),
-            top_k: i32::to_bin(&r.iter().map(|q| q.sampling.top_k).collect::<Vec<_>>()),
-            min_p: col_f32(|s| s.min_p),
-            repetition_penalty: col_f32(|s| s.repetition_penalty),
-            frequency_penalty: col_f32(|s| s.frequency_penalty),
-            presence_penalty: col_f32(|s| s.presence_penalty),
-            seed: u64::to_bin(&r.iter().map(|q| q.sampling.seed.unwrap_or(0)).collect::<Vec<_>>()),
-            has_seed: u8::to_bin(&r.iter().map(|q| q.sampling.seed.is_some() as u8).collect::<Vec<_>>()),
-            top_logprobs: i32::to_bin(
-                &r.iter()
-                    .map(|q| q.sampling.top_logprobs.map_or(-1, |n| n as i32))
-                    .collect::<Vec<_>>(),
-            ),
-            history_start: i32::to_bin(&offsets(r.iter().map(|q| q.history.as_slice()))),
-            history: flat_i32(|q| &q.history),
-            history_prompt_lens: i32::to_bin(&r.iter().map(|q| q.history_prompt_len).collect::<Vec<_>>()),
-        };
-        Ok(rmp_serde::to_vec_named(&wire)?)
+        let n = r.len();
+        let tokens = self.num_tokens();
+        let pages: usize = r.iter().map(|q| q.pages.len()).sum();
+        let history: usize = r.iter().map(|q| q.history.len()).sum();
+        let mut w = PlanWriter::with_capacity(512 + 4 * (3 * tokens + pages + history) + 70 * n);
+        w.map_len(PLAN_KEYS);
+        w.str_field("kind", "plan");
+        w.uint_field("version", PROTOCOL_VERSION as u64);
+        w.uint_field("step", self.step);
+        w.str_field("mode", self.mode().as_str());
+        w.uint_field("page_size", self.page_size as u64);
+        w.uint_field("num_reqs", n as u64);
+        w.uint_field("num_tokens", tokens as u64);
+        w.uint_field("num_pages", pages as u64);
+        w.array("req_ids", n, r.iter().map(|q| q.id));
+        w.offsets("query_start", r.iter().map(|q| q.input_ids.len()));
+        w.array(
+            "input_ids",
+            tokens,
+            r.iter().flat_map(|q| q.input_ids.iter().copied()),
+        );
+        w.array(
+            "positions",
+            tokens,
+            r.iter()
+                .flat_map(|q| (0..q.input_ids.len() as i32).map(move |i| q.cached_len + i)),
+        );
+        w.array("cached_lens", n, r.iter().map(|q| q.cached_len));
+        w.offsets("page_start", r.iter().map(|q| q.pages.len()));
+        w.array(
+            "page_table",
+            pages,
+            r.iter().flat_map(|q| q.pages.iter().copied()),
+        );
+        w.array(
+            "out_slots",
+            tokens,
+            r.iter().flat_map(|q| q.out_slots.iter().copied()),
+        );
+        w.array("sample", n, r.iter().map(|q| q.sample as u8));
+        w.array(
+            "prompt_logprobs",
+            n,
+            r.iter().map(|q| q.prompt_logprobs as u8),
+        );
+        w.array(
+            "next_prompt_token",
+            n,
+            r.iter().map(|q| q.next_prompt_token),
+        );
+        w.array("temperature", n, r.iter().map(|q| q.sampling.temperature));
+        w.array("top_p", n, r.iter().map(|q| q.sampling.top_p));
+        w.array("top_k", n, r.iter().map(|q| q.sampling.top_k));
+        w.array("min_p", n, r.iter().map(|q| q.sampling.min_p));
+        w.array(
+            "repetition_penalty",
+            n,
+            r.iter().map(|q| q.sampling.repetition_penalty),
+        );
+        w.array(
+            "frequency_penalty",
+            n,
+            r.iter().map(|q| q.sampling.frequency_penalty),
+        );
+        w.array(
+            "presence_penalty",
+            n,
+            r.iter().map(|q| q.sampling.presence_penalty),
+        );
+        w.array("seed", n, r.iter().map(|q| q.sampling.seed.unwrap_or(0)));
+        w.array(
+            "has_seed",
+            n,
+            r.iter().map(|q| q.sampling.seed.is_some() as u8),
+        );
+        w.array(
+            "top_logprobs",
+            n,
+            r.iter()
+                .map(|q| q.sampling.top_logprobs.map_or(-1, |k| k as i32)),
+        );
+        w.offsets("history_start", r.iter().map(|q| q.history.len()));
+        w.array(
+            "history",
+            history,
+            r.iter().flat_map(|q| q.history.iter().copied()),
+        );
+        w.array(
+            "history_prompt_lens",
+            n,
+            r.iter().map(|q| q.history_prompt_len),
+        );
+        Ok(w.finish())
     }
 
     /// Decodes and validates a plan. The router never needs this at run time; it exists so the
@@ -240,7 +380,10 @@ impl BatchPlan {
             return bad(format!("kind is {:?}, expected \"plan\"", w.kind));
         }
         if w.version != PROTOCOL_VERSION {
-            return bad(format!("protocol version {} (expected {PROTOCOL_VERSION})", w.version));
+            return bad(format!(
+                "protocol version {} (expected {PROTOCOL_VERSION})",
+                w.version
+            ));
         }
         let n = w.num_reqs as usize;
         let ids = u64::from_bin("req_ids", &w.req_ids)?;
@@ -264,17 +407,29 @@ impl BatchPlan {
             ("page_start", &ps, pt.len()),
             ("history_start", &hs, hist.len()),
         ] {
-            if off.len() != n + 1 || off[0] != 0 || off[n] as usize != total || off.windows(2).any(|p| p[0] > p[1]) {
-                return bad(format!("{name} is not monotonic offsets 0..{total} over {n} requests"));
+            if off.len() != n + 1
+                || off[0] != 0
+                || off[n] as usize != total
+                || off.windows(2).any(|p| p[0] > p[1])
+            {
+                return bad(format!(
+                    "{name} is not monotonic offsets 0..{total} over {n} requests"
+                ));
             }
         }
-        if toks.len() != w.num_tokens as usize || pos.len() != toks.len() || slots.len() != toks.len() {
+        if toks.len() != w.num_tokens as usize
+            || pos.len() != toks.len()
+            || slots.len() != toks.len()
+        {
             return bad("input_ids, positions, out_slots and num_tokens disagree".into());
         }
         let col = |name: &'static str, b: &ByteBuf| -> Result<Vec<f32>, PlanError> {
             let v = f32::from_bin(name, b)?;
             if v.len() != n {
-                return Err(PlanError::Invalid(format!("{name} has {} entries for {n} requests", v.len())));
+                return Err(PlanError::Invalid(format!(
+                    "{name} has {} entries for {n} requests",
+                    v.len()
+                )));
             }
             Ok(v)
         };
@@ -290,6 +445,7 @@ impl BatchPlan {
         let tlp = i32::from_bin("top_logprobs", &w.top_logprobs)?;
         let sample = u8::from_bin("sample", &w.sample)?;
         let plp = u8::from_bin("prompt_logprobs", &w.prompt_logprobs)?;
+        let npt = i32::from_bin("next_prompt_token", &w.next_prompt_token)?;
         let hpl = i32::from_bin("history_prompt_lens", &w.history_prompt_lens)?;
         for (name, len) in [
             ("top_k", top_k.len()),
@@ -298,6 +454,7 @@ impl BatchPlan {
             ("top_logprobs", tlp.len()),
             ("sample", sample.len()),
             ("prompt_logprobs", plp.len()),
+            ("next_prompt_token", npt.len()),
             ("history_prompt_lens", hpl.len()),
         ] {
             if len != n {
@@ -307,8 +464,15 @@ impl BatchPlan {
         let mut requests = Vec::with_capacity(n);
         for i in 0..n {
             let (t0, t1) = (qs[i] as usize, qs[i + 1] as usize);
-            if pos[t0..t1].iter().enumerate().any(|(k, &p)| p != cached[i] + k as i32) {
-                return bad(format!("request {}: positions do not follow cached_len", ids[i]));
+            if pos[t0..t1]
+                .iter()
+                .enumerate()
+                .any(|(k, &p)| p != cached[i] + k as i32)
+            {
+                return bad(format!(
+                    "request {}: positions do not follow cached_len",
+                    ids[i]
+                ));
             }
             requests.push(PlannedRequest {
                 id: ids[i],
@@ -318,6 +482,7 @@ impl BatchPlan {
                 out_slots: slots[t0..t1].to_vec(),
                 sample: sample[i] != 0,
                 prompt_logprobs: plp[i] != 0,
+                next_prompt_token: npt[i],
                 sampling: SamplingParams {
                     temperature: temperature[i],
                     top_p: top_p[i],
@@ -333,9 +498,17 @@ impl BatchPlan {
                 history_prompt_len: hpl[i],
             });
         }
-        let plan = BatchPlan { step: w.step, page_size: w.page_size, requests };
+        let plan = BatchPlan {
+            step: w.step,
+            page_size: w.page_size,
+            requests,
+        };
         if w.mode != plan.mode() {
-            return bad(format!("mode {:?} contradicts the requests, which make it {:?}", w.mode, plan.mode()));
+            return bad(format!(
+                "mode {:?} contradicts the requests, which make it {:?}",
+                w.mode,
+                plan.mode()
+            ));
         }
         plan.validate(None)?;
         Ok(plan)
@@ -359,13 +532,25 @@ impl BatchPlan {
                 return bad(format!("request {id}: no tokens to run"));
             }
             if r.out_slots.len() != r.input_ids.len() {
-                return bad(format!("request {id}: {} out_slots for {} tokens", r.out_slots.len(), r.input_ids.len()));
+                return bad(format!(
+                    "request {id}: {} out_slots for {} tokens",
+                    r.out_slots.len(),
+                    r.input_ids.len()
+                ));
             }
             let need_pages = (r.seq_len() + ps - 1) / ps;
             if (r.pages.len() as i32) < need_pages {
-                return bad(format!("request {id}: {} pages cannot hold {} tokens", r.pages.len(), r.seq_len()));
+                return bad(format!(
+                    "request {id}: {} pages cannot hold {} tokens",
+                    r.pages.len(),
+                    r.seq_len()
+                ));
             }
-            if let Some(p) = r.pages.iter().find(|&&p| p < 0 || num_pages.is_some_and(|n| p as u32 >= n)) {
+            if let Some(p) = r
+                .pages
+                .iter()
+                .find(|&&p| p < 0 || num_pages.is_some_and(|n| p as u32 >= n))
+            {
                 return bad(format!("request {id}: page {p} outside the pool"));
             }
             for (k, &slot) in r.out_slots.iter().enumerate() {
@@ -375,7 +560,9 @@ impl BatchPlan {
                     return bad(format!("request {id}: token {pos} writes slot {slot}, its page table says {expect}"));
                 }
                 if !written.insert(slot) {
-                    return bad(format!("request {id}: slot {slot} written twice in one step"));
+                    return bad(format!(
+                        "request {id}: slot {slot} written twice in one step"
+                    ));
                 }
             }
             if r.history_prompt_len < 0 || r.history_prompt_len as usize > r.history.len() {

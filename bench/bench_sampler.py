@@ -1,0 +1,79 @@
+"""Median time of one sampler call for batch 1/64/256 at a GLM-5-sized vocabulary.
+
+    PYTHONPATH=pyworker python bench/bench_sampler.py [--device cuda] [--iters 20] [--threads 1]
+
+Mixes: `greedy` (temperature 0), `sample` (temperature 0.7, top-k 50, top-p 0.9, min-p 0.05,
+the sort-heavy path), `full` (`sample` plus penalties over a 1000-token prompt and 200
+generated tokens, seeds, and 5 top logprobs). Prints one line per (mix, batch); writes nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+
+import torch
+from nsaserve.worker.sampler import SamplingBatch, sample
+from nsaserve.worker.sampling_plans import SamplingRequest, make_plan
+
+VOCAB = 154880
+
+
+def requests(mix: str, n: int, rng: random.Random) -> list[SamplingRequest]:
+    out = []
+    for i in range(n):
+        if mix == "greedy":
+            out.append(SamplingRequest(temperature=0.0))
+            continue
+        r = SamplingRequest(temperature=0.7, top_k=50, top_p=0.9, min_p=0.05)
+        if mix == "full":
+            r.prompt = [rng.randrange(VOCAB) for _ in range(1000)]
+            r.generated = [rng.randrange(VOCAB) for _ in range(200)]
+            r.repetition_penalty, r.frequency_penalty, r.presence_penalty = 1.1, 0.2, 0.1
+            r.seed = i if i % 2 else None
+            r.top_logprobs = 5
+        out.append(r)
+    return out
+
+
+def timed(fn, device: torch.device, iters: int) -> float:
+    times = []
+    for _ in range(iters + 1):  # the first call warms up and is dropped
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[1:])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--iters", type=int, default=None, help="timed calls per case (default 20 on GPU, 3 on CPU)")
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 64, 256])
+    ap.add_argument("--mixes", nargs="+", default=["greedy", "sample", "full"])
+    ap.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's choice)")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    iters = args.iters or (20 if device.type == "cuda" else 3)
+    rng = random.Random(0)
+    print(f"device={device} vocab={VOCAB} iters={iters} torch={torch.__version__} threads={torch.get_num_threads()}")
+    for mix in args.mixes:
+        for S in args.batches:
+            plan = make_plan(requests(mix, S, rng))
+            logits = torch.randn(S, VOCAB, device=device) * 4
+            sb = SamplingBatch.from_plan(plan, device)
+            t_build = timed(lambda plan=plan: SamplingBatch.from_plan(plan, device), device, iters)
+            t_sample = timed(lambda logits=logits, sb=sb: sample(logits, sb), device, iters)
+            print(f"{mix:>6} batch={S:<4} from_plan {t_build * 1e3:8.3f} ms   sample {t_sample * 1e3:9.3f} ms")
+
+
+if __name__ == "__main__":
+    main()

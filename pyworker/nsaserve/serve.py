@@ -1,0 +1,218 @@
+"""`nsaserve serve`: the process supervisor.
+
+It binds the router's sockets, starts `--tp` worker processes, waits for every hello, then lets
+the router (Rust, in this process, on its own threads) serve HTTP while this thread watches the
+workers. Ctrl-C or SIGTERM stops everything: the router first (open requests end cleanly), then
+the workers (asked, then terminated, then killed), then the runtime directory is removed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+EMBEDDED_MODEL = Path(__file__).parent / "embedded_model"
+POLL_S = 0.2
+
+
+class ServeError(RuntimeError):
+    """A failure `serve` reports in one line before exiting non-zero."""
+
+
+@dataclass
+class WorkerProcess:
+    rank: int
+    proc: subprocess.Popen
+
+    def exit_reason(self) -> str | None:
+        code = self.proc.poll()
+        if code is None:
+            return None
+        if code < 0:
+            return f"killed by signal {signal.Signals(-code).name}"
+        return f"exited with code {code}"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def default_device() -> str:
+    try:
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    except ImportError:
+        return "cpu"
+
+
+def worker_command(args, rank: int, runtime_dir: str | None, dist_init: str | None, model_path: str, device: str) -> list[str]:
+    cmd = [
+        sys.executable,
+        "-m",
+        "nsaserve.worker.main",
+        f"--rank={rank}",
+        f"--tp-size={args.tp}",
+        f"--model-path={model_path}",
+        f"--model-executor={args.model_executor}",
+        f"--device={device}",
+        f"--dtype={args.dtype}",
+        f"--kv-cache-dtype={args.kv_cache_dtype}",
+        f"--page-size={args.page_size}",
+        f"--mem-fraction-static={args.mem_fraction_static}",
+        f"--seed={args.random_seed}",
+    ]
+    if runtime_dir:
+        cmd.append(f"--ipc-dir={runtime_dir}")
+    else:
+        cmd += [f"--tcp-host={args.worker_host}", f"--tcp-base-port={args.worker_base_port}"]
+    if dist_init:
+        cmd.append(f"--dist-init-method={dist_init}")
+    total = args.max_total_tokens or (65536 if device == "cpu" else None)
+    if total:
+        cmd.append(f"--num-pages={max(1, total // args.page_size)}")
+    return cmd
+
+
+def router_config(args, runtime_dir: str | None, model_path: str) -> dict:
+    chunk = None if args.chunked_prefill_size is None or args.chunked_prefill_size <= 0 else args.chunked_prefill_size
+    return {
+        "tp": args.tp,
+        "endpoints": {"ipc_dir": runtime_dir} if runtime_dir else {"tcp_host": args.worker_host, "tcp_base_port": args.worker_base_port},
+        "model_path": model_path,
+        "served_model_name": args.served_model_name or ("nsaserve-zen" if Path(model_path) == EMBEDDED_MODEL else Path(model_path).name),
+        "host": args.host,
+        "port": args.port,
+        "api_key": args.api_key,
+        "max_running_requests": args.max_running_requests,
+        "max_queued_requests": args.max_queued_requests,
+        "max_prefill_tokens": args.max_prefill_tokens,
+        "chunked_prefill_size": chunk,
+        "disable_radix_cache": args.disable_radix_cache,
+        "heartbeat_timeout_s": args.heartbeat_timeout,
+        "log_level": args.log_level,
+    }
+
+
+class Supervisor:
+    def __init__(self, args):
+        self.args = args
+        self.model_path = str(Path(args.model_path).resolve()) if args.model_path else str(EMBEDDED_MODEL)
+        self.device = args.device or default_device()
+        self.runtime_dir: str | None = None
+        self.workers: list[WorkerProcess] = []
+        self.router = None
+
+    def start(self) -> None:
+        from ._router import Router
+
+        if not os.path.exists(os.path.join(self.model_path, "config.json")):
+            raise ServeError(f"model path {self.model_path} has no config.json")
+        if self.args.worker_transport == "ipc":
+            # mkdtemp makes the directory 0700: only this user can reach the worker sockets.
+            self.runtime_dir = tempfile.mkdtemp(prefix="nsaserve-")
+        self.router = Router(json.dumps(router_config(self.args, self.runtime_dir, self.model_path)))
+        dist_init = f"tcp://127.0.0.1:{free_port()}" if self.args.tp > 1 else None
+        for rank in range(self.args.tp):
+            cmd = worker_command(self.args, rank, self.runtime_dir, dist_init, self.model_path, self.device)
+            self.workers.append(WorkerProcess(rank, subprocess.Popen(cmd, stdin=subprocess.DEVNULL)))
+        self.wait_ready()
+
+    def dead_worker(self) -> tuple[int, str] | None:
+        for w in self.workers:
+            reason = w.exit_reason()
+            if reason is not None:
+                return w.rank, reason
+        return None
+
+    def wait_ready(self) -> None:
+        deadline = time.monotonic() + self.args.startup_timeout
+        while True:
+            try:
+                info = self.router.poll_ready(POLL_S)
+            except RuntimeError as e:
+                raise ServeError(str(e)) from None
+            if info is not None:
+                self.info = json.loads(info)
+                return
+            dead = self.dead_worker()
+            if dead is not None:
+                # Give its fatal line a moment to arrive: it is more useful than an exit code.
+                try:
+                    info = self.router.poll_ready(1.0)
+                except RuntimeError as e:
+                    raise ServeError(str(e)) from None
+                raise ServeError(f"worker rank {dead[0]} {dead[1]} before it was ready")
+            if time.monotonic() > deadline:
+                raise ServeError(f"workers were not ready after {self.args.startup_timeout:.0f} s")
+
+    def serve_forever(self) -> int:
+        self.router.start()
+        a, i = self.args, self.info
+        print(
+            f"nsaserve ready: http://{a.host}:{a.port}/v1 serving {i['model_id']} as "
+            f"{router_config(a, self.runtime_dir, self.model_path)['served_model_name']} "
+            f"(tp {i['tp_size']}, {self.device}, {i['num_pages']} KV pages of {i['page_size']} tokens)",
+            flush=True,
+        )
+        # Until signalled. A dead worker fails every open request and turns /health red (the
+        # router answers 503 from then on); the HTTP server stays up so load balancers see it.
+        reported = False
+        while True:
+            time.sleep(POLL_S)
+            dead = self.dead_worker()
+            if dead is not None and not reported:
+                self.router.worker_exited(dead[0], dead[1])
+            if not reported and (dead is not None or not self.router.is_running()):
+                reason = self.router.exit_reason() or (f"worker rank {dead[0]} {dead[1]}" if dead else "the engine stopped")
+                print(f"nsaserve: error: {reason}; answering 503 until restarted", file=sys.stderr, flush=True)
+                reported = True
+
+    def stop(self) -> None:
+        if self.router is not None:
+            self.router.shutdown()  # fails open requests, tells workers to exit
+        for w in self.workers:
+            try:
+                w.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                w.proc.terminate()
+        for w in self.workers:
+            try:
+                w.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                w.proc.kill()
+                w.proc.wait()
+        if self.runtime_dir:
+            shutil.rmtree(self.runtime_dir, ignore_errors=True)
+
+
+def raise_keyboard_interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
+def serve(args) -> int:
+    signal.signal(signal.SIGTERM, raise_keyboard_interrupt)
+    sup = Supervisor(args)
+    try:
+        sup.start()
+        return sup.serve_forever()
+    except KeyboardInterrupt:
+        print("nsaserve: shutting down", file=sys.stderr, flush=True)
+        return 0
+    except ServeError as e:
+        print(f"nsaserve: error: {e}", file=sys.stderr, flush=True)
+        return 1
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        sup.stop()

@@ -1,0 +1,48 @@
+"""Flags of `nsaserve serve`. Names follow SGLang's where one exists, so commands carry over."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_serve_arguments(p: argparse.ArgumentParser) -> None:
+    m = p.add_argument_group("model")
+    m.add_argument(
+        "--model-path",
+        "--model",
+        dest="model_path",
+        default=None,
+        help="Hugging Face model directory (config.json, safetensors, tokenizer.json). Default: the embedded tiny model.",
+    )
+    m.add_argument("--served-model-name", default=None, help="model name the API reports and accepts (default: the directory name)")
+    m.add_argument("--dtype", choices=["auto", "bfloat16", "float32"], default="auto", help="weight and activation dtype; auto = the config's torch_dtype")
+    m.add_argument("--kv-cache-dtype", choices=["auto", "fp8_e4m3"], default="auto", help="KV cache storage; auto = the model dtype")
+    m.add_argument("--model-executor", choices=["model", "null"], default="model", help="'null' returns deterministic tokens without running a model: only for measuring the router")
+
+    r = p.add_argument_group("parallelism and devices")
+    r.add_argument("--tp", "--tp-size", dest="tp", type=int, default=1, help="tensor-parallel worker processes (one per GPU)")
+    r.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda when available, else cpu")
+    r.add_argument("--mem-fraction-static", type=float, default=0.85, help="GPU memory fraction for weights plus KV cache")
+    r.add_argument("--max-total-tokens", type=int, default=None, help="KV pool size in tokens (default on CPU: 65536; on GPU: from free memory)")
+    r.add_argument("--page-size", type=int, default=64, help="tokens per KV page")
+
+    s = p.add_argument_group("scheduling")
+    s.add_argument("--max-running-requests", type=int, default=256, help="requests decoding at once")
+    s.add_argument("--max-queued-requests", type=int, default=4096, help="waiting requests beyond which new ones get 429")
+    s.add_argument("--max-prefill-tokens", type=int, default=16384, help="prompt tokens per step")
+    s.add_argument("--chunked-prefill-size", type=int, default=8192, help="split longer prompts into chunks of this size; -1 disables")
+    s.add_argument("--disable-radix-cache", action="store_true", help="do not reuse cached prompt prefixes")
+
+    h = p.add_argument_group("HTTP")
+    h.add_argument("--host", default="127.0.0.1", help="address to bind (use 0.0.0.0 to listen on all interfaces)")
+    h.add_argument("--port", type=int, default=30000)
+    h.add_argument("--api-key", default=None, help="require 'Authorization: Bearer <key>' on API requests")
+
+    w = p.add_argument_group("workers")
+    w.add_argument("--worker-transport", choices=["ipc", "tcp"], default="ipc", help="ipc sockets in a private directory, or tcp for workers on other machines")
+    w.add_argument("--worker-host", default="127.0.0.1", help="host the router binds its worker sockets on (tcp)")
+    w.add_argument("--worker-base-port", type=int, default=31000, help="first of tp + 1 ports for the worker sockets (tcp)")
+    w.add_argument("--startup-timeout", type=float, default=900.0, help="seconds to wait for every worker's hello")
+    w.add_argument("--heartbeat-timeout", type=float, default=5.0, help="a worker silent this long is declared dead")
+    w.add_argument("--random-seed", type=int, default=0, help="seed for unseeded sampling")
+    w.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info")

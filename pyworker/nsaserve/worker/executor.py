@@ -1,0 +1,46 @@
+"""Step executors: what a worker does with a validated plan.
+
+- `ModelExecutor` runs the model and the sampler (the real thing);
+- `NullExecutor` returns deterministic tokens at once, without a model. It exists to measure the
+  router alone (`--model-executor null`); it is never a default.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Protocol
+
+import numpy as np
+
+from ..protocol.messages import Plan, StepResult
+
+
+class StepExecutor(Protocol):
+    model_id: str
+    num_pages: int
+    page_size: int
+    max_context: int
+    vocab_size: int
+
+    def run(self, plan: Plan, is_rank0: bool) -> StepResult:
+        """Runs one validated plan. Every rank runs it; only rank 0's result is sent."""
+        ...
+
+
+class NullExecutor:
+    """Deterministic tokens, no model: token = (31 * last input token + position) mod vocab."""
+
+    def __init__(self, *, vocab_size: int, num_pages: int, page_size: int, max_context: int):
+        self.model_id = "null"
+        self.vocab_size = vocab_size
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self.max_context = max_context
+
+    def run(self, plan: Plan, is_rank0: bool) -> StepResult:
+        t0 = time.perf_counter()
+        last = plan.query_start[1:].astype(np.int64) - 1
+        rows = np.flatnonzero(plan.sample)
+        toks = (31 * plan.input_ids[last[rows]].astype(np.int64) + plan.positions[last[rows]] + 1) % self.vocab_size
+        sampled = [(int(plan.req_ids[i]), int(t), None) for i, t in zip(rows, toks)]
+        return StepResult(step=plan.step, sampled=sampled, forward_ms=(time.perf_counter() - t0) * 1e3)

@@ -1,0 +1,173 @@
+"""Worker process entry: `python -m nsaserve.worker.main --rank R ...` (started by `nsaserve serve`).
+
+Life of a worker: connect to the router's sockets, load the model and the KV pool, say hello,
+then run every plan it receives until told to shut down. Anything that stops it from starting is
+reported to the router as one readable `fatal` line before the process exits non-zero.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import signal
+import sys
+import threading
+
+from ..protocol.arrays import ProtocolError
+from ..protocol.messages import Fatal, Heartbeat, Hello, StepResult, plan_from_msg, unpack
+from ..protocol.validate import validate_plan
+from .executor import NullExecutor, StepExecutor
+from .transport import Endpoints, WorkerSockets
+
+HEARTBEAT_S = 1.0
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="nsaserve-worker", description="One tensor-parallel rank of nsaserve.")
+    p.add_argument("--rank", type=int, required=True)
+    p.add_argument("--tp-size", type=int, required=True)
+    p.add_argument("--ipc-dir", help="runtime directory of the router's ipc sockets")
+    p.add_argument("--tcp-host", help="router host, when workers connect over tcp")
+    p.add_argument("--tcp-base-port", type=int)
+    p.add_argument("--dist-init-method", default=None, help="torch.distributed init method (tp > 1)")
+    p.add_argument("--model-path", default=None)
+    p.add_argument("--model-executor", choices=["model", "null"], default="model")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--kv-cache-dtype", default="auto")
+    p.add_argument("--page-size", type=int, default=64)
+    p.add_argument("--num-pages", type=int, default=None)
+    p.add_argument("--mem-fraction-static", type=float, default=0.85)
+    p.add_argument("--max-context", type=int, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    return p.parse_args(argv)
+
+
+def die_with_parent() -> None:
+    """Ask the kernel to SIGTERM us if `serve` dies, so no worker is ever orphaned."""
+    if sys.platform.startswith("linux"):
+        pr_set_pdeathsig = 1
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+        if os.getppid() == 1:  # the parent died before prctl took effect
+            os._exit(1)
+
+
+def build_executor(args: argparse.Namespace) -> StepExecutor:
+    if args.model_executor == "null":
+        return NullExecutor(
+            vocab_size=model_vocab_size(args.model_path),
+            num_pages=args.num_pages or 4096,
+            page_size=args.page_size,
+            max_context=args.max_context or 4096,
+        )
+    from .model_executor import ModelExecutor
+
+    return ModelExecutor.from_args(args)
+
+
+def model_vocab_size(model_path: str | None) -> int:
+    import json
+
+    if model_path and os.path.exists(os.path.join(model_path, "config.json")):
+        with open(os.path.join(model_path, "config.json")) as f:
+            return int(json.load(f)["vocab_size"])
+    return 32000
+
+
+def run_plan(data: bytes, executor: StepExecutor, is_rank0: bool) -> tuple[StepResult | None, int]:
+    """One received message -> the result to send (None for shutdown) and the step it answered.
+
+    Never raises: a bad plan or a failing step becomes per-request errors in the result.
+    """
+    try:
+        msg = unpack(data)
+        if msg["kind"] == "shutdown":
+            return None, -1
+        plan = plan_from_msg(msg)
+        runnable, errors = validate_plan(plan, executor.num_pages)
+    except (ProtocolError, KeyError, ValueError, TypeError) as e:
+        # Unreadable plan: answer anyway, and the router fails every request of the step it has
+        # in flight (it knows them; we could not read them).
+        _log(f"dropped an unreadable plan: {e}")
+        return StepResult(step=0), 0
+    try:
+        result = executor.run(runnable, is_rank0) if runnable.num_reqs else StepResult(step=plan.step)
+    except Exception as e:  # a failing step fails its requests, not the worker
+        _log(f"step {plan.step} failed: {type(e).__name__}: {e}")
+        result = StepResult(step=plan.step, errors=[(int(r), f"worker error: {type(e).__name__}: {e}") for r in runnable.req_ids])
+    result.step = plan.step
+    result.errors = errors + result.errors
+    return result, plan.step
+
+
+def _log(message: str) -> None:
+    print(f"[nsaserve worker] {message}", file=sys.stderr, flush=True)
+
+
+def heartbeat_loop(sockets: WorkerSockets, rank: int, progress: list[int], stop: threading.Event) -> None:
+    sock = sockets.new_event_socket()
+    try:
+        while not stop.wait(HEARTBEAT_S):
+            sock.send(Heartbeat(rank=rank, step=progress[0]).encode())
+    finally:
+        sock.close(linger=0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    die_with_parent()
+    # Ctrl-C reaches the whole process group; `serve` decides when workers stop.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if args.ipc_dir:
+        endpoints = Endpoints.ipc(args.ipc_dir, args.rank)
+    else:
+        endpoints = Endpoints.tcp(args.tcp_host, args.tcp_base_port, args.rank)
+    sockets = WorkerSockets(endpoints)
+    try:
+        if args.tp_size > 1 and args.model_executor == "model":
+            from .distributed import init_distributed
+
+            init_distributed(args)
+        executor = build_executor(args)
+    except BaseException as e:  # every startup failure is reported in one line, then exit 1
+        line = f"{type(e).__name__}: {e}".splitlines()[0] if str(e) else type(e).__name__
+        sockets.send(Fatal(rank=args.rank, message=line).encode())
+        sockets.close()
+        _log(f"rank {args.rank} failed to start: {line}")
+        return 1
+
+    sockets.send(
+        Hello(
+            rank=args.rank,
+            tp_size=args.tp_size,
+            pid=os.getpid(),
+            model_id=executor.model_id,
+            num_pages=executor.num_pages,
+            page_size=executor.page_size,
+            max_context=executor.max_context,
+            vocab_size=executor.vocab_size,
+        ).encode()
+    )
+    progress = [0]
+    stop = threading.Event()
+    beat = threading.Thread(target=heartbeat_loop, args=(sockets, args.rank, progress, stop), daemon=True)
+    beat.start()
+    is_rank0 = args.rank == 0
+    try:
+        while True:
+            result, step = run_plan(sockets.recv_plan(), executor, is_rank0)
+            if result is None:
+                break
+            progress[0] = max(progress[0], step)
+            if is_rank0:
+                sockets.send(result.encode())
+    finally:
+        stop.set()
+        beat.join(timeout=2 * HEARTBEAT_S)
+        sockets.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

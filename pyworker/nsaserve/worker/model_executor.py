@@ -1,0 +1,106 @@
+"""The real executor: the model forward on every rank, then sampling on rank 0."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+import torch
+
+from ..protocol.messages import Plan, PromptLogprobs, StepResult, TokenLogprobs
+from .batch import build_forward_batch, prompt_logprob_rows, sample_rows
+
+
+def resolve_model_path(path: str | None) -> str:
+    if not path:
+        raise FileNotFoundError("no model path given")
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"model path {path} does not exist")
+    if not os.path.exists(os.path.join(path, "config.json")):
+        raise FileNotFoundError(f"model path {path} has no config.json")
+    return path
+
+
+class ModelExecutor:
+    def __init__(self, runner, device: torch.device):
+        self.runner = runner
+        self.device = device
+        self.model_id = runner.model_id
+        self.num_pages = runner.num_pages
+        self.page_size = runner.page_size
+        self.max_context = runner.max_context
+        self.vocab_size = runner.vocab_size
+
+    @classmethod
+    def from_args(cls, args) -> ModelExecutor:
+        path = resolve_model_path(args.model_path)
+        from ..model.runner import ModelRunner
+
+        if args.device == "cuda":
+            device = torch.device("cuda", args.rank % max(1, torch.cuda.device_count()))
+            torch.cuda.set_device(device)
+        else:
+            device = torch.device("cpu")
+        torch.manual_seed(args.seed)
+        runner = ModelRunner(
+            path,
+            device=device,
+            dtype=None if args.dtype == "auto" else getattr(torch, args.dtype),
+            kv_cache_dtype=args.kv_cache_dtype,
+            num_pages=args.num_pages,
+            page_size=args.page_size,
+            mem_fraction_static=args.mem_fraction_static,
+            tp_rank=args.rank,
+            tp_size=args.tp_size,
+        )
+        return cls(runner, device)
+
+    def run(self, plan: Plan, is_rank0: bool) -> StepResult:
+        from .sampler import SamplingBatch, sample
+
+        t0 = time.perf_counter()
+        batch = build_forward_batch(plan, self.device)
+        logits = self.runner.forward(batch)  # rows: sampling rows, then prompt-logprob rows
+        result = StepResult(step=plan.step)
+        if not is_rank0:
+            return result
+        n_sample = len(sample_rows(plan))
+        sampling_ids = plan.req_ids[plan.sample.astype(bool)]
+        if n_sample:
+            out = sample(logits[:n_sample], SamplingBatch.from_plan(plan, self.device))
+            tokens = out.tokens.tolist()
+            lps = out.logprobs.tolist()
+            want = plan.top_logprobs[plan.sample.astype(bool)]
+            top_ids = out.top_ids.tolist() if out.top_ids.numel() else None
+            top_lps = out.top_logprobs.tolist() if out.top_logprobs.numel() else None
+            for row, (rid, tok) in enumerate(zip(sampling_ids, tokens)):
+                k = int(want[row])
+                lp = None
+                if k >= 0:
+                    top = list(zip(top_ids[row][:k], top_lps[row][:k])) if k and top_ids else []
+                    lp = TokenLogprobs(float(lps[row]), [(int(a), float(b)) for a, b in top])
+                result.sampled.append((int(rid), int(tok), lp))
+        row = n_sample
+        for i, token_rows in prompt_logprob_rows(plan):
+            result.prompt_logprobs.append(self._prompt_logprobs(plan, i, logits[row : row + len(token_rows)]))
+            row += len(token_rows)
+        result.forward_ms = (time.perf_counter() - t0) * 1e3
+        return result
+
+    def _prompt_logprobs(self, plan: Plan, i: int, rows: torch.Tensor) -> PromptLogprobs:
+        """Row k predicts the token at position cached_len + k + 1: the next token of this chunk,
+        or for the last row the first token of the next chunk (`next_prompt_token`)."""
+        start, end = int(plan.query_start[i]), int(plan.query_start[i + 1])
+        chunk = plan.input_ids[start:end].astype(np.int64)
+        nxt = int(plan.next_prompt_token[i])
+        targets = np.concatenate([chunk[1:], [nxt]]) if nxt >= 0 else chunk[1:]
+        k = max(0, int(plan.top_logprobs[i]))
+        from .sampler import prompt_logprobs
+
+        lp, top_ids, top_lps = prompt_logprobs(rows[: len(targets)], torch.from_numpy(targets).to(rows.device), k)
+        entries = [
+            TokenLogprobs(float(lp[j]), [(int(a), float(b)) for a, b in zip(top_ids[j].tolist(), top_lps[j].tolist())])
+            for j in range(len(targets))
+        ]
+        return PromptLogprobs(int(plan.req_ids[i]), int(plan.cached_lens[i]) + 1, [int(t) for t in targets], entries)

@@ -1,0 +1,82 @@
+"""The worker's sampler (rank 0): one vectorised pass over the rows that sample this step.
+
+Order of operations, as vLLM/SGLang users expect:
+1. penalties on the raw logits: repetition (HF style, prompt + generated tokens), then
+   frequency and presence (OpenAI style, generated tokens only);
+2. greedy rows (temperature < 1e-5, 0 included) take the argmax; ties go to the lowest token id;
+3. other rows: divide by temperature, then top-k, top-p (on the top-k distribution), min-p,
+   and draw from what is left with an exponential race (see sampling_noise).
+
+Logprobs are those of the raw model distribution (see sampling_logprobs).
+Reproducibility: a seeded request's token depends only on its logits, its parameters, its seed
+and the position of the token being sampled (on one kind of device), never on the rest of the
+batch. The caller's logits are not modified.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .sampling_batch import SamplingBatch
+from .sampling_logits import process_logits
+from .sampling_logprobs import prompt_logprobs, token_logprobs
+from .sampling_noise import batch_uniform, gumbel
+
+
+@dataclass
+class SampleOutput:
+    tokens: torch.Tensor  # int64 [S]
+    logprobs: torch.Tensor  # f32 [S], NaN on rows that did not ask for logprobs
+    # K = the most top logprobs any row asked for; a row that asked for n < K uses the first n
+    # columns. Rows that did not ask hold id -1 and NaN.
+    top_ids: torch.Tensor  # int64 [S, K]
+    top_logprobs: torch.Tensor  # f32 [S, K]
+
+
+def pick_tokens(x: torch.Tensor, u: torch.Tensor | None, sb: SamplingBatch) -> torch.Tensor:
+    """argmax(x + Gumbel(u)) on sampling rows and argmax(x) on greedy rows, in one pass."""
+    if u is None:
+        return x.argmax(dim=1)
+    g = gumbel(u)
+    if sb.any_greedy:
+        g.masked_fill_(sb.greedy.unsqueeze(1), 0.0)
+    return g.add_(x).argmax(dim=1)
+
+
+def draw_uniform(
+    sb: SamplingBatch, vocab: int, device, generator: torch.Generator | None = None
+) -> torch.Tensor | None:
+    """The step's uniforms [S, V], or None when every row is greedy."""
+    if sb.all_greedy:
+        return None
+    return batch_uniform(sb.num_rows, vocab, sb.seeded, device, generator)
+
+
+def sample(logits: torch.Tensor, sb: SamplingBatch, generator: torch.Generator | None = None) -> SampleOutput:
+    """Samples one token per row of `logits` [S, V] (row i = row i of `sb`).
+
+    `generator` drives the unseeded rows; by default torch's default generator of the device,
+    so seeding torch once at worker launch makes a launch deterministic.
+    """
+    S, V = logits.shape
+    if S != sb.num_rows:
+        raise ValueError(f"{S} rows of logits for a sampling batch of {sb.num_rows}")
+    x = process_logits(logits, sb)
+    tokens = pick_tokens(x, draw_uniform(sb, V, logits.device, generator), sb)
+
+    K = min(sb.max_top_logprobs, V)
+    lp = torch.full((S,), float("nan"), dtype=torch.float32, device=logits.device)
+    top_ids = torch.full((S, K), -1, dtype=torch.int64, device=logits.device)
+    top_lp = torch.full((S, K), float("nan"), dtype=torch.float32, device=logits.device)
+    rows = sb.logprob_rows
+    if rows.numel():
+        chosen, ids, vals = token_logprobs(logits.index_select(0, rows), tokens.index_select(0, rows), K)
+        lp.index_copy_(0, rows, chosen)
+        top_ids.index_copy_(0, rows, ids)
+        top_lp.index_copy_(0, rows, vals)
+    return SampleOutput(tokens=tokens, logprobs=lp, top_ids=top_ids, top_logprobs=top_lp)
+
+
+__all__ = ["SampleOutput", "SamplingBatch", "sample", "prompt_logprobs", "pick_tokens", "draw_uniform"]

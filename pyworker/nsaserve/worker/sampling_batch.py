@@ -1,0 +1,155 @@
+"""SamplingBatch: the sampling parameters of one step, packed into device tensors once.
+
+Rows are the requests that produce a token this step (`plan.sample == 1`), in plan order.
+Everything the sampler needs to decide on the host (which rows need sorting, which are seeded,
+how many top logprobs to return) is decided here, so `sample` never waits on the device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..protocol.messages import Plan
+from .sampling_noise import row_seeds
+
+# Below this temperature a request is sampled greedily: dividing logits by a smaller number
+# can overflow float32, and the distribution is a point mass to float precision anyway.
+GREEDY_TEMPERATURE = 1e-5
+
+
+@dataclass
+class SamplingBatch:
+    num_rows: int  # S
+    req_index: np.ndarray  # int64 [S], the plan's request index of each row (host)
+
+    greedy: torch.Tensor  # bool [S]
+    temperature: torch.Tensor  # f32 [S], 1.0 on greedy rows so the division is harmless
+    top_k: torch.Tensor  # int64 [S], 0 = off
+    top_p: torch.Tensor  # f32 [S], >= 1 = off
+    min_p: torch.Tensor  # f32 [S], clamped to [0, 1]; 0 = off
+    repetition_penalty: torch.Tensor  # f32 [S], 1 = off
+    frequency_penalty: torch.Tensor  # f32 [S]
+    presence_penalty: torch.Tensor  # f32 [S]
+
+    # Token history of the rows that have a penalty, as (row, token) pairs; a token that
+    # occurs k times occurs k times here. Ids outside the vocabulary are kept here and
+    # ignored by the penalties (they have no logit to penalise).
+    penalty_rows: torch.Tensor  # int64 [P], the rows with a penalty (sorted)
+    history_row: torch.Tensor  # int64 [H], index into penalty_rows
+    history_token: torch.Tensor  # int64 [H]
+    history_generated: torch.Tensor  # f32 [H], 1.0 for generated tokens, 0.0 for prompt tokens
+
+    # (row, generator seed) of every seeded row that samples randomly; the generator seed
+    # depends only on the request's seed and the position of the token being sampled.
+    seeded: list[tuple[int, int]]
+
+    top_logprobs: np.ndarray  # int32 [S] (host), -1 = no logprobs
+    logprob_rows: torch.Tensor  # int64 [R], rows that asked for logprobs
+    max_top_logprobs: int  # K of the output: the most top logprobs any row asked for
+
+    # Host-side flags so `sample` can skip whole stages without reading the device.
+    all_greedy: bool
+    any_greedy: bool
+    any_top_p: bool
+    top_p_without_k: bool  # some row has top-p but no top-k: its threshold needs a full sort
+    top_k_or_p_rows: torch.Tensor  # int64, rows with top-k or top-p active
+    top_k_or_p_all: bool  # every row has one: work on the whole batch, no row gather
+    max_top_k: int  # largest active top_k (0 if none)
+    any_min_p: bool
+
+    @staticmethod
+    def from_plan(plan: Plan, device: torch.device | str) -> SamplingBatch:
+        """Host work is O(requests); the token history is expanded on the device."""
+        sel = np.flatnonzero(plan.sample).astype(np.int64)
+        S = len(sel)
+
+        temp = plan.temperature[sel].astype(np.float32)
+        greedy = ~(temp >= GREEDY_TEMPERATURE)  # NaN counts as greedy
+        top_k = np.maximum(plan.top_k[sel].astype(np.int64), 0)
+        top_p = plan.top_p[sel].astype(np.float32)
+        min_p = np.clip(plan.min_p[sel].astype(np.float32), 0.0, 1.0)
+        rep = plan.repetition_penalty[sel].astype(np.float32)
+        freq = plan.frequency_penalty[sel].astype(np.float32)
+        pres = plan.presence_penalty[sel].astype(np.float32)
+        # Filters cannot change a greedy row's token (the top token always survives them).
+        k_active = (top_k > 0) & ~greedy
+        p_active = (top_p < 1.0) & ~greedy
+        kp_rows = np.flatnonzero(k_active | p_active)
+        tlp = plan.top_logprobs[sel].astype(np.int32)
+        lp_rows = np.flatnonzero(tlp >= 0)
+        pen_rows = np.flatnonzero((rep != 1.0) | (freq != 0.0) | (pres != 0.0))
+
+        # Per-row values and index lists travel in two host->device copies, not one per field.
+        per_row = np.stack([np.where(greedy, 1.0, temp), top_p, min_p, rep, freq, pres, top_k, greedy]).astype(
+            np.float32
+        )
+        f = _to_device(per_row, device)
+        pen_req = sel[pen_rows]
+        h_start = plan.history_start[:-1][pen_req].astype(np.int64)
+        h_len = plan.history_start[1:][pen_req].astype(np.int64) - h_start
+        h_prompt = plan.history_prompt_lens[pen_req].astype(np.int64)
+        lists = (kp_rows, lp_rows, pen_rows, h_start, h_len, h_prompt)
+        ints = torch.split(_to_device(np.concatenate(lists).astype(np.int64), device), [len(a) for a in lists])
+
+        # The position of the token being sampled = the position after the request's last
+        # token this step. A seeded request draws the same noise for it however it is batched.
+        last_tok = plan.query_start[1:][sel].astype(np.int64) - 1
+        positions = plan.positions[last_tok].astype(np.int64) + 1
+        seeded_rows = np.flatnonzero(plan.has_seed[sel].astype(bool) & ~greedy)
+        gen_seeds = row_seeds(plan.seed[sel][seeded_rows], positions[seeded_rows])
+
+        h_row, h_tok, h_gen = _expand_history(plan.history, ints[3], ints[4], ints[5], int(h_len.sum()), device)
+        return SamplingBatch(
+            num_rows=S,
+            req_index=sel,
+            greedy=f[7] > 0,
+            temperature=f[0],
+            top_k=f[6].long(),
+            top_p=f[1],
+            min_p=f[2],
+            repetition_penalty=f[3],
+            frequency_penalty=f[4],
+            presence_penalty=f[5],
+            penalty_rows=ints[2],
+            history_row=h_row,
+            history_token=h_tok,
+            history_generated=h_gen,
+            seeded=list(zip(seeded_rows.tolist(), gen_seeds.tolist())),
+            top_logprobs=tlp,
+            logprob_rows=ints[1],
+            max_top_logprobs=int(tlp.max()) if S and tlp.max() > 0 else 0,
+            all_greedy=bool(greedy.all()),
+            any_greedy=bool(greedy.any()),
+            any_top_p=bool(p_active.any()),
+            top_p_without_k=bool((p_active & ~k_active).any()),
+            top_k_or_p_rows=ints[0],
+            top_k_or_p_all=len(kp_rows) == S,
+            max_top_k=int(top_k[k_active].max()) if k_active.any() else 0,
+            any_min_p=bool(((min_p > 0) & ~greedy).any()),
+        )
+
+
+def _to_device(a: np.ndarray, device) -> torch.Tensor:
+    # np.array copies: plan arrays are read-only views of the message, which torch refuses to wrap.
+    return torch.from_numpy(np.array(a)).to(device)
+
+
+def _expand_history(history: np.ndarray, start, length, prompt_len, total: int, device):
+    """(pair row, pair token, pair is-generated) of the penalised rows' histories, built on the device.
+
+    `total` (the sum of `length`, known on the host) fixes every output size, so nothing here
+    waits for the device.
+    """
+    if total == 0:
+        empty = torch.zeros(0, dtype=torch.int64, device=device)
+        return empty, empty, torch.zeros(0, dtype=torch.float32, device=device)
+    hist = _to_device(history, device)
+    row = torch.repeat_interleave(torch.arange(len(length), device=device), length, output_size=total)
+    seg_start = torch.cumsum(length, 0) - length
+    offset = torch.arange(total, device=device) - seg_start[row]  # index within the row's history
+    token = hist[start[row] + offset].long()
+    generated = (offset >= prompt_len[row]).float()
+    return row, token, generated

@@ -1,0 +1,117 @@
+"""Logit processing, vectorised over the batch: penalties, temperature, top-k, top-p, min-p.
+
+Every filter sets the logits of dropped tokens to -inf and keeps the rest unchanged, so the
+result is the filtered distribution in logit form (softmax of it = the renormalised
+distribution). The most likely token always survives, so no row is ever left empty.
+
+Ties are kept together: each filter turns into a threshold on the logit and keeps every token
+at or above it, so the result never depends on how a sort orders equal values.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .sampling_batch import SamplingBatch
+
+
+def apply_penalties(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
+    """Repetition (HF style) then frequency/presence (OpenAI style) penalties; returns a new tensor.
+
+    - repetition penalty r over prompt + generated tokens: positive logits / r, others * r;
+    - frequency f and presence q over generated tokens only: logit -= f * count + q * (count > 0).
+    """
+    if sb.history_token.numel() == 0:
+        return logits
+    rows = sb.penalty_rows
+    x = logits.index_select(0, rows)
+    P, V = x.shape
+    # Counts per (row, token) by scatter-add; ids outside the vocabulary weigh nothing.
+    tok = sb.history_token
+    valid = ((tok >= 0) & (tok < V)).float()
+    index = (sb.history_row, tok.clamp(0, V - 1))
+    seen = torch.zeros(P, V, dtype=torch.float32, device=x.device).index_put_(index, valid, accumulate=True) > 0
+    counts = torch.zeros(P, V, dtype=torch.float32, device=x.device)
+    counts.index_put_(index, valid * sb.history_generated, accumulate=True)
+
+    r = sb.repetition_penalty.index_select(0, rows).unsqueeze(1)
+    x = torch.where(seen, torch.where(x > 0, x / r, x * r), x)
+    f = sb.frequency_penalty.index_select(0, rows).unsqueeze(1)
+    q = sb.presence_penalty.index_select(0, rows).unsqueeze(1)
+    x = x - (f * counts + q * (counts > 0).float())
+
+    out = logits.clone()
+    out.index_copy_(0, rows, x)
+    return out
+
+
+# Up to this many candidates, top-k (and top-p on top of it) reads the k largest logits
+# instead of sorting the whole vocabulary; past it a full sort costs about the same.
+CANDIDATE_LIMIT = 1024
+
+
+def top_k_top_p_threshold(x: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
+    """Per row of `sb.top_k_or_p_rows`, the smallest logit top-k and top-p let through: [R, 1].
+
+    top-k: the k-th largest logit. top-p works on the top-k distribution renormalised: the
+    smallest prefix of tokens, most likely first, whose mass reaches top_p; its last logit.
+    """
+    rows = sb.top_k_or_p_rows
+    sub = x if sb.top_k_or_p_all else x.index_select(0, rows)
+    V = sub.shape[1]
+    k = sb.top_k.index_select(0, rows)
+    k = torch.where((k <= 0) | (k > V), V, k).unsqueeze(1)
+    if sb.top_p_without_k or sb.max_top_k > CANDIDATE_LIMIT:
+        vals = sub.sort(dim=1, descending=True).values
+    else:
+        # Every row here has a top-k no larger than max_top_k: its candidates are all in view.
+        vals = sub.topk(min(sb.max_top_k, V), dim=1).values
+    kth = vals.gather(1, k - 1)
+    if not sb.any_top_p:
+        return kth
+    # Masses relative to the top-k set's total, taken over the whole row so that tokens tied
+    # with the k-th value beyond the candidates still count.
+    top = vals[:, :1]
+    total = (sub - top).exp().masked_fill_(sub < kth, 0.0).sum(dim=1, keepdim=True)
+    cum = (vals - top).exp().masked_fill_(vals < kth, 0.0).cumsum(dim=1) / total
+    top_p = sb.top_p.index_select(0, rows).unsqueeze(1)
+    # The cut is the first position whose cumulative mass reaches top_p; past position k - 1
+    # only ties of the k-th value remain, so the cut never needs to go further.
+    m = torch.minimum((cum < top_p).sum(dim=1, keepdim=True), k - 1)
+    pth = vals.gather(1, m)
+    pth = torch.where(top_p >= 1.0, float("-inf"), pth)  # top_p = 1 is off, whatever cum's rounding
+    return torch.maximum(kth, pth)
+
+
+def filter_logits(x: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
+    """Top-k, top-p and min-p on temperature-scaled logits; dropped tokens become -inf (new tensor)."""
+    if sb.top_k_or_p_all:
+        x = x.masked_fill(x < top_k_top_p_threshold(x, sb), float("-inf"))
+    elif sb.top_k_or_p_rows.numel():
+        th = top_k_top_p_threshold(x, sb)
+        rows = sb.top_k_or_p_rows
+        sub = x.index_select(0, rows)
+        x = x.index_copy(0, rows, sub.masked_fill_(sub < th, float("-inf")))
+    if sb.any_min_p:
+        # p_i >= min_p * p_max  <=>  x_i >= x_max + log(min_p): no softmax needed, and min_p = 0
+        # gives -inf (keep all). Top-k/top-p never drop the maximum, so x_max is unchanged.
+        log_min_p = torch.where(sb.min_p > 0, sb.min_p.log(), float("-inf")).unsqueeze(1)
+        th = x.amax(dim=1, keepdim=True) + log_min_p
+        x = x.masked_fill(x < th, float("-inf"))
+    return x
+
+
+def process_logits(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
+    """Penalties, temperature, filters: the logits each non-greedy row samples from.
+
+    Greedy rows come out penalised but otherwise unscaled (their temperature reads 1), so their
+    argmax is the greedy token.
+    """
+    x = apply_penalties(logits.float(), sb)
+    if sb.all_greedy:
+        return x
+    x = x / sb.temperature.unsqueeze(1)
+    return filter_logits(x, sb)
+
+
+__all__ = ["apply_penalties", "filter_logits", "process_logits", "top_k_top_p_threshold"]

@@ -1,0 +1,48 @@
+"""Logprobs returned to users: always from the model's raw distribution.
+
+Like vLLM's default, the logprob of a token is log_softmax of the unprocessed logits: no
+penalties, temperature or top-k/top-p/min-p. The sampled token's logprob therefore describes the
+model, not the sampler that picked it (a token outside the model's top-k can be reported even
+when the request set top_k). The top entries are in decreasing logprob order; the order among
+equal logprobs is unspecified.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# Rows of log_softmax materialised at once by `prompt_logprobs` (a long prompt times a 150k
+# vocabulary would otherwise need gigabytes of scratch).
+PROMPT_CHUNK_ROWS = 256
+
+
+def token_logprobs(
+    logits: torch.Tensor, tokens: torch.Tensor, k: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(logprob of each row's token [N], top-k ids [N, k] int64, top-k logprobs [N, k] f32)."""
+    lsm = torch.log_softmax(logits.float(), dim=-1)
+    chosen = lsm.gather(1, tokens.long().unsqueeze(1)).squeeze(1)
+    k = min(k, lsm.shape[1])
+    if k == 0:
+        return chosen, lsm.new_empty(lsm.shape[0], 0, dtype=torch.int64), lsm.new_empty(lsm.shape[0], 0)
+    top = lsm.topk(k, dim=1)
+    return chosen, top.indices, top.values
+
+
+def prompt_logprobs(
+    logits: torch.Tensor, next_tokens: torch.Tensor, k: int, chunk_rows: int = PROMPT_CHUNK_ROWS
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Logprobs of prompt tokens: row i of `logits` predicts `next_tokens[i]`.
+
+    Returns (logprobs [L] f32, top ids [L, k] int64, top logprobs [L, k] f32), computed
+    `chunk_rows` rows at a time to bound scratch memory.
+    """
+    L, V = logits.shape
+    k = max(0, min(k, V))
+    lp = torch.empty(L, dtype=torch.float32, device=logits.device)
+    ids = torch.empty(L, k, dtype=torch.int64, device=logits.device)
+    vals = torch.empty(L, k, dtype=torch.float32, device=logits.device)
+    for a in range(0, L, chunk_rows):
+        b = min(a + chunk_rows, L)
+        lp[a:b], ids[a:b], vals[a:b] = token_logprobs(logits[a:b], next_tokens[a:b], k)
+    return lp, ids, vals

@@ -1,0 +1,43 @@
+"""Sampler outputs as the protocol's result entries (host side, once per step).
+
+Each tensor crosses to the host in one copy; the per-request loop then only slices numpy rows.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ..protocol.messages import Plan, TokenLogprobs
+from .sampler import SampleOutput
+from .sampling_batch import SamplingBatch
+
+
+def sampled_entries(plan: Plan, sb: SamplingBatch, out: SampleOutput) -> list[tuple[int, int, TokenLogprobs | None]]:
+    """(request id, token, logprobs or None) per sampling row, in plan order, for `StepResult.sampled`.
+
+    A request that asked for n top logprobs gets the first n of the K columns.
+    """
+    tokens = out.tokens.cpu().numpy()
+    lp = out.logprobs.cpu().numpy()
+    ids = out.top_ids.cpu().numpy()
+    vals = out.top_logprobs.cpu().numpy()
+    req_ids = plan.req_ids[sb.req_index]
+    entries = []
+    for j in range(sb.num_rows):
+        n = int(sb.top_logprobs[j])
+        lps = None if n < 0 else TokenLogprobs(float(lp[j]), _pairs(ids[j, :n], vals[j, :n]))
+        entries.append((int(req_ids[j]), int(tokens[j]), lps))
+    return entries
+
+
+def prompt_entries(logprobs: torch.Tensor, top_ids: torch.Tensor, top_logprobs: torch.Tensor) -> list[TokenLogprobs]:
+    """`prompt_logprobs`'s tensors as one `TokenLogprobs` per prompt token, for `PromptLogprobs.entries`."""
+    lp = logprobs.cpu().numpy()
+    ids = top_ids.cpu().numpy()
+    vals = top_logprobs.cpu().numpy()
+    return [TokenLogprobs(float(lp[i]), _pairs(ids[i], vals[i])) for i in range(len(lp))]
+
+
+def _pairs(ids: np.ndarray, vals: np.ndarray) -> list[tuple[int, float]]:
+    return list(zip(ids.tolist(), vals.tolist()))

@@ -1,0 +1,390 @@
+//! POST /v1/chat/completions: messages rendered through the model's chat template, `n`
+//! samples, chat logprobs, streaming or not.
+
+use std::collections::HashSet;
+use std::sync::Arc;
+use std::time::Instant;
+
+use axum::extract::{Request, State};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use serde_json::{Map, Value};
+
+use crate::tokenizer::TokenizerBundle;
+
+use super::errors::ApiError;
+use super::generation::{self, ChoiceEvent, ChoiceOutput, GenerationContext, UsageTally};
+use super::json_body::read_json;
+use super::logprobs;
+use super::openai_types::{
+    ChatChoice, ChatChunk, ChatChunkChoice, ChatDelta, ChatMessage, ChatRequest, ChatResponse,
+    Usage,
+};
+use super::prompt::blocking;
+use super::sse::{sse_response, to_json, ChunkWriter};
+use super::validation::{
+    check_logprobs, check_model, fit_context, generate_requests, unsupported, validate_sampling,
+};
+use super::{unix_now, AppState};
+
+const ROLES: &[&str] = &["system", "developer", "user", "assistant", "tool"];
+
+pub async fn handler(State(app): State<AppState>, request: Request) -> Response {
+    match handle(app, request).await {
+        Ok(response) => response,
+        Err(e) => e.into_response(),
+    }
+}
+
+/// Checks one message and flattens its `content`: chat templates expect a string, so a list
+/// of text parts becomes their texts joined by newlines. Other keys (`tool_calls`,
+/// `tool_call_id`, `name`, ...) pass through to the template untouched.
+fn normalize_message(i: usize, message: Value) -> Result<Value, ApiError> {
+    let param = format!("messages[{i}]");
+    let Value::Object(mut m) = message else {
+        return Err(ApiError::invalid_param(
+            &param,
+            format!("`{param}` must be an object."),
+        ));
+    };
+    match m.get("role").and_then(Value::as_str) {
+        Some(role) if ROLES.contains(&role) => {}
+        Some(role) => {
+            return Err(ApiError::invalid_param(
+                &param,
+                format!("`{param}.role` must be one of {ROLES:?}, got {role:?}."),
+            ))
+        }
+        None => {
+            return Err(ApiError::invalid_param(
+                &param,
+                format!("`{param}.role` is required and must be a string."),
+            ))
+        }
+    }
+    let content = match m.remove("content") {
+        None | Some(Value::Null) => Value::Null,
+        Some(Value::String(s)) => Value::String(s),
+        Some(Value::Array(parts)) => {
+            let texts = parts
+                .iter()
+                .map(|part| match (part.get("type").and_then(Value::as_str), part.get("text").and_then(Value::as_str)) {
+                    (Some("text"), Some(text)) => Ok(text),
+                    _ => Err(ApiError::invalid_param(
+                        &param,
+                        format!("`{param}.content` parts must be {{\"type\": \"text\", \"text\": string}}; other part types are not supported."),
+                    )),
+                })
+                .collect::<Result<Vec<&str>, ApiError>>()?;
+            Value::String(texts.join("\n"))
+        }
+        Some(_) => {
+            return Err(ApiError::invalid_param(
+                &param,
+                format!("`{param}.content` must be a string or a list of text parts."),
+            ))
+        }
+    };
+    // Only an assistant turn carrying tool calls may go without content.
+    if content.is_null()
+        && !(m.get("role") == Some(&Value::from("assistant")) && m.contains_key("tool_calls"))
+    {
+        return Err(ApiError::invalid_param(
+            &param,
+            format!("`{param}.content` is required."),
+        ));
+    }
+    m.insert("content".into(), content);
+    if let Some(Value::Array(calls)) = m.get_mut("tool_calls") {
+        calls.iter_mut().for_each(parse_tool_call_arguments);
+    }
+    Ok(Value::Object(m))
+}
+
+/// OpenAI sends a tool call's `arguments` as a JSON string; Hugging Face chat templates iterate
+/// over them as a mapping (`arguments.items()`), so a string that holds a JSON object is
+/// parsed (as vLLM does). Anything else is left for the template to print.
+fn parse_tool_call_arguments(call: &mut Value) {
+    let Some(arguments) = call
+        .get_mut("function")
+        .and_then(|f| f.get_mut("arguments"))
+    else {
+        return;
+    };
+    if let Some(Ok(parsed @ Value::Object(_))) =
+        arguments.as_str().map(serde_json::from_str::<Value>)
+    {
+        *arguments = parsed;
+    }
+}
+
+/// Renders the conversation and tokenizes it (without adding special tokens: the template
+/// writes them).
+async fn chat_prompt(
+    tokenizer: &Arc<TokenizerBundle>,
+    messages: Vec<Value>,
+    tools: Option<Vec<Value>>,
+    add_generation_prompt: bool,
+    kwargs: Map<String, Value>,
+) -> Result<Vec<i32>, ApiError> {
+    let tokenizer = Arc::clone(tokenizer);
+    blocking(move || {
+        let template = tokenizer.chat_template().ok_or_else(|| {
+            ApiError::invalid("This model has no chat template; use /v1/completions.")
+        })?;
+        let text = template
+            .render(&messages, tools.as_deref(), add_generation_prompt, &kwargs)
+            .map_err(|e| ApiError::invalid_param("messages", e.0))?;
+        tokenizer
+            .encode(&text, false)
+            .map_err(|e| ApiError::invalid_param("messages", e.to_string()))
+    })
+    .await?
+}
+
+struct Shape {
+    id: String,
+    created: u64,
+    model: String,
+    n: u32,
+    top_n: Option<u32>,
+    include_usage: bool,
+}
+
+async fn handle(app: AppState, request: Request) -> Result<Response, ApiError> {
+    let arrived = Instant::now();
+    let body: ChatRequest = read_json(request, app.cfg.max_body_bytes).await?;
+    let info = app.engine.model_info();
+    check_model(body.model.as_deref(), &app.cfg.served_model_name)?;
+    match body.tool_choice.as_ref().map(|c| c.as_str()) {
+        None | Some(Some("auto")) | Some(Some("none")) => {}
+        _ => {
+            return Err(unsupported(
+                "tool_choice",
+                "Only `tool_choice` \"auto\" and \"none\" are supported.",
+            ))
+        }
+    }
+    if body
+        .response_format
+        .as_ref()
+        .is_some_and(|f| f.get("type").and_then(Value::as_str) != Some("text"))
+    {
+        return Err(unsupported(
+            "response_format",
+            "Only `response_format` {\"type\": \"text\"} is supported.",
+        ));
+    }
+    let top_n = match (body.logprobs, body.top_logprobs) {
+        (Some(true), top) => Some(check_logprobs("top_logprobs", top.unwrap_or(0))?),
+        // `top_logprobs: 0` without logprobs asks for nothing; more needs `logprobs: true`.
+        (_, Some(top)) if top != 0 => {
+            return Err(ApiError::invalid_param(
+                "top_logprobs",
+                "`top_logprobs` needs `logprobs` set to true.",
+            ))
+        }
+        _ => None,
+    };
+    let max_tokens = body.max_completion_tokens.or(body.sampling.max_tokens);
+    let v = validate_sampling(&body.sampling, max_tokens, top_n, app.limits(), &info)?;
+    let messages = body
+        .messages
+        .ok_or_else(|| ApiError::invalid_param("messages", "`messages` is required."))?;
+    if messages.is_empty() {
+        return Err(ApiError::invalid_param(
+            "messages",
+            "`messages` must not be empty.",
+        ));
+    }
+    let messages = messages
+        .into_iter()
+        .enumerate()
+        .map(|(i, m)| normalize_message(i, m))
+        .collect::<Result<_, _>>()?;
+    let prompt_ids = chat_prompt(
+        &app.tokenizer,
+        messages,
+        body.tools,
+        body.add_generation_prompt.unwrap_or(true),
+        body.chat_template_kwargs.unwrap_or_default(),
+    )
+    .await?;
+    let max_new = fit_context(prompt_ids.len(), v.max_tokens, info.max_context)?;
+    let requests = generate_requests(
+        &prompt_ids,
+        max_new,
+        &v,
+        app.tokenizer.eos_token_ids(),
+        false,
+    );
+    let streams = generation::submit_all(app.engine.as_ref(), requests)?;
+
+    let mut silent_ids: HashSet<i32> = v.stop_token_ids.iter().copied().collect();
+    if !v.ignore_eos {
+        silent_ids.extend(app.tokenizer.eos_token_ids());
+    }
+    let ctx = Arc::new(GenerationContext {
+        tokenizer: Arc::clone(&app.tokenizer),
+        metrics: Arc::clone(&app.metrics),
+        stops: v.stops.clone(),
+        silent_ids,
+        arrived,
+    });
+    let choices = streams
+        .into_iter()
+        .enumerate()
+        .map(|(i, s)| generation::choice_events(Arc::clone(&ctx), i as u32, &prompt_ids, s))
+        .collect();
+    let events = generation::merge(choices);
+    let shape = Shape {
+        id: format!("chatcmpl-{}", uuid::Uuid::new_v4().simple()),
+        created: unix_now(),
+        model: app.cfg.served_model_name.clone(),
+        n: v.n,
+        top_n,
+        include_usage: v.include_usage,
+    };
+    if v.stream {
+        let tally = UsageTally::new(1, v.n);
+        return Ok(sse_response(
+            events,
+            StreamWriter {
+                shape,
+                tokenizer: Arc::clone(&app.tokenizer),
+                tally,
+            },
+        ));
+    }
+    let outputs = generation::collect(events, v.n as usize).await?;
+    Ok(Json(full_response(&shape, &app.tokenizer, outputs)).into_response())
+}
+
+fn full_response(
+    shape: &Shape,
+    tokenizer: &TokenizerBundle,
+    outputs: Vec<ChoiceOutput>,
+) -> ChatResponse {
+    let mut tally = UsageTally::new(1, shape.n);
+    let choices = outputs
+        .into_iter()
+        .enumerate()
+        .map(|(i, out)| {
+            let index = i as u32;
+            if let Some(usage) = &out.usage {
+                tally.add(index, usage);
+            }
+            ChatChoice {
+                index,
+                message: ChatMessage {
+                    role: "assistant",
+                    content: out.text,
+                },
+                logprobs: shape
+                    .top_n
+                    .map(|top_n| logprobs::chat(tokenizer, &out.tokens, top_n)),
+                finish_reason: out.finish_reason,
+            }
+        })
+        .collect();
+    ChatResponse {
+        id: shape.id.clone(),
+        object: "chat.completion",
+        created: shape.created,
+        model: shape.model.clone(),
+        choices,
+        usage: tally.total(),
+    }
+}
+
+struct StreamWriter {
+    shape: Shape,
+    tokenizer: Arc<TokenizerBundle>,
+    tally: UsageTally,
+}
+
+impl StreamWriter {
+    fn chunk(&self, choices: Vec<ChatChunkChoice>, usage: Option<Usage>) -> String {
+        to_json(&ChatChunk {
+            id: self.shape.id.clone(),
+            object: "chat.completion.chunk",
+            created: self.shape.created,
+            model: self.shape.model.clone(),
+            choices,
+            usage: self.shape.include_usage.then_some(usage),
+        })
+    }
+}
+
+impl ChunkWriter for StreamWriter {
+    /// Every choice opens with the assistant role, as OpenAI streams do.
+    fn start(&mut self) -> Vec<String> {
+        (0..self.shape.n)
+            .map(|index| {
+                let delta = ChatDelta {
+                    role: Some("assistant"),
+                    content: Some(String::new()),
+                };
+                self.chunk(
+                    vec![ChatChunkChoice {
+                        index,
+                        delta,
+                        logprobs: None,
+                        finish_reason: None,
+                    }],
+                    None,
+                )
+            })
+            .collect()
+    }
+
+    fn on_event(&mut self, event: ChoiceEvent) -> Vec<String> {
+        match event {
+            ChoiceEvent::Delta {
+                index,
+                text,
+                tokens,
+            } => {
+                let logprobs = self
+                    .shape
+                    .top_n
+                    .map(|top_n| logprobs::chat(&self.tokenizer, &tokens, top_n));
+                let delta = ChatDelta {
+                    role: None,
+                    content: Some(text),
+                };
+                vec![self.chunk(
+                    vec![ChatChunkChoice {
+                        index,
+                        delta,
+                        logprobs,
+                        finish_reason: None,
+                    }],
+                    None,
+                )]
+            }
+            ChoiceEvent::Finished {
+                index,
+                reason,
+                usage,
+            } => {
+                self.tally.add(index, &usage);
+                let choice = ChatChunkChoice {
+                    index,
+                    delta: ChatDelta::default(),
+                    logprobs: None,
+                    finish_reason: Some(reason),
+                };
+                vec![self.chunk(vec![choice], None)]
+            }
+            ChoiceEvent::PromptLogprobs { .. } | ChoiceEvent::Failed { .. } => Vec::new(),
+        }
+    }
+
+    fn finish(&mut self) -> Vec<String> {
+        if !self.shape.include_usage {
+            return Vec::new();
+        }
+        vec![self.chunk(Vec::new(), Some(self.tally.total()))]
+    }
+}

@@ -1,0 +1,352 @@
+//! Checks every request field against its range and the model, and turns the request into
+//! the engine's `GenerateRequest`s. Each failure names the field (OpenAI's `param`).
+
+use crate::engine::{GenerateRequest, ModelInfo};
+use crate::protocol::SamplingParams;
+
+use super::errors::ApiError;
+use super::openai_types::{SamplingFields, StopInput};
+
+/// The most logprobs a request may ask for per token.
+pub const MAX_LOGPROBS: i64 = 20;
+
+#[derive(Debug, Clone, Copy)]
+pub struct Limits {
+    pub max_stop_strings: usize,
+    pub max_n: u32,
+}
+
+/// The request fields both endpoints share, checked.
+#[derive(Debug, Clone)]
+pub struct Validated {
+    /// Sampling parameters of sample 0 (sample i uses seed + i).
+    pub sampling: SamplingParams,
+    /// `None`: fill the context.
+    pub max_tokens: Option<u32>,
+    pub n: u32,
+    pub stops: Vec<String>,
+    /// The request's own stop token ids (EOS ids are added unless `ignore_eos`).
+    pub stop_token_ids: Vec<i32>,
+    pub ignore_eos: bool,
+    pub stream: bool,
+    pub include_usage: bool,
+}
+
+fn in_range(
+    param: &str,
+    value: Option<f64>,
+    ok: impl Fn(f64) -> bool,
+    rule: &str,
+) -> Result<(), ApiError> {
+    match value {
+        Some(v) if !v.is_finite() || !ok(v) => Err(ApiError::invalid_param(
+            param,
+            format!("`{param}` {rule}, got {v}."),
+        )),
+        _ => Ok(()),
+    }
+}
+
+/// `model` may be left out (one model is served); otherwise it must name the served model.
+pub fn check_model(requested: Option<&str>, served: &str) -> Result<(), ApiError> {
+    match requested {
+        Some(m) if m != served => Err(ApiError::model_not_found(m)),
+        _ => Ok(()),
+    }
+}
+
+/// Token ids given by the client, checked against the model's vocabulary.
+pub fn check_token_ids(param: &str, ids: &[i64], vocab_size: u32) -> Result<Vec<i32>, ApiError> {
+    ids.iter()
+        .map(|&id| {
+            if id < 0 || id >= i64::from(vocab_size) {
+                Err(ApiError::invalid_param(
+                    param,
+                    format!("Token id {id} is outside the vocabulary (0..{vocab_size})."),
+                ))
+            } else {
+                Ok(id as i32)
+            }
+        })
+        .collect()
+}
+
+/// `max_tokens_field`: the value of `max_tokens` (or chat's `max_completion_tokens`).
+/// `top_logprobs`: the endpoint's logprobs request, already checked.
+pub fn validate_sampling(
+    f: &SamplingFields,
+    max_tokens_field: Option<i64>,
+    top_logprobs: Option<u32>,
+    limits: Limits,
+    model: &ModelInfo,
+) -> Result<Validated, ApiError> {
+    in_range(
+        "temperature",
+        f.temperature,
+        |v| v >= 0.0,
+        "must be at least 0",
+    )?;
+    in_range(
+        "top_p",
+        f.top_p,
+        |v| v > 0.0 && v <= 1.0,
+        "must be in (0, 1]",
+    )?;
+    in_range(
+        "min_p",
+        f.min_p,
+        |v| (0.0..=1.0).contains(&v),
+        "must be in [0, 1]",
+    )?;
+    in_range(
+        "presence_penalty",
+        f.presence_penalty,
+        |v| (-2.0..=2.0).contains(&v),
+        "must be in [-2, 2]",
+    )?;
+    in_range(
+        "frequency_penalty",
+        f.frequency_penalty,
+        |v| (-2.0..=2.0).contains(&v),
+        "must be in [-2, 2]",
+    )?;
+    in_range(
+        "repetition_penalty",
+        f.repetition_penalty,
+        |v| v > 0.0,
+        "must be greater than 0",
+    )?;
+    let top_k = match f.top_k {
+        // 0 and -1 both mean "no top-k limit" (OpenAI has no top_k; vLLM uses -1).
+        None | Some(-1) | Some(0) => 0,
+        Some(k) if k > 0 && k <= i64::from(i32::MAX) => k as i32,
+        Some(k) => {
+            return Err(ApiError::invalid_param(
+                "top_k",
+                format!("`top_k` must be -1 (no limit) or positive, got {k}."),
+            ))
+        }
+    };
+    let n = f.n.unwrap_or(1);
+    if n < 1 || n > i64::from(limits.max_n) {
+        return Err(ApiError::invalid_param(
+            "n",
+            format!("`n` must be between 1 and {}, got {n}.", limits.max_n),
+        ));
+    }
+    let max_tokens = match max_tokens_field {
+        None => None,
+        Some(m) if m >= 1 && m <= i64::from(u32::MAX) => Some(m as u32),
+        Some(m) => {
+            return Err(ApiError::invalid_param(
+                "max_tokens",
+                format!("`max_tokens` must be at least 1, got {m}."),
+            ))
+        }
+    };
+    let stops = match &f.stop {
+        None => Vec::new(),
+        Some(StopInput::One(s)) => vec![s.clone()],
+        Some(StopInput::Many(list)) => list.clone(),
+    };
+    if stops.len() > limits.max_stop_strings {
+        return Err(ApiError::invalid_param(
+            "stop",
+            format!(
+                "At most {} stop strings are allowed, got {}.",
+                limits.max_stop_strings,
+                stops.len()
+            ),
+        ));
+    }
+    if stops.iter().any(String::is_empty) {
+        return Err(ApiError::invalid_param(
+            "stop",
+            "Stop strings must not be empty.",
+        ));
+    }
+    let stop_token_ids = check_token_ids(
+        "stop_token_ids",
+        f.stop_token_ids.as_deref().unwrap_or(&[]),
+        model.vocab_size,
+    )?;
+    if f.logit_bias.as_ref().is_some_and(|b| !b.is_empty()) {
+        return Err(unsupported("logit_bias", "`logit_bias` is not supported."));
+    }
+    let stream = f.stream.unwrap_or(false);
+    if f.stream_options.is_some() && !stream {
+        return Err(ApiError::invalid_param(
+            "stream_options",
+            "`stream_options` is only allowed when `stream` is true.",
+        ));
+    }
+    let seed = f.seed.as_ref().map(|s| match (s.as_u64(), s.as_i64()) {
+        (Some(u), _) => Ok(u),
+        // Negative seeds are still distinct seeds.
+        (None, Some(i)) => Ok(i as u64),
+        _ => Err(ApiError::invalid_param(
+            "seed",
+            format!("`seed` must be an integer, got {s}."),
+        )),
+    });
+    let seed = seed.transpose()?;
+    let sampling = SamplingParams {
+        temperature: f.temperature.unwrap_or(1.0) as f32,
+        top_p: f.top_p.unwrap_or(1.0) as f32,
+        top_k,
+        min_p: f.min_p.unwrap_or(0.0) as f32,
+        repetition_penalty: f.repetition_penalty.unwrap_or(1.0) as f32,
+        frequency_penalty: f.frequency_penalty.unwrap_or(0.0) as f32,
+        presence_penalty: f.presence_penalty.unwrap_or(0.0) as f32,
+        seed,
+        top_logprobs,
+    };
+    Ok(Validated {
+        sampling,
+        max_tokens,
+        n: n as u32,
+        stops,
+        stop_token_ids,
+        ignore_eos: f.ignore_eos.unwrap_or(false),
+        stream,
+        include_usage: f
+            .stream_options
+            .as_ref()
+            .and_then(|o| o.include_usage)
+            .unwrap_or(false),
+    })
+}
+
+/// 400 for a feature this server does not implement: refusing beats silently ignoring it.
+pub fn unsupported(param: &str, message: &str) -> ApiError {
+    ApiError {
+        code: Some("unsupported_parameter"),
+        ..ApiError::invalid_param(param, message)
+    }
+}
+
+/// Checks a logprobs count (completions `logprobs`, chat `top_logprobs`).
+pub fn check_logprobs(param: &str, value: i64) -> Result<u32, ApiError> {
+    if (0..=MAX_LOGPROBS).contains(&value) {
+        Ok(value as u32)
+    } else {
+        Err(ApiError::invalid_param(
+            param,
+            format!("`{param}` must be between 0 and {MAX_LOGPROBS}, got {value}."),
+        ))
+    }
+}
+
+/// The number of new tokens a prompt of `prompt_len` tokens may generate: `max_tokens`, or
+/// the rest of the context when it is not set (as vLLM does).
+pub fn fit_context(
+    prompt_len: usize,
+    max_tokens: Option<u32>,
+    max_context: u32,
+) -> Result<u32, ApiError> {
+    if prompt_len == 0 {
+        return Err(ApiError::invalid_param("prompt", "The prompt is empty."));
+    }
+    let context = max_context as usize;
+    if prompt_len >= context {
+        return Err(ApiError::invalid_param(
+            "prompt",
+            format!(
+                "This model's maximum context length is {context} tokens. However, your prompt has {prompt_len} tokens, which leaves no room for a completion. Please shorten the prompt."
+            ),
+        ));
+    }
+    match max_tokens {
+        None => Ok((context - prompt_len) as u32),
+        Some(m) if prompt_len + m as usize <= context => Ok(m),
+        Some(m) => Err(ApiError::invalid_param(
+            "max_tokens",
+            format!(
+                "This model's maximum context length is {context} tokens. However, you requested {} tokens ({prompt_len} in the prompt, {m} for the completion). Please reduce the length of the prompt or of the completion.",
+                prompt_len + m as usize
+            ),
+        )),
+    }
+}
+
+/// The `n` engine requests of one prompt; with a seed, sample i uses seed + i so the samples
+/// differ yet the whole response is reproducible.
+pub fn generate_requests(
+    prompt_ids: &[i32],
+    max_new_tokens: u32,
+    v: &Validated,
+    eos_token_ids: &[i32],
+    prompt_logprobs: bool,
+) -> Vec<GenerateRequest> {
+    let mut stop_token_ids = v.stop_token_ids.clone();
+    if !v.ignore_eos {
+        stop_token_ids.extend_from_slice(eos_token_ids);
+    }
+    stop_token_ids.sort_unstable();
+    stop_token_ids.dedup();
+    (0..v.n)
+        .map(|i| {
+            let mut sampling = v.sampling.clone();
+            sampling.seed = v.sampling.seed.map(|s| s.wrapping_add(u64::from(i)));
+            GenerateRequest {
+                prompt_ids: prompt_ids.to_vec(),
+                sampling,
+                max_new_tokens,
+                stop_token_ids: stop_token_ids.clone(),
+                prompt_logprobs,
+            }
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn context_fitting() {
+        assert_eq!(fit_context(10, None, 100).unwrap(), 90);
+        assert_eq!(fit_context(10, Some(90), 100).unwrap(), 90);
+        assert!(fit_context(10, Some(91), 100).is_err());
+        assert!(fit_context(100, None, 100).is_err());
+        assert!(fit_context(0, Some(1), 100).is_err());
+    }
+
+    #[test]
+    fn seeds_advance_per_sample_and_eos_is_added() {
+        let f = SamplingFields {
+            seed: Some(7.into()),
+            n: Some(3),
+            stop_token_ids: Some(vec![5]),
+            ..Default::default()
+        };
+        let model = ModelInfo {
+            served_model_name: "m".into(),
+            max_context: 100,
+            vocab_size: 10,
+        };
+        let v = validate_sampling(
+            &f,
+            None,
+            None,
+            Limits {
+                max_stop_strings: 4,
+                max_n: 8,
+            },
+            &model,
+        )
+        .unwrap();
+        let reqs = generate_requests(&[1, 2], 5, &v, &[9], false);
+        let seeds: Vec<_> = reqs.iter().map(|r| r.sampling.seed).collect();
+        assert_eq!(seeds, vec![Some(7), Some(8), Some(9)]);
+        assert_eq!(reqs[0].stop_token_ids, vec![5, 9]);
+        let v = Validated {
+            ignore_eos: true,
+            ..v
+        };
+        assert_eq!(
+            generate_requests(&[1], 5, &v, &[9], false)[0].stop_token_ids,
+            vec![5]
+        );
+    }
+}

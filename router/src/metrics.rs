@@ -1,0 +1,351 @@
+//! Prometheus metrics, written by hand in the text exposition format (version 0.0.4): a few
+//! counters, gauges and fixed-bucket histograms do not need a metrics framework. The HTTP
+//! layer records requests and latencies; the engine loop sets the scheduler gauges.
+
+use std::collections::BTreeMap;
+use std::fmt::Write;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use parking_lot::Mutex;
+
+const LATENCY_BUCKETS: &[f64] = &[
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+    20.0, 40.0, 80.0,
+];
+const E2E_BUCKETS: &[f64] = &[
+    0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0, 600.0, 1200.0,
+];
+const BATCH_BUCKETS: &[f64] = &[
+    1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0,
+];
+
+/// An f64 kept in an AtomicU64 (bit pattern), for histogram sums.
+struct AtomicF64(AtomicU64);
+
+impl AtomicF64 {
+    fn add(&self, v: f64) {
+        let _ = self
+            .0
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |bits| {
+                Some((f64::from_bits(bits) + v).to_bits())
+            });
+    }
+    fn get(&self) -> f64 {
+        f64::from_bits(self.0.load(Ordering::Relaxed))
+    }
+}
+
+struct Histogram {
+    name: &'static str,
+    help: &'static str,
+    bounds: &'static [f64],
+    /// Per-bucket counts (not cumulative); the last one is the +Inf bucket.
+    counts: Vec<AtomicU64>,
+    sum: AtomicF64,
+}
+
+impl Histogram {
+    fn new(name: &'static str, help: &'static str, bounds: &'static [f64]) -> Histogram {
+        let counts = (0..=bounds.len()).map(|_| AtomicU64::new(0)).collect();
+        Histogram {
+            name,
+            help,
+            bounds,
+            counts,
+            sum: AtomicF64(AtomicU64::new(0f64.to_bits())),
+        }
+    }
+
+    fn observe(&self, v: f64) {
+        if !v.is_finite() {
+            return;
+        }
+        let bucket = self
+            .bounds
+            .iter()
+            .position(|&b| v <= b)
+            .unwrap_or(self.bounds.len());
+        self.counts[bucket].fetch_add(1, Ordering::Relaxed);
+        self.sum.add(v);
+    }
+
+    fn render(&self, out: &mut String) {
+        let _ = writeln!(
+            out,
+            "# HELP {} {}\n# TYPE {} histogram",
+            self.name, self.help, self.name
+        );
+        let mut cumulative = 0u64;
+        for (i, count) in self.counts.iter().enumerate() {
+            cumulative += count.load(Ordering::Relaxed);
+            let le = self
+                .bounds
+                .get(i)
+                .map_or_else(|| "+Inf".to_owned(), |b| b.to_string());
+            let _ = writeln!(out, "{}_bucket{{le=\"{le}\"}} {cumulative}", self.name);
+        }
+        let _ = writeln!(
+            out,
+            "{}_sum {}\n{}_count {cumulative}",
+            self.name,
+            self.sum.get(),
+            self.name
+        );
+    }
+}
+
+/// What the scheduler reports after each step.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct SchedulerGauges {
+    /// Requests waiting to be admitted.
+    pub waiting: u64,
+    /// Requests admitted and not finished.
+    pub running: u64,
+    pub kv_pages_used: u64,
+    pub kv_pages_free: u64,
+}
+
+pub struct Metrics {
+    /// (endpoint, HTTP status) -> count.
+    requests: Mutex<BTreeMap<(String, u16), u64>>,
+    ttft: Histogram,
+    time_per_output_token: Histogram,
+    inter_token: Histogram,
+    e2e: Histogram,
+    batch_size: Histogram,
+    prompt_tokens: AtomicU64,
+    generation_tokens: AtomicU64,
+    prefix_hit_tokens: AtomicU64,
+    waiting: AtomicU64,
+    running: AtomicU64,
+    kv_pages_used: AtomicU64,
+    kv_pages_free: AtomicU64,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Metrics {
+    pub fn new() -> Metrics {
+        Metrics {
+            requests: Mutex::new(BTreeMap::new()),
+            ttft: Histogram::new(
+                "nsaserve_time_to_first_token_seconds",
+                "Time from request arrival to its first generated token.",
+                LATENCY_BUCKETS,
+            ),
+            time_per_output_token: Histogram::new(
+                "nsaserve_time_per_output_token_seconds",
+                "Per request: (end-to-end time - time to first token) / (generated tokens - 1).",
+                LATENCY_BUCKETS,
+            ),
+            inter_token: Histogram::new(
+                "nsaserve_inter_token_latency_seconds",
+                "Time between consecutive tokens of a request.",
+                LATENCY_BUCKETS,
+            ),
+            e2e: Histogram::new(
+                "nsaserve_e2e_request_latency_seconds",
+                "Time from request arrival to its last token.",
+                E2E_BUCKETS,
+            ),
+            batch_size: Histogram::new(
+                "nsaserve_batch_size",
+                "Requests in each engine step.",
+                BATCH_BUCKETS,
+            ),
+            prompt_tokens: AtomicU64::new(0),
+            generation_tokens: AtomicU64::new(0),
+            prefix_hit_tokens: AtomicU64::new(0),
+            waiting: AtomicU64::new(0),
+            running: AtomicU64::new(0),
+            kv_pages_used: AtomicU64::new(0),
+            kv_pages_free: AtomicU64::new(0),
+        }
+    }
+
+    // --- Called by the engine loop. ---
+
+    pub fn set_scheduler_gauges(&self, g: SchedulerGauges) {
+        self.waiting.store(g.waiting, Ordering::Relaxed);
+        self.running.store(g.running, Ordering::Relaxed);
+        self.kv_pages_used.store(g.kv_pages_used, Ordering::Relaxed);
+        self.kv_pages_free.store(g.kv_pages_free, Ordering::Relaxed);
+    }
+
+    pub fn observe_batch_size(&self, requests: usize) {
+        self.batch_size.observe(requests as f64);
+    }
+
+    /// Prompt tokens served from the prefix cache instead of being computed.
+    pub fn add_prefix_hit_tokens(&self, tokens: u64) {
+        self.prefix_hit_tokens.fetch_add(tokens, Ordering::Relaxed);
+    }
+
+    // --- Called by the HTTP layer. ---
+
+    pub fn observe_request(&self, endpoint: &str, status: u16) {
+        *self
+            .requests
+            .lock()
+            .entry((endpoint.to_owned(), status))
+            .or_insert(0) += 1;
+    }
+
+    pub fn observe_time_to_first_token(&self, seconds: f64) {
+        self.ttft.observe(seconds);
+    }
+
+    pub fn observe_inter_token_latency(&self, seconds: f64) {
+        self.inter_token.observe(seconds);
+    }
+
+    /// One finished generation: its end-to-end time, time to first token and token count.
+    pub fn observe_generation(
+        &self,
+        e2e_seconds: f64,
+        ttft_seconds: Option<f64>,
+        prompt_tokens: u64,
+        generated: u64,
+    ) {
+        self.e2e.observe(e2e_seconds);
+        if let (Some(ttft), true) = (ttft_seconds, generated > 1) {
+            self.time_per_output_token
+                .observe((e2e_seconds - ttft) / (generated - 1) as f64);
+        }
+        self.prompt_tokens
+            .fetch_add(prompt_tokens, Ordering::Relaxed);
+        self.generation_tokens
+            .fetch_add(generated, Ordering::Relaxed);
+    }
+
+    /// The Prometheus text format.
+    pub fn render(&self) -> String {
+        let mut out = String::new();
+        out.push_str("# HELP nsaserve_requests_total HTTP requests by endpoint and status code.\n");
+        out.push_str("# TYPE nsaserve_requests_total counter\n");
+        for ((endpoint, status), count) in self.requests.lock().iter() {
+            let _ = writeln!(
+                out,
+                "nsaserve_requests_total{{endpoint=\"{}\",status=\"{status}\"}} {count}",
+                escape_label(endpoint)
+            );
+        }
+        let counters = [
+            (
+                "nsaserve_prompt_tokens_total",
+                "Prompt tokens of finished generations.",
+                &self.prompt_tokens,
+            ),
+            (
+                "nsaserve_generation_tokens_total",
+                "Tokens generated by finished generations.",
+                &self.generation_tokens,
+            ),
+            (
+                "nsaserve_prefix_cache_hit_tokens_total",
+                "Prompt tokens served from the prefix cache.",
+                &self.prefix_hit_tokens,
+            ),
+        ];
+        for (name, help, value) in counters {
+            let _ = writeln!(
+                out,
+                "# HELP {name} {help}\n# TYPE {name} counter\n{name} {}",
+                value.load(Ordering::Relaxed)
+            );
+        }
+        let gauges = [
+            (
+                "nsaserve_requests_waiting",
+                "Requests waiting to be scheduled.",
+                &self.waiting,
+            ),
+            (
+                "nsaserve_requests_running",
+                "Requests being generated.",
+                &self.running,
+            ),
+            (
+                "nsaserve_kv_pages_used",
+                "KV cache pages in use.",
+                &self.kv_pages_used,
+            ),
+            (
+                "nsaserve_kv_pages_free",
+                "KV cache pages free.",
+                &self.kv_pages_free,
+            ),
+        ];
+        for (name, help, value) in gauges {
+            let _ = writeln!(
+                out,
+                "# HELP {name} {help}\n# TYPE {name} gauge\n{name} {}",
+                value.load(Ordering::Relaxed)
+            );
+        }
+        for h in [
+            &self.ttft,
+            &self.time_per_output_token,
+            &self.inter_token,
+            &self.e2e,
+            &self.batch_size,
+        ] {
+            h.render(&mut out);
+        }
+        out
+    }
+}
+
+fn escape_label(value: &str) -> String {
+    value
+        .replace('\\', "\\\\")
+        .replace('"', "\\\"")
+        .replace('\n', "\\n")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn renders_counters_gauges_and_cumulative_buckets() {
+        let m = Metrics::new();
+        m.observe_request("/v1/completions", 200);
+        m.observe_request("/v1/completions", 200);
+        m.observe_request("/v1/chat/completions", 400);
+        m.set_scheduler_gauges(SchedulerGauges {
+            waiting: 3,
+            running: 2,
+            kv_pages_used: 10,
+            kv_pages_free: 90,
+        });
+        m.observe_batch_size(3);
+        m.observe_batch_size(100);
+        m.add_prefix_hit_tokens(64);
+        m.observe_time_to_first_token(0.05);
+        m.observe_generation(1.25, Some(0.25), 7, 11);
+        let text = m.render();
+        assert!(text
+            .contains("nsaserve_requests_total{endpoint=\"/v1/completions\",status=\"200\"} 2\n"));
+        assert!(text.contains(
+            "nsaserve_requests_total{endpoint=\"/v1/chat/completions\",status=\"400\"} 1\n"
+        ));
+        assert!(text.contains("nsaserve_requests_waiting 3\n"));
+        assert!(text.contains("nsaserve_kv_pages_free 90\n"));
+        assert!(text.contains("nsaserve_prefix_cache_hit_tokens_total 64\n"));
+        assert!(text.contains("nsaserve_batch_size_bucket{le=\"2\"} 0\n"));
+        assert!(text.contains("nsaserve_batch_size_bucket{le=\"4\"} 1\n"));
+        assert!(text.contains("nsaserve_batch_size_bucket{le=\"+Inf\"} 2\n"));
+        assert!(text.contains("nsaserve_batch_size_sum 103\n"));
+        assert!(text.contains("nsaserve_time_to_first_token_seconds_bucket{le=\"0.06\"} 1\n"));
+        assert!(text.contains("nsaserve_time_to_first_token_seconds_bucket{le=\"0.04\"} 0\n"));
+        // TPOT = (1.25 - 0.25) / 10 = 0.1
+        assert!(text.contains("nsaserve_time_per_output_token_seconds_bucket{le=\"0.1\"} 1\n"));
+        assert!(text.contains("nsaserve_time_per_output_token_seconds_bucket{le=\"0.08\"} 0\n"));
+        assert!(text.contains("nsaserve_generation_tokens_total 11\n"));
+    }
+}

@@ -1,0 +1,248 @@
+//! Building one step: continue every running request (decode or next prompt chunk), then admit
+//! waiting requests first come, first served into what is left of the prefill budget.
+//!
+//! Pages are taken as each request's step is planned. When they run out (after evicting the
+//! radix cache's idle pages), the most recently admitted running requests are preempted until
+//! the older one being planned fits. Running requests are planned oldest first, so a victim is
+//! never a request already in this plan, and the oldest request can always take the whole pool
+//! (submit rejects anything larger): some request always progresses.
+
+use crate::protocol::{BatchPlan, PlannedRequest};
+
+use super::request::Request;
+use super::Scheduler;
+
+/// How many tokens a step may run for a request, and the pages that requires.
+struct Take {
+    tokens: usize,
+    new_pages: usize,
+}
+
+impl Scheduler {
+    /// Plans the next step; `None` when no request can run.
+    pub fn schedule(&mut self, step: u64) -> Option<BatchPlan> {
+        let mut plan = BatchPlan {
+            step,
+            page_size: self.cfg.page_size,
+            requests: Vec::with_capacity(self.running.len()),
+        };
+        let mut budget = self.cfg.max_prefill_tokens;
+        let mut prefilled = false;
+        let mut preempted = false;
+
+        let mut i = 0;
+        while i < self.running.len() {
+            let slot = self.running[i];
+            let r = self.req(slot);
+            if r.in_flight {
+                i += 1;
+                continue;
+            }
+            let decoding = r.is_decoding();
+            let want = if decoding {
+                1
+            } else {
+                self.prefill_take(r.remaining(), budget, prefilled)
+            };
+            if want == 0 {
+                i += 1;
+                continue;
+            }
+            let take = loop {
+                if let Some(t) = self.fit(slot, want, !decoding, 0) {
+                    break Some(t);
+                }
+                match self.newest_preemptible_after(i) {
+                    Some(j) => {
+                        self.preempt(j);
+                        preempted = true;
+                    }
+                    // It is the newest: it waits for older requests to finish or preempt it.
+                    None => break None,
+                }
+            };
+            if let Some(t) = take {
+                if !decoding {
+                    budget = budget.saturating_sub(t.tokens);
+                    prefilled = true;
+                }
+                plan.requests.push(self.plan_step(slot, t));
+            }
+            i += 1;
+        }
+
+        // Admitting right after preempting would only thrash: the victims are at the front.
+        while !preempted && self.running.len() < self.cfg.max_running_requests {
+            let Some(&slot) = self.waiting.front() else {
+                break;
+            };
+            let Some(t) = self.admit(slot, budget, prefilled) else {
+                break;
+            };
+            self.waiting.pop_front();
+            self.running.push(slot);
+            if !self.req(slot).is_decoding() {
+                budget = budget.saturating_sub(t.tokens);
+                prefilled = true;
+            }
+            plan.requests.push(self.plan_step(slot, t));
+        }
+
+        self.last_batch_size = plan.requests.len();
+        if plan.requests.is_empty() {
+            return None;
+        }
+        debug_assert!(
+            plan.validate(Some(self.cfg.num_pages)).is_ok(),
+            "{:?}",
+            plan.validate(Some(self.cfg.num_pages))
+        );
+        Some(plan)
+    }
+
+    /// Prompt tokens a request may run now. Chunking cuts prompts to the budget and chunk size;
+    /// without it a prompt runs whole, and the first prompt of a step may exceed the budget so
+    /// that a prompt longer than the budget still runs (alone).
+    fn prefill_take(&self, remaining: usize, budget: usize, prefilled: bool) -> usize {
+        match self.cfg.chunked_prefill_size {
+            Some(chunk) => remaining.min(budget).min(chunk),
+            None if remaining <= budget || !prefilled => remaining,
+            None => 0,
+        }
+    }
+
+    /// Reserves pages for `want` tokens of a request (past its `kv_len`), keeping `headroom`
+    /// pages free besides. A chunkable prompt step shrinks to the pages there are; `None` when
+    /// not even that fits.
+    fn fit(&mut self, slot: usize, want: usize, shrinkable: bool, headroom: usize) -> Option<Take> {
+        let ps = self.cfg.page_size as usize;
+        let (kv_len, have) = {
+            let r = self.req(slot);
+            (r.kv_len, r.pages.len())
+        };
+        let need = self.pages_for(kv_len + want).saturating_sub(have);
+        if self.ensure_free(need + headroom) {
+            return Some(Take {
+                tokens: want,
+                new_pages: need,
+            });
+        }
+        if !shrinkable || self.cfg.chunked_prefill_size.is_none() {
+            return None;
+        }
+        let avail = self.alloc.free_count().saturating_sub(headroom);
+        let tokens = ((have + avail) * ps).saturating_sub(kv_len).min(want);
+        (tokens > 0).then(|| Take {
+            tokens,
+            new_pages: self.pages_for(kv_len + tokens).saturating_sub(have),
+        })
+    }
+
+    /// The most recently admitted running request after position `i` that is not in flight.
+    fn newest_preemptible_after(&self, i: usize) -> Option<usize> {
+        (i + 1..self.running.len())
+            .rev()
+            .find(|&j| !self.req(self.running[j]).in_flight)
+    }
+
+    /// Moves running request `j` back to the front of the queue. Its committed full pages go
+    /// into the radix cache first, so recomputing it is mostly a cache hit. Its tokens (prompt
+    /// and everything generated) become the prompt it recomputes.
+    fn preempt(&mut self, j: usize) {
+        let slot = self.running.remove(j);
+        self.release_pages(slot, true);
+        self.waiting.push_front(slot);
+        self.preemptions_total += 1;
+    }
+
+    /// Tries to admit the waiting request at the front: reuse its longest cached prefix, then
+    /// fit its first step. On failure nothing changes (matched pages are given back).
+    fn admit(&mut self, slot: usize, budget: usize, prefilled: bool) -> Option<Take> {
+        let ps = self.cfg.page_size as usize;
+        let r = self.req(slot);
+        // At least one token must run so the request gets logits; prompt logprobs still owed
+        // need the prompt computed, not read from the cache.
+        let max_pages = if self.cfg.disable_radix_cache || r.owes_prompt_logprobs() {
+            0
+        } else {
+            (r.tokens.len() - 1) / ps
+        };
+        let matched = if max_pages > 0 {
+            let r = self.slots[slot].as_ref().expect("live request slot");
+            self.radix
+                .match_prefix(&r.tokens, max_pages, &mut self.alloc)
+        } else {
+            Vec::new()
+        };
+        let r = self.slots[slot].as_mut().expect("live request slot");
+        r.kv_len = matched.len() * ps;
+        r.pages = matched;
+        let decoding = r.is_decoding();
+        let want = if decoding {
+            1
+        } else {
+            self.prefill_take(self.req(slot).remaining(), budget, prefilled)
+        };
+        // Keep a page per running request free so admissions do not at once force preemption.
+        let take = if want == 0 {
+            None
+        } else {
+            self.fit(slot, want, !decoding, self.running.len())
+        };
+        if take.is_none() {
+            self.release_pages(slot, false);
+            return None;
+        }
+        let r = self.slots[slot].as_mut().expect("live request slot");
+        if !r.admitted_once {
+            r.admitted_once = true;
+            r.cached_tokens = r.kv_len as u32;
+            self.prefix_hit_tokens_total += r.kv_len as u64;
+            self.prompt_tokens_total += r.prompt_len as u64;
+        }
+        take
+    }
+
+    /// Allocates the step's pages and writes its plan entry; marks the request in flight.
+    fn plan_step(&mut self, slot: usize, t: Take) -> PlannedRequest {
+        for _ in 0..t.new_pages {
+            let p = self.alloc_page();
+            self.slots[slot]
+                .as_mut()
+                .expect("live request slot")
+                .pages
+                .push(p);
+        }
+        let ps = self.cfg.page_size as usize;
+        let r: &mut Request = self.slots[slot].as_mut().expect("live request slot");
+        r.in_flight = true;
+        let (start, end) = (r.kv_len, r.kv_len + t.tokens);
+        let sample = end == r.tokens.len() && r.generated() < r.max_new_tokens as usize;
+        let history = if sample && r.sampling.needs_history() {
+            r.tokens.clone()
+        } else {
+            Vec::new()
+        };
+        let prompt_logprobs = r.owes_prompt_logprobs() && start < r.prompt_len;
+        PlannedRequest {
+            id: r.id,
+            input_ids: r.tokens[start..end].to_vec(),
+            cached_len: start as i32,
+            pages: r.pages.clone(),
+            out_slots: (start..end)
+                .map(|pos| r.pages[pos / ps] * ps as i32 + (pos % ps) as i32)
+                .collect(),
+            sample,
+            prompt_logprobs,
+            // The chunk's last row scores the next chunk's first prompt token.
+            next_prompt_token: if prompt_logprobs && end < r.prompt_len { r.tokens[end] } else { -1 },
+            sampling: r.sampling.clone(),
+            history_prompt_len: if history.is_empty() {
+                0
+            } else {
+                r.prompt_len as i32
+            },
+            history,
+        }
+    }
+}

@@ -1,0 +1,195 @@
+//! Committing a step result: the planned tokens' KV is now written, sampled tokens extend their
+//! requests, and finished or failed requests leave (their full pages stay in the radix cache).
+//!
+//! Events per request come out in the order the engine forwards them: prompt logprobs, then
+//! the token, then at most one `Finished` or `Failed`.
+
+use std::collections::HashMap;
+
+use crate::engine::{FinishReason, GenerateEvent, RequestId};
+use crate::protocol::{BatchPlan, PromptLogprobs, StepResult, TokenLogprobs};
+
+use super::Scheduler;
+
+impl Scheduler {
+    /// Applies the result of `plan`. Requests aborted since the plan was built are skipped.
+    pub fn on_result(
+        &mut self,
+        plan: &BatchPlan,
+        result: &StepResult,
+    ) -> Vec<(RequestId, GenerateEvent)> {
+        let sampled: HashMap<u64, (i32, &Option<TokenLogprobs>)> = result
+            .sampled
+            .iter()
+            .map(|(id, tok, lp)| (*id, (*tok, lp)))
+            .collect();
+        let errors: HashMap<u64, &str> = result
+            .errors
+            .iter()
+            .map(|(id, m)| (*id, m.as_str()))
+            .collect();
+        let mut prompt_lps: HashMap<u64, Vec<&PromptLogprobs>> = HashMap::new();
+        for p in &result.prompt_logprobs {
+            prompt_lps.entry(p.req_id).or_default().push(p);
+        }
+
+        let mut events = Vec::with_capacity(plan.requests.len() + 1);
+        let mut left = false;
+        for pr in &plan.requests {
+            let Some(&slot) = self.index.get(&pr.id) else {
+                continue;
+            };
+            let r = self.slots[slot].as_mut().expect("live request slot");
+            if !r.in_flight || r.kv_len != pr.cached_len as usize {
+                // Not this plan's request state (a plan applied twice): committing would corrupt it.
+                continue;
+            }
+            r.in_flight = false;
+            if let Some(msg) = errors.get(&pr.id) {
+                events.push((
+                    pr.id,
+                    GenerateEvent::Failed {
+                        message: msg.to_string(),
+                        retryable: false,
+                    },
+                ));
+                // Its KV may be wrong: nothing of it goes into the cache.
+                self.finish(slot, false);
+                left = true;
+                continue;
+            }
+            for p in prompt_lps.get(&pr.id).into_iter().flatten() {
+                if let Some(trimmed) = trim_prompt_logprobs(p, r.prompt_logprobs_next, r.prompt_len)
+                {
+                    r.prompt_logprobs_next = trimmed.first_pos as usize + trimmed.entries.len();
+                    events.push((pr.id, GenerateEvent::PromptLogprobs(trimmed)));
+                }
+            }
+            r.kv_len += pr.input_ids.len();
+            let mut reason = None;
+            if pr.sample {
+                let Some(&(token, lp)) = sampled.get(&pr.id) else {
+                    events.push((
+                        pr.id,
+                        GenerateEvent::Failed {
+                            message: "the workers returned no token".into(),
+                            retryable: false,
+                        },
+                    ));
+                    self.finish(slot, false);
+                    left = true;
+                    continue;
+                };
+                r.tokens.push(token);
+                events.push((
+                    pr.id,
+                    GenerateEvent::Token {
+                        id: token,
+                        logprobs: lp.clone(),
+                    },
+                ));
+                reason = if r.stop_token_ids.contains(&token) {
+                    Some(FinishReason::Stop)
+                } else if r.generated() >= r.max_new_tokens as usize
+                    || r.tokens.len() >= self.cfg.max_context as usize
+                {
+                    Some(FinishReason::Length)
+                } else {
+                    None
+                };
+            } else if r.kv_len == r.tokens.len() {
+                // The whole prompt ran and nothing is to be generated (max_new_tokens = 0).
+                reason = Some(FinishReason::Length);
+            }
+            if let Some(reason) = reason {
+                let (prompt_tokens, completion_tokens, cached_tokens) =
+                    (r.prompt_len as u32, r.generated() as u32, r.cached_tokens);
+                events.push((
+                    pr.id,
+                    GenerateEvent::Finished {
+                        reason,
+                        prompt_tokens,
+                        completion_tokens,
+                        cached_tokens,
+                    },
+                ));
+                self.finish(slot, true);
+                left = true;
+            } else if pr.input_ids.len() > 1 && !self.cfg.disable_radix_cache {
+                // A prompt chunk ran: index its full pages now, so concurrent requests with the
+                // same prefix can share them before this one finishes.
+                let ps = self.cfg.page_size as usize;
+                let full = r.kv_len / ps;
+                self.radix.insert(
+                    &r.tokens[..full * ps],
+                    &mut r.pages[..full],
+                    &mut self.alloc,
+                );
+            }
+        }
+        if left {
+            let slots = &self.slots;
+            self.running.retain(|&s| slots[s].is_some());
+        }
+        events
+    }
+
+    /// Releases a request that left the running batch. The caller prunes `running`.
+    fn finish(&mut self, slot: usize, cache: bool) {
+        self.release_pages(slot, cache);
+        self.take(slot);
+    }
+}
+
+/// The part of a prompt-logprobs report not yet forwarded: positions from `next` up to the
+/// prompt's end. A recompute after preemption re-runs prompt tokens whose logprobs were sent.
+fn trim_prompt_logprobs(
+    p: &PromptLogprobs,
+    next: usize,
+    prompt_len: usize,
+) -> Option<PromptLogprobs> {
+    let first = p.first_pos.max(0) as usize;
+    let n = p.entries.len().min(p.tokens.len());
+    let from = next.saturating_sub(first).min(n);
+    let to = prompt_len.saturating_sub(first).min(n);
+    (from < to).then(|| PromptLogprobs {
+        req_id: p.req_id,
+        first_pos: (first + from) as i32,
+        tokens: p.tokens[from..to].to_vec(),
+        entries: p.entries[from..to].to_vec(),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn report(first_pos: i32, n: usize) -> PromptLogprobs {
+        PromptLogprobs {
+            req_id: 7,
+            first_pos,
+            tokens: (0..n as i32).collect(),
+            entries: (0..n)
+                .map(|i| TokenLogprobs {
+                    logprob: -(i as f32),
+                    top: vec![],
+                })
+                .collect(),
+        }
+    }
+
+    #[test]
+    fn trim_skips_sent_positions_and_generated_tokens() {
+        let t = trim_prompt_logprobs(&report(1, 9), 4, 8).unwrap();
+        assert_eq!((t.first_pos, t.tokens.len()), (4, 4));
+        assert_eq!(t.tokens, vec![3, 4, 5, 6]);
+        assert!(trim_prompt_logprobs(&report(1, 3), 4, 8).is_none());
+        assert_eq!(
+            trim_prompt_logprobs(&report(1, 3), 1, 8)
+                .unwrap()
+                .entries
+                .len(),
+            3
+        );
+    }
+}

@@ -1,0 +1,149 @@
+//! Stop strings, matched on the decoded text rather than on tokens: a stop string can span
+//! several tokens and a token can hold a stop string plus more text. Text that could still
+//! become a stop string (a suffix equal to some stop string's beginning) is held back, so
+//! neither a whole stop string nor its first part ever reaches the client.
+
+pub struct StopMatcher {
+    stops: Vec<String>,
+    held: String,
+}
+
+#[derive(Debug, PartialEq, Eq)]
+pub enum StopOutcome {
+    /// No stop string yet; this text is safe to send.
+    Continue(String),
+    /// A stop string matched: send this text (everything before the match) and stop.
+    Stopped(String),
+}
+
+impl StopMatcher {
+    pub fn new(stops: Vec<String>) -> StopMatcher {
+        StopMatcher {
+            stops: stops.into_iter().filter(|s| !s.is_empty()).collect(),
+            held: String::new(),
+        }
+    }
+
+    pub fn push(&mut self, text: &str) -> StopOutcome {
+        if self.stops.is_empty() {
+            return StopOutcome::Continue(text.to_owned());
+        }
+        self.held.push_str(text);
+        // The earliest match wins: the output ends before the first stop string that appears.
+        let first_match = self
+            .stops
+            .iter()
+            .filter_map(|s| self.held.find(s.as_str()))
+            .min();
+        if let Some(pos) = first_match {
+            let out = self.held[..pos].to_owned();
+            self.held.clear();
+            return StopOutcome::Stopped(out);
+        }
+        let keep = self.partial_match_len();
+        let out = self.held[..self.held.len() - keep].to_owned();
+        self.held.drain(..self.held.len() - keep);
+        StopOutcome::Continue(out)
+    }
+
+    /// Generation ended without a stop string: the held text was never a stop string.
+    pub fn flush(&mut self) -> String {
+        std::mem::take(&mut self.held)
+    }
+
+    /// Length in bytes of the longest suffix of the held text that begins some stop string.
+    fn partial_match_len(&self) -> usize {
+        let held = self.held.as_bytes();
+        let len = held.len();
+        let longest = self.stops.iter().map(String::len).max().unwrap_or(0);
+        // Candidates start where a stop string's first byte occurs: a cheap filter before the
+        // full prefix comparison (stop strings can be long). A UTF-8 continuation byte never
+        // starts a string, so a match always begins on a character boundary.
+        (1..longest.min(len + 1))
+            .rev()
+            .find(|&k| {
+                let tail = &held[len - k..];
+                self.stops
+                    .iter()
+                    .any(|s| s.as_bytes()[0] == tail[0] && s.as_bytes().starts_with(tail))
+            })
+            .unwrap_or(0)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn run(stops: &[&str], pieces: &[&str]) -> (String, bool) {
+        let mut m = StopMatcher::new(stops.iter().map(|s| s.to_string()).collect());
+        let mut out = String::new();
+        for p in pieces {
+            match m.push(p) {
+                StopOutcome::Continue(t) => out.push_str(&t),
+                StopOutcome::Stopped(t) => {
+                    out.push_str(&t);
+                    return (out, true);
+                }
+            }
+        }
+        out.push_str(&m.flush());
+        (out, false)
+    }
+
+    #[test]
+    fn stop_across_pieces_is_cut_and_not_leaked() {
+        assert_eq!(
+            run(&["END"], &["hello E", "N", "D more"]),
+            ("hello ".into(), true)
+        );
+        assert_eq!(
+            run(&["END"], &["hello EN", "X"]),
+            ("hello ENX".into(), false)
+        );
+        assert_eq!(
+            run(&["\n\n", "STOP"], &["a\n", "b STO", "P\n\n"]),
+            ("a\nb ".into(), true)
+        );
+    }
+
+    #[test]
+    fn earliest_match_wins_and_prefix_is_held() {
+        let mut m = StopMatcher::new(vec!["bc".into(), "abcd".into()]);
+        assert_eq!(m.push("xab"), StopOutcome::Continue("x".into()));
+        assert_eq!(m.push("c"), StopOutcome::Stopped("a".into()));
+    }
+
+    #[test]
+    fn multibyte_text_is_cut_on_char_boundaries() {
+        assert_eq!(run(&["é!"], &["café", "!x"]), ("caf".into(), true));
+        assert_eq!(run(&["日本"], &["今日", "は"]), ("今日は".into(), false));
+    }
+
+    proptest::proptest! {
+        /// However the text is split, the output is the text up to the earliest stop string.
+        #[test]
+        fn streaming_equals_cutting_the_whole_text(
+            text in "[abé日 ]{0,40}",
+            stops in proptest::collection::vec("[abé日 ]{1,4}", 0..4),
+            cuts in proptest::collection::vec(0usize..40, 0..10),
+        ) {
+            let expected = match stops.iter().filter_map(|s| text.find(s.as_str())).min() {
+                Some(pos) => (text[..pos].to_owned(), true),
+                None => (text.clone(), false),
+            };
+            let mut bounds: Vec<usize> = cuts.into_iter().filter(|&c| text.is_char_boundary(c.min(text.len()))).map(|c| c.min(text.len())).collect();
+            bounds.push(0);
+            bounds.push(text.len());
+            bounds.sort_unstable();
+            let pieces: Vec<&str> = bounds.windows(2).map(|w| &text[w[0]..w[1]]).collect();
+            let stop_refs: Vec<&str> = stops.iter().map(String::as_str).collect();
+            proptest::prop_assert_eq!(run(&stop_refs, &pieces), expected);
+        }
+    }
+
+    #[test]
+    fn no_stops_passes_everything() {
+        assert_eq!(run(&[], &["a", "b"]), ("ab".into(), false));
+    }
+}

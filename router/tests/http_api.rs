@@ -1,0 +1,1592 @@
+//! The HTTP API in-process: a scripted engine, a small byte-level BPE tokenizer written to a
+//! temporary model directory, and requests sent straight into the axum router.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::body::Body;
+use axum::http::{header, Request, StatusCode};
+use axum::Router;
+use futures::StreamExt;
+use http_body_util::BodyExt;
+use parking_lot::Mutex;
+use serde_json::{json, Value};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::sync::{mpsc, oneshot};
+use tower::ServiceExt;
+
+use nsaserve_router::engine::{
+    Engine, FinishReason, GenerateEvent, GenerateRequest, ModelInfo, RequestStream, SubmitError,
+};
+use nsaserve_router::http::{router, serve_listener, HttpConfig};
+use nsaserve_router::metrics::{Metrics, SchedulerGauges};
+use nsaserve_router::protocol::{PromptLogprobs, TokenLogprobs};
+use nsaserve_router::tokenizer::TokenizerBundle;
+
+const BOS: i32 = 265;
+const EOS: i32 = 266;
+const VOCAB: u32 = 300;
+const CONTEXT: u32 = 128;
+
+// ---------------------------------------------------------------- tokenizer
+
+/// GPT-2's byte-to-character table (the byte-level BPE alphabet).
+fn byte_chars() -> Vec<char> {
+    let printable = |b: u8| matches!(b, b'!'..=b'~' | 0xA1..=0xAC | 0xAE..=0xFF);
+    let mut next = 0u32;
+    (0..=255u8)
+        .map(|b| {
+            if printable(b) {
+                char::from(b)
+            } else {
+                next += 1;
+                char::from_u32(255 + next).unwrap()
+            }
+        })
+        .collect()
+}
+
+/// A byte-level BPE: ids 0..256 are the bytes, a few merges (256..265) make "hello" and
+/// " world" single tokens, and 265/266 are <s>/</s>.
+fn write_model_dir(dir: &std::path::Path, chat_template: &str) {
+    let chars = byte_chars();
+    let mut vocab = serde_json::Map::new();
+    for (b, c) in chars.iter().enumerate() {
+        vocab.insert(c.to_string(), json!(b));
+    }
+    let merges = [
+        ("h", "e"),
+        ("l", "l"),
+        ("he", "ll"),
+        ("hell", "o"),
+        ("Ġ", "w"),
+        ("Ġw", "o"),
+        ("Ġwo", "r"),
+        ("Ġwor", "l"),
+        ("Ġworl", "d"),
+    ];
+    for (id, (a, b)) in (256..).zip(merges) {
+        vocab.insert(format!("{a}{b}"), json!(id));
+    }
+    let special = |id: i32, content: &str| json!({"id": id, "content": content, "single_word": false, "lstrip": false, "rstrip": false, "normalized": false, "special": true});
+    let tokenizer = json!({
+        "version": "1.0",
+        "truncation": null,
+        "padding": null,
+        "added_tokens": [special(BOS, "<s>"), special(EOS, "</s>")],
+        "normalizer": null,
+        "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": true},
+        "post_processor": {
+            "type": "TemplateProcessing",
+            "single": [{"SpecialToken": {"id": "<s>", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+            "pair": [{"SpecialToken": {"id": "<s>", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
+            "special_tokens": {"<s>": {"id": "<s>", "ids": [BOS], "tokens": ["<s>"]}}
+        },
+        "decoder": {"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": true, "use_regex": true},
+        "model": {
+            "type": "BPE", "dropout": null, "unk_token": null, "continuing_subword_prefix": null,
+            "end_of_word_suffix": null, "fuse_unk": false, "byte_fallback": false, "ignore_merges": false,
+            "vocab": vocab,
+            "merges": merges.iter().map(|(a, b)| format!("{a} {b}")).collect::<Vec<_>>()
+        }
+    });
+    std::fs::write(dir.join("tokenizer.json"), tokenizer.to_string()).unwrap();
+    let config = json!({"bos_token": "<s>", "eos_token": {"content": "</s>", "special": true}, "chat_template": chat_template});
+    std::fs::write(dir.join("tokenizer_config.json"), config.to_string()).unwrap();
+    std::fs::write(
+        dir.join("generation_config.json"),
+        json!({"eos_token_id": [EOS]}).to_string(),
+    )
+    .unwrap();
+}
+
+const TEMPLATE: &str = "{{ bos_token }}{% for m in messages %}{% if m.role == 'tool' and not tools %}{{ raise_exception('tool messages need tools') }}{% endif %}<|{{ m.role }}|>{{ m.content }}{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}{% if greeting is defined %}{{ greeting }}{% endif %}";
+
+fn tokenizer_with_template(template: &str) -> Arc<TokenizerBundle> {
+    let dir = tempfile::tempdir().unwrap();
+    write_model_dir(dir.path(), template);
+    Arc::new(TokenizerBundle::from_model_dir(dir.path()).unwrap())
+}
+
+fn tokenizer() -> Arc<TokenizerBundle> {
+    tokenizer_with_template(TEMPLATE)
+}
+
+// ---------------------------------------------------------------- scripted engine
+
+#[derive(Clone)]
+enum Reply {
+    /// These tokens, then EOS (unless max_new_tokens is reached first).
+    Text(String),
+    /// `n` tokens of text, then a failure.
+    FailAfter(usize, bool),
+}
+
+struct ScriptedEngine {
+    tokenizer: Arc<TokenizerBundle>,
+    reply: Mutex<Reply>,
+    delay: Mutex<Duration>,
+    refuse: Mutex<Option<SubmitError>>,
+    healthy: AtomicBool,
+    next_id: AtomicU64,
+    submitted: Mutex<Vec<GenerateRequest>>,
+    aborted: Arc<Mutex<Vec<u64>>>,
+    abort_tx: mpsc::UnboundedSender<u64>,
+}
+
+impl ScriptedEngine {
+    fn new(tokenizer: Arc<TokenizerBundle>) -> Arc<ScriptedEngine> {
+        let (abort_tx, mut abort_rx) = mpsc::unbounded_channel::<u64>();
+        let aborted = Arc::new(Mutex::new(Vec::new()));
+        let sink = Arc::clone(&aborted);
+        tokio::spawn(async move {
+            while let Some(id) = abort_rx.recv().await {
+                sink.lock().push(id);
+            }
+        });
+        Arc::new(ScriptedEngine {
+            tokenizer,
+            reply: Mutex::new(Reply::Text("hello world".into())),
+            delay: Mutex::new(Duration::ZERO),
+            refuse: Mutex::new(None),
+            healthy: AtomicBool::new(true),
+            next_id: AtomicU64::new(1),
+            submitted: Mutex::new(Vec::new()),
+            aborted,
+            abort_tx,
+        })
+    }
+
+    fn set_reply(&self, reply: Reply) {
+        *self.reply.lock() = reply;
+    }
+
+    fn logprobs_for(id: i32, top: Option<u32>) -> Option<TokenLogprobs> {
+        let k = top?;
+        Some(TokenLogprobs {
+            logprob: -0.25,
+            top: (0..k as i32)
+                .map(|j| ((id + 1 + j) % 256, -1.0 - j as f32))
+                .collect(),
+        })
+    }
+}
+
+impl Engine for ScriptedEngine {
+    fn submit(&self, request: GenerateRequest) -> Result<RequestStream, SubmitError> {
+        if let Some(e) = self.refuse.lock().clone() {
+            return Err(e);
+        }
+        self.submitted.lock().push(request.clone());
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let (tx, rx) = mpsc::unbounded_channel();
+        let reply = self.reply.lock().clone();
+        let delay = *self.delay.lock();
+        let (mut ids, failure) = match reply {
+            Reply::Text(t) => (self.tokenizer.encode(&t, false).unwrap(), None),
+            Reply::FailAfter(n, retryable) => (
+                self.tokenizer.encode("hello world", false).unwrap()[..n].to_vec(),
+                Some(retryable),
+            ),
+        };
+        if failure.is_none() {
+            ids.push(EOS);
+        }
+        tokio::spawn(async move {
+            let top = request.sampling.top_logprobs;
+            let prompt = &request.prompt_ids;
+            if request.prompt_logprobs {
+                let entries = prompt[1..]
+                    .iter()
+                    .map(|&t| ScriptedEngine::logprobs_for(t, top).unwrap())
+                    .collect();
+                let event = PromptLogprobs {
+                    req_id: id,
+                    first_pos: 1,
+                    tokens: prompt[1..].to_vec(),
+                    entries,
+                };
+                let _ = tx.send(GenerateEvent::PromptLogprobs(event));
+            }
+            let mut sent = 0u32;
+            let mut reason = FinishReason::Length;
+            for &t in &ids {
+                if sent == request.max_new_tokens {
+                    break;
+                }
+                tokio::time::sleep(delay).await;
+                if tx
+                    .send(GenerateEvent::Token {
+                        id: t,
+                        logprobs: ScriptedEngine::logprobs_for(t, top),
+                    })
+                    .is_err()
+                {
+                    return;
+                }
+                sent += 1;
+                if request.stop_token_ids.contains(&t) {
+                    reason = FinishReason::Stop;
+                    break;
+                }
+            }
+            let last = match failure {
+                Some(retryable) => GenerateEvent::Failed {
+                    message: "worker 1 died".into(),
+                    retryable,
+                },
+                None => GenerateEvent::Finished {
+                    reason,
+                    prompt_tokens: prompt.len() as u32,
+                    completion_tokens: sent,
+                    cached_tokens: 3,
+                },
+            };
+            let _ = tx.send(last);
+        });
+        Ok(RequestStream::new(id, rx, self.abort_tx.clone()))
+    }
+
+    fn healthy(&self) -> bool {
+        self.healthy.load(Ordering::Relaxed)
+    }
+
+    fn model_info(&self) -> ModelInfo {
+        ModelInfo {
+            served_model_name: "tiny".into(),
+            max_context: CONTEXT,
+            vocab_size: VOCAB,
+        }
+    }
+}
+
+// ---------------------------------------------------------------- harness
+
+struct Harness {
+    app: Router,
+    engine: Arc<ScriptedEngine>,
+    metrics: Arc<Metrics>,
+    tokenizer: Arc<TokenizerBundle>,
+}
+
+fn harness_with(configure: impl FnOnce(&mut HttpConfig)) -> Harness {
+    build_harness(tokenizer(), configure)
+}
+
+fn harness_with_template(template: &str) -> Harness {
+    build_harness(tokenizer_with_template(template), |_| {})
+}
+
+fn build_harness(
+    tokenizer: Arc<TokenizerBundle>,
+    configure: impl FnOnce(&mut HttpConfig),
+) -> Harness {
+    let engine = ScriptedEngine::new(Arc::clone(&tokenizer));
+    let metrics = Arc::new(Metrics::new());
+    let mut cfg = HttpConfig::new("tiny");
+    configure(&mut cfg);
+    let app = router(
+        cfg,
+        engine.clone(),
+        Arc::clone(&tokenizer),
+        Arc::clone(&metrics),
+    );
+    Harness {
+        app,
+        engine,
+        metrics,
+        tokenizer,
+    }
+}
+
+fn harness() -> Harness {
+    harness_with(|_| {})
+}
+
+struct Reply_ {
+    status: StatusCode,
+    headers: axum::http::HeaderMap,
+    body: String,
+}
+
+impl Reply_ {
+    fn json(&self) -> Value {
+        serde_json::from_str(&self.body).unwrap_or_else(|e| panic!("not JSON ({e}): {}", self.body))
+    }
+
+    /// The `data:` payloads of an SSE body.
+    fn events(&self) -> Vec<String> {
+        self.body
+            .lines()
+            .filter_map(|l| l.strip_prefix("data: "))
+            .map(str::to_owned)
+            .collect()
+    }
+
+    fn chunks(&self) -> Vec<Value> {
+        let events = self.events();
+        assert_eq!(
+            events.last().map(String::as_str),
+            Some("[DONE]"),
+            "stream must end with [DONE]: {}",
+            self.body
+        );
+        events[..events.len() - 1]
+            .iter()
+            .map(|e| serde_json::from_str(e).unwrap())
+            .collect()
+    }
+}
+
+impl Harness {
+    async fn send(&self, request: Request<Body>) -> Reply_ {
+        let response = self.app.clone().oneshot(request).await.unwrap();
+        let status = response.status();
+        let headers = response.headers().clone();
+        let bytes = response.into_body().collect().await.unwrap().to_bytes();
+        Reply_ {
+            status,
+            headers,
+            body: String::from_utf8(bytes.to_vec()).unwrap(),
+        }
+    }
+
+    async fn post_raw(&self, path: &str, body: impl Into<Body>) -> Reply_ {
+        let request = Request::post(path)
+            .header(header::CONTENT_TYPE, "application/json")
+            .body(body.into())
+            .unwrap();
+        self.send(request).await
+    }
+
+    async fn post(&self, path: &str, body: Value) -> Reply_ {
+        self.post_raw(path, body.to_string()).await
+    }
+
+    async fn get(&self, path: &str) -> Reply_ {
+        self.send(Request::get(path).body(Body::empty()).unwrap())
+            .await
+    }
+
+    fn prompt_len(&self, prompt: &str) -> u32 {
+        self.tokenizer.encode(prompt, true).unwrap().len() as u32
+    }
+}
+
+fn assert_error(reply: &Reply_, status: StatusCode, fragment: &str) {
+    assert_eq!(reply.status, status, "body: {}", reply.body);
+    let v = reply.json();
+    let error = &v["error"];
+    let message = error["message"]
+        .as_str()
+        .unwrap_or_else(|| panic!("no error.message: {v}"));
+    assert!(
+        message.contains(fragment),
+        "{message:?} does not mention {fragment:?}"
+    );
+    assert!(error["type"].is_string(), "{v}");
+    assert!(
+        error.get("param").is_some() && error.get("code").is_some(),
+        "{v}"
+    );
+}
+
+/// Waits (briefly) until the engine has seen `count` aborts.
+async fn wait_for_aborts(engine: &ScriptedEngine, count: usize) -> Vec<u64> {
+    for _ in 0..200 {
+        let aborted = engine.aborted.lock().clone();
+        if aborted.len() >= count {
+            return aborted;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    engine.aborted.lock().clone()
+}
+
+fn stream_text(chunks: &[Value], field: impl Fn(&Value) -> Option<&str>) -> HashMap<u64, String> {
+    let mut texts = HashMap::new();
+    for c in chunks {
+        for choice in c["choices"].as_array().unwrap() {
+            let index = choice["index"].as_u64().unwrap();
+            if let Some(t) = field(choice) {
+                texts.entry(index).or_insert_with(String::new).push_str(t);
+            }
+        }
+    }
+    texts
+}
+
+// ---------------------------------------------------------------- completions
+
+#[tokio::test]
+async fn completion_plain() {
+    let h = harness();
+    let r = h
+        .post(
+            "/v1/completions",
+            json!({"model": "tiny", "prompt": "Say hi", "max_tokens": 20, "user": "u1"}),
+        )
+        .await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.body);
+    let v = r.json();
+    assert!(v["id"].as_str().unwrap().starts_with("cmpl-"));
+    assert_eq!(v["object"], "text_completion");
+    assert_eq!(v["model"], "tiny");
+    assert!(v["created"].as_u64().unwrap() > 1_600_000_000);
+    let choice = &v["choices"][0];
+    assert_eq!(choice["index"], 0);
+    assert_eq!(choice["text"], "hello world");
+    assert_eq!(choice["finish_reason"], "stop");
+    assert!(choice["logprobs"].is_null());
+    let prompt_tokens = h.prompt_len("Say hi");
+    // "hello", " world", EOS
+    assert_eq!(
+        v["usage"],
+        json!({"prompt_tokens": prompt_tokens, "completion_tokens": 3, "total_tokens": prompt_tokens + 3,
+               "prompt_tokens_details": {"cached_tokens": 3}})
+    );
+    let submitted = h.engine.submitted.lock()[0].clone();
+    assert_eq!(
+        submitted.prompt_ids[0], BOS,
+        "raw prompts get the tokenizer's BOS"
+    );
+    assert_eq!(submitted.max_new_tokens, 20);
+    assert_eq!(submitted.stop_token_ids, vec![EOS]);
+}
+
+#[tokio::test]
+async fn completion_length_and_default_max_tokens_fill_the_context() {
+    let h = harness();
+    let r = h
+        .post(
+            "/v1/completions",
+            json!({"prompt": "Say hi", "max_tokens": 1}),
+        )
+        .await;
+    let v = r.json();
+    assert_eq!(v["choices"][0]["text"], "hello");
+    assert_eq!(v["choices"][0]["finish_reason"], "length");
+    h.post("/v1/completions", json!({"prompt": "Say hi", "temperature": 0, "top_k": -1, "top_p": 0.5, "min_p": 0.1, "seed": 3,
+        "presence_penalty": 0.5, "frequency_penalty": -0.5, "repetition_penalty": 1.1})).await;
+    let r = h.engine.submitted.lock()[1].clone();
+    assert_eq!(r.max_new_tokens, CONTEXT - h.prompt_len("Say hi"));
+    let s = &r.sampling;
+    assert_eq!(
+        (s.temperature, s.top_k, s.top_p, s.min_p, s.seed),
+        (0.0, 0, 0.5, 0.1, Some(3))
+    );
+    assert_eq!(
+        (
+            s.presence_penalty,
+            s.frequency_penalty,
+            s.repetition_penalty
+        ),
+        (0.5, -0.5, 1.1)
+    );
+}
+
+#[tokio::test]
+async fn completion_stream_with_usage() {
+    let h = harness();
+    let body =
+        json!({"prompt": "Say hi", "stream": true, "stream_options": {"include_usage": true}});
+    let r = h.post("/v1/completions", body).await;
+    assert_eq!(r.status, StatusCode::OK);
+    assert!(r.headers[header::CONTENT_TYPE]
+        .to_str()
+        .unwrap()
+        .starts_with("text/event-stream"));
+    let chunks = r.chunks();
+    let (last, rest) = chunks.split_last().unwrap();
+    assert_eq!(last["choices"], json!([]));
+    let p = h.prompt_len("Say hi");
+    assert_eq!(last["usage"]["prompt_tokens"], p);
+    assert_eq!(last["usage"]["completion_tokens"], 3);
+    assert_eq!(last["usage"]["total_tokens"], p + 3);
+    for c in rest {
+        assert_eq!(c["object"], "text_completion");
+        assert!(c["usage"].is_null() && c.get("usage").is_some(), "{c}");
+        assert_eq!(c["id"], last["id"]);
+    }
+    assert_eq!(stream_text(rest, |c| c["text"].as_str())[&0], "hello world");
+    assert_eq!(rest.last().unwrap()["choices"][0]["finish_reason"], "stop");
+    assert!(rest[..rest.len() - 1]
+        .iter()
+        .all(|c| c["choices"][0]["finish_reason"].is_null()));
+
+    // Without include_usage there is no usage field and no usage chunk.
+    let chunks = h
+        .post(
+            "/v1/completions",
+            json!({"prompt": "Say hi", "stream": true}),
+        )
+        .await
+        .chunks();
+    assert!(chunks
+        .iter()
+        .all(|c| c.get("usage").is_none() && !c["choices"].as_array().unwrap().is_empty()));
+}
+
+#[tokio::test]
+async fn token_id_prompts_and_prompt_lists_make_choice_groups() {
+    let h = harness();
+    let r = h
+        .post(
+            "/v1/completions",
+            json!({"prompt": [[1, 2, 3], [4, 5]], "n": 2, "max_tokens": 2, "seed": 10}),
+        )
+        .await;
+    let v = r.json();
+    let choices = v["choices"].as_array().unwrap();
+    assert_eq!(choices.len(), 4);
+    for (i, c) in choices.iter().enumerate() {
+        assert_eq!(c["index"], i);
+        assert_eq!(c["text"], "hello world");
+    }
+    let submitted = h.engine.submitted.lock().clone();
+    let prompts: Vec<_> = submitted.iter().map(|r| r.prompt_ids.clone()).collect();
+    assert_eq!(
+        prompts,
+        vec![vec![1, 2, 3], vec![1, 2, 3], vec![4, 5], vec![4, 5]]
+    );
+    let seeds: Vec<_> = submitted.iter().map(|r| r.sampling.seed).collect();
+    assert_eq!(seeds, vec![Some(10), Some(11), Some(10), Some(11)]);
+    // Each prompt counts once; completions add up.
+    assert_eq!(v["usage"]["prompt_tokens"], 5);
+    assert_eq!(v["usage"]["completion_tokens"], 8);
+    assert_eq!(v["usage"]["prompt_tokens_details"]["cached_tokens"], 6);
+
+    let r = h
+        .post(
+            "/v1/completions",
+            json!({"prompt": ["a", "b"], "max_tokens": 1}),
+        )
+        .await;
+    assert_eq!(r.json()["choices"].as_array().unwrap().len(), 2);
+}
+
+#[tokio::test]
+async fn n_samples_stream_interleaved_by_index() {
+    let h = harness();
+    let r = h
+        .post(
+            "/v1/completions",
+            json!({"prompt": "x", "n": 3, "stream": true}),
+        )
+        .await;
+    let chunks = r.chunks();
+    let texts = stream_text(&chunks, |c| c["text"].as_str());
+    assert_eq!(texts.len(), 3);
+    assert!(texts.values().all(|t| t == "hello world"));
+    let finishes = chunks
+        .iter()
+        .filter(|c| !c["choices"][0]["finish_reason"].is_null())
+        .count();
+    assert_eq!(finishes, 3);
+}
+
+// ---------------------------------------------------------------- stop strings and UTF-8
+
+#[tokio::test]
+async fn stop_string_across_tokens_is_cut_and_aborts() {
+    let h = harness();
+    h.engine
+        .set_reply(Reply::Text("abc STOP def and more".into()));
+    // Byte-level: "STOP" is four tokens.
+    let r = h
+        .post(
+            "/v1/completions",
+            json!({"prompt": "x", "stop": ["STOP", "zzz"]}),
+        )
+        .await;
+    let v = r.json();
+    assert_eq!(v["choices"][0]["text"], "abc ");
+    assert_eq!(v["choices"][0]["finish_reason"], "stop");
+    // a, b, c, space, S, T, O, P were generated when the stop string completed.
+    assert_eq!(v["usage"]["completion_tokens"], 8);
+    assert_eq!(
+        wait_for_aborts(&h.engine, 1).await.len(),
+        1,
+        "a stop string must drop the engine request"
+    );
+
+    let r = h
+        .post(
+            "/v1/completions",
+            json!({"prompt": "x", "stop": "STOP", "stream": true}),
+        )
+        .await;
+    let chunks = r.chunks();
+    for c in &chunks {
+        let t = c["choices"][0]["text"].as_str().unwrap();
+        assert!(!t.contains('S'), "a stop-string prefix leaked: {t:?}");
+    }
+    assert_eq!(stream_text(&chunks, |c| c["text"].as_str())[&0], "abc ");
+    assert_eq!(
+        chunks.last().unwrap()["choices"][0]["finish_reason"],
+        "stop"
+    );
+}
+
+#[tokio::test]
+async fn held_back_stop_prefix_is_released_when_it_is_not_a_stop() {
+    let h = harness();
+    h.engine.set_reply(Reply::Text("abc ST".into()));
+    let r = h
+        .post(
+            "/v1/completions",
+            json!({"prompt": "x", "stop": ["STOP"], "stream": true}),
+        )
+        .await;
+    let chunks = r.chunks();
+    assert_eq!(stream_text(&chunks, |c| c["text"].as_str())[&0], "abc ST");
+    assert_eq!(
+        chunks.last().unwrap()["choices"][0]["finish_reason"],
+        "stop"
+    );
+}
+
+#[tokio::test]
+async fn multibyte_characters_split_across_tokens_never_break() {
+    let h = harness();
+    let text = "héllo 日本語 😀!";
+    h.engine.set_reply(Reply::Text(text.into()));
+    let r = h
+        .post(
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "user", "content": "hi"}], "stream": true}),
+        )
+        .await;
+    let chunks = r.chunks();
+    for c in &chunks {
+        if let Some(t) = c["choices"][0]["delta"]["content"].as_str() {
+            assert!(!t.contains('\u{FFFD}'), "broken UTF-8 in chunk {t:?}");
+        }
+    }
+    assert_eq!(
+        stream_text(&chunks, |c| c["delta"]["content"].as_str())[&0],
+        text
+    );
+    // And a stop string made of multi-byte characters.
+    let r = h
+        .post("/v1/completions", json!({"prompt": "x", "stop": ["日本"]}))
+        .await;
+    assert_eq!(r.json()["choices"][0]["text"], "héllo ");
+}
+
+#[tokio::test]
+async fn stop_token_ids_and_ignore_eos() {
+    let h = harness();
+    let o = h.tokenizer.encode("o", false).unwrap()[0];
+    h.engine.set_reply(Reply::Text("abco def".into()));
+    let r = h
+        .post(
+            "/v1/completions",
+            json!({"prompt": "x", "stop_token_ids": [o]}),
+        )
+        .await;
+    let v = r.json();
+    assert_eq!(
+        v["choices"][0]["text"], "abc",
+        "a stop token's text is not output"
+    );
+    assert_eq!(v["choices"][0]["finish_reason"], "stop");
+    h.post(
+        "/v1/completions",
+        json!({"prompt": "x", "ignore_eos": true, "stop_token_ids": [5]}),
+    )
+    .await;
+    assert_eq!(h.engine.submitted.lock()[1].stop_token_ids, vec![5]);
+}
+
+// ---------------------------------------------------------------- logprobs and echo
+
+#[tokio::test]
+async fn completion_logprobs_shape() {
+    let h = harness();
+    let r = h
+        .post(
+            "/v1/completions",
+            json!({"prompt": "x", "logprobs": 2, "max_tokens": 2}),
+        )
+        .await;
+    let v = r.json();
+    let lp = &v["choices"][0]["logprobs"];
+    assert_eq!(lp["tokens"], json!(["hello", " world"]));
+    assert_eq!(lp["token_logprobs"], json!([-0.25, -0.25]));
+    assert_eq!(lp["text_offset"], json!([0, 5]));
+    let top = lp["top_logprobs"].as_array().unwrap();
+    assert_eq!(top.len(), 2);
+    // The chosen token plus the two most likely ones.
+    assert_eq!(top[0].as_object().unwrap().len(), 3);
+    assert_eq!(top[0]["hello"], -0.25);
+    assert_eq!(h.engine.submitted.lock()[0].sampling.top_logprobs, Some(2));
+}
+
+#[tokio::test]
+async fn echo_with_prompt_logprobs() {
+    let h = harness();
+    let r = h
+        .post(
+            "/v1/completions",
+            json!({"prompt": "ab", "echo": true, "logprobs": 1, "max_tokens": 1}),
+        )
+        .await;
+    let v = r.json();
+    let choice = &v["choices"][0];
+    assert_eq!(choice["text"], "abhello");
+    let lp = &choice["logprobs"];
+    assert_eq!(lp["tokens"], json!(["<s>", "a", "b", "hello"]));
+    assert_eq!(lp["token_logprobs"], json!([null, -0.25, -0.25, -0.25]));
+    assert!(lp["top_logprobs"][0].is_null());
+    assert_eq!(lp["top_logprobs"][1].as_object().unwrap().len(), 2);
+    assert_eq!(lp["text_offset"], json!([0, 3, 4, 5]));
+    assert!(h.engine.submitted.lock()[0].prompt_logprobs);
+
+    // Streaming: the prompt comes first, then the completion.
+    let r = h
+        .post(
+            "/v1/completions",
+            json!({"prompt": "ab", "echo": true, "logprobs": 1, "max_tokens": 1, "stream": true}),
+        )
+        .await;
+    let chunks = r.chunks();
+    assert_eq!(chunks[0]["choices"][0]["text"], "ab");
+    assert_eq!(
+        chunks[0]["choices"][0]["logprobs"]["token_logprobs"],
+        json!([null, -0.25, -0.25])
+    );
+    assert_eq!(chunks[1]["choices"][0]["text"], "hello");
+    assert_eq!(
+        chunks[1]["choices"][0]["logprobs"]["text_offset"],
+        json!([5])
+    );
+
+    // Echo without logprobs does not ask the engine for prompt logprobs.
+    let r = h
+        .post(
+            "/v1/completions",
+            json!({"prompt": "ab", "echo": true, "max_tokens": 1}),
+        )
+        .await;
+    assert_eq!(r.json()["choices"][0]["text"], "abhello");
+    assert!(!h.engine.submitted.lock()[2].prompt_logprobs);
+}
+
+#[tokio::test]
+async fn chat_logprobs_shape_with_bytes() {
+    let h = harness();
+    h.engine.set_reply(Reply::Text("é".into()));
+    let body = json!({"messages": [{"role": "user", "content": "hi"}], "logprobs": true, "top_logprobs": 2});
+    let v = h.post("/v1/chat/completions", body).await.json();
+    let content = v["choices"][0]["logprobs"]["content"].as_array().unwrap();
+    assert_eq!(content.len(), 2, "é is two byte tokens: {content:?}");
+    assert_eq!(content[0]["bytes"], json!([0xC3]));
+    assert_eq!(content[1]["bytes"], json!([0xA9]));
+    assert_eq!(content[0]["logprob"], -0.25);
+    let top = content[0]["top_logprobs"].as_array().unwrap();
+    assert_eq!(top.len(), 2);
+    assert!(top[0]["token"].is_string() && top[0]["bytes"].is_array() && top[0]["logprob"] == -1.0);
+    assert_eq!(v["choices"][0]["message"]["content"], "é");
+
+    let body = json!({"messages": [{"role": "user", "content": "hi"}], "logprobs": true});
+    let v = h.post("/v1/chat/completions", body).await.json();
+    assert_eq!(
+        v["choices"][0]["logprobs"]["content"][0]["top_logprobs"],
+        json!([])
+    );
+    let v = h
+        .post(
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "user", "content": "hi"}]}),
+        )
+        .await
+        .json();
+    assert!(v["choices"][0]["logprobs"].is_null());
+}
+
+// ---------------------------------------------------------------- chat
+
+#[tokio::test]
+async fn chat_plain_renders_template() {
+    let h = harness();
+    let body = json!({
+        "model": "tiny",
+        "messages": [
+            {"role": "system", "content": "be brief"},
+            {"role": "user", "content": [{"type": "text", "text": "one"}, {"type": "text", "text": "two"}]},
+            {"role": "assistant", "content": "ok"},
+            {"role": "user", "content": "go"}
+        ],
+        "max_completion_tokens": 5,
+        "chat_template_kwargs": {"greeting": "!"}
+    });
+    let r = h.post("/v1/chat/completions", body).await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.body);
+    let v = r.json();
+    assert!(v["id"].as_str().unwrap().starts_with("chatcmpl-"));
+    assert_eq!(v["object"], "chat.completion");
+    assert_eq!(
+        v["choices"][0]["message"],
+        json!({"role": "assistant", "content": "hello world"})
+    );
+    assert_eq!(v["choices"][0]["finish_reason"], "stop");
+    let submitted = h.engine.submitted.lock()[0].clone();
+    let rendered = h.tokenizer.decode(&submitted.prompt_ids, false);
+    assert_eq!(
+        rendered,
+        "<s><|system|>be brief<|user|>one\ntwo<|assistant|>ok<|user|>go<|assistant|>!"
+    );
+    assert_eq!(
+        submitted.prompt_ids.iter().filter(|&&t| t == BOS).count(),
+        1,
+        "no second BOS"
+    );
+    assert_eq!(submitted.max_new_tokens, 5);
+    assert_eq!(v["usage"]["prompt_tokens"], submitted.prompt_ids.len());
+}
+
+#[tokio::test]
+async fn chat_stream_shape() {
+    let h = harness();
+    let body = json!({"messages": [{"role": "user", "content": "hi"}], "stream": true, "n": 2,
+                      "stream_options": {"include_usage": true}});
+    let chunks = h.post("/v1/chat/completions", body).await.chunks();
+    for c in &chunks {
+        assert_eq!(c["object"], "chat.completion.chunk");
+        assert!(c["id"].as_str().unwrap().starts_with("chatcmpl-"));
+    }
+    assert_eq!(
+        chunks[0]["choices"][0]["delta"],
+        json!({"role": "assistant", "content": ""})
+    );
+    assert_eq!(
+        chunks[1]["choices"][0]["delta"],
+        json!({"role": "assistant", "content": ""})
+    );
+    assert_eq!(chunks[1]["choices"][0]["index"], 1);
+    let texts = stream_text(&chunks, |c| c["delta"]["content"].as_str());
+    assert_eq!(texts[&0], "hello world");
+    assert_eq!(texts[&1], "hello world");
+    let finals: Vec<_> = chunks
+        .iter()
+        .filter(|c| {
+            c["choices"]
+                .as_array()
+                .is_some_and(|a| !a.is_empty() && !a[0]["finish_reason"].is_null())
+        })
+        .collect();
+    assert_eq!(finals.len(), 2);
+    assert!(finals.iter().all(|c| c["choices"][0]["delta"] == json!({})));
+    let usage = &chunks.last().unwrap()["usage"];
+    assert_eq!(usage["completion_tokens"], 6);
+}
+
+#[tokio::test]
+async fn chat_template_errors_are_bad_requests() {
+    let h = harness();
+    let r = h
+        .post(
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "tool", "content": "42", "tool_call_id": "a"}]}),
+        )
+        .await;
+    assert_error(&r, StatusCode::BAD_REQUEST, "tool messages need tools");
+    // With tools the same conversation renders.
+    let tools = json!([{"type": "function", "function": {"name": "f", "parameters": {}}}]);
+    let r = h
+        .post(
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "tool", "content": "42"}], "tools": tools}),
+        )
+        .await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.body);
+    // Assistant tool calls reach the template with their JSON-string arguments parsed.
+    let h2 = harness_with_template(
+        "{% for m in messages %}{% for c in m.tool_calls or [] %}{% for k, v in c.function.arguments.items() %}{{ k }}={{ v }};{% endfor %}{% endfor %}{% endfor %}",
+    );
+    let messages = json!([
+        {"role": "user", "content": "x"},
+        {"role": "assistant", "content": null, "tool_calls": [{"id": "c1", "type": "function",
+            "function": {"name": "f", "arguments": "{\"city\": \"Paris\", \"days\": 2}"}}]},
+        {"role": "tool", "content": "sunny", "tool_call_id": "c1"}
+    ]);
+    let r = h2
+        .post("/v1/chat/completions", json!({"messages": messages}))
+        .await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.body);
+    let rendered = h2
+        .tokenizer
+        .decode(&h2.engine.submitted.lock()[0].prompt_ids, false);
+    assert_eq!(rendered, "city=Paris;days=2;");
+    let r = h
+        .post(
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "assistant", "content": null}]}),
+        )
+        .await;
+    assert_error(&r, StatusCode::BAD_REQUEST, "content");
+    let r = h
+        .post(
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "wizard", "content": "x"}]}),
+        )
+        .await;
+    assert_error(&r, StatusCode::BAD_REQUEST, "role");
+    let r = h.post("/v1/chat/completions", json!({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]})).await;
+    assert_error(&r, StatusCode::BAD_REQUEST, "text");
+    let r = h
+        .post("/v1/chat/completions", json!({"messages": []}))
+        .await;
+    assert_error(&r, StatusCode::BAD_REQUEST, "empty");
+    let r = h
+        .post("/v1/chat/completions", json!({"model": "tiny"}))
+        .await;
+    assert_error(&r, StatusCode::BAD_REQUEST, "messages");
+    let r = h
+        .post(
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}),
+        )
+        .await;
+    assert_error(&r, StatusCode::BAD_REQUEST, "logprobs");
+    let body = json!({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 0});
+    let r = h.post("/v1/chat/completions", body).await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.body);
+    assert!(r.json()["choices"][0]["logprobs"].is_null());
+    let r = h.post("/v1/chat/completions", json!({"messages": [{"role": "user", "content": "x"}], "logprobs": true, "top_logprobs": 21})).await;
+    assert_error(&r, StatusCode::BAD_REQUEST, "top_logprobs");
+}
+
+// ---------------------------------------------------------------- errors
+
+#[tokio::test]
+async fn request_validation_errors() {
+    let h = harness();
+    let c = "/v1/completions";
+    assert_error(
+        &h.post_raw(c, "{not json").await,
+        StatusCode::BAD_REQUEST,
+        "Invalid JSON",
+    );
+    assert_error(
+        &h.post(c, json!({"prompt": "x", "temperature": "hot"}))
+            .await,
+        StatusCode::BAD_REQUEST,
+        "Invalid JSON",
+    );
+    assert_error(
+        &h.post(c, json!({"prompt": 5})).await,
+        StatusCode::BAD_REQUEST,
+        "Invalid JSON",
+    );
+    assert_error(
+        &h.post(c, json!({"model": "gpt-9", "prompt": "x"})).await,
+        StatusCode::NOT_FOUND,
+        "gpt-9",
+    );
+    assert_eq!(
+        h.post(c, json!({"model": "gpt-9", "prompt": "x"}))
+            .await
+            .json()["error"]["code"],
+        "model_not_found"
+    );
+    assert_error(
+        &h.post(c, json!({"prompt": ""})).await,
+        StatusCode::BAD_REQUEST,
+        "empty",
+    );
+    assert_error(
+        &h.post(c, json!({"prompt": []})).await,
+        StatusCode::BAD_REQUEST,
+        "empty",
+    );
+    assert_error(
+        &h.post(c, json!({"prompt": [[]]})).await,
+        StatusCode::BAD_REQUEST,
+        "empty",
+    );
+    assert_error(
+        &h.post(c, json!({})).await,
+        StatusCode::BAD_REQUEST,
+        "prompt",
+    );
+    let long = "word ".repeat(100);
+    assert_error(
+        &h.post(c, json!({"prompt": long})).await,
+        StatusCode::BAD_REQUEST,
+        "maximum context length",
+    );
+    assert_error(
+        &h.post(c, json!({"prompt": "x", "max_tokens": 127})).await,
+        StatusCode::BAD_REQUEST,
+        "maximum context length",
+    );
+    assert_eq!(
+        h.post(c, json!({"prompt": "x", "max_tokens": 126}))
+            .await
+            .status,
+        StatusCode::OK
+    );
+    assert_error(
+        &h.post(c, json!({"prompt": "x", "max_tokens": 0})).await,
+        StatusCode::BAD_REQUEST,
+        "max_tokens",
+    );
+    assert_error(
+        &h.post(c, json!({"prompt": "x", "temperature": -0.1})).await,
+        StatusCode::BAD_REQUEST,
+        "temperature",
+    );
+    assert_error(
+        &h.post(c, json!({"prompt": "x", "top_p": 0})).await,
+        StatusCode::BAD_REQUEST,
+        "top_p",
+    );
+    assert_error(
+        &h.post(c, json!({"prompt": "x", "top_p": 1.5})).await,
+        StatusCode::BAD_REQUEST,
+        "top_p",
+    );
+    assert_error(
+        &h.post(c, json!({"prompt": "x", "top_k": -2})).await,
+        StatusCode::BAD_REQUEST,
+        "top_k",
+    );
+    assert_error(
+        &h.post(c, json!({"prompt": "x", "n": 0})).await,
+        StatusCode::BAD_REQUEST,
+        "`n`",
+    );
+    assert_error(
+        &h.post(c, json!({"prompt": "x", "n": 129})).await,
+        StatusCode::BAD_REQUEST,
+        "`n`",
+    );
+    let stops: Vec<String> = (0..17).map(|i| format!("s{i}")).collect();
+    assert_error(
+        &h.post(c, json!({"prompt": "x", "stop": stops})).await,
+        StatusCode::BAD_REQUEST,
+        "stop",
+    );
+    assert_eq!(
+        h.post(c, json!({"prompt": "x", "stop": &stops[..16]}))
+            .await
+            .status,
+        StatusCode::OK
+    );
+    assert_error(
+        &h.post(c, json!({"prompt": [1, 300]})).await,
+        StatusCode::BAD_REQUEST,
+        "vocabulary",
+    );
+    assert_error(
+        &h.post(c, json!({"prompt": [-1]})).await,
+        StatusCode::BAD_REQUEST,
+        "vocabulary",
+    );
+    assert_error(
+        &h.post(c, json!({"prompt": "x", "stop_token_ids": [999]}))
+            .await,
+        StatusCode::BAD_REQUEST,
+        "vocabulary",
+    );
+    assert_error(
+        &h.post(c, json!({"prompt": "x", "logprobs": 21})).await,
+        StatusCode::BAD_REQUEST,
+        "logprobs",
+    );
+    assert_error(
+        &h.post(
+            c,
+            json!({"prompt": "x", "stream_options": {"include_usage": true}}),
+        )
+        .await,
+        StatusCode::BAD_REQUEST,
+        "stream",
+    );
+    assert_error(
+        &h.post(c, json!({"prompt": "x", "presence_penalty": 3}))
+            .await,
+        StatusCode::BAD_REQUEST,
+        "presence_penalty",
+    );
+    assert_error(
+        &h.post(c, json!({"prompt": "x", "repetition_penalty": 0}))
+            .await,
+        StatusCode::BAD_REQUEST,
+        "repetition_penalty",
+    );
+    assert!(
+        h.engine.submitted.lock().len() == 2,
+        "only the two valid requests reached the engine"
+    );
+}
+
+#[tokio::test]
+async fn unsupported_features_are_refused_not_ignored() {
+    let h = harness();
+    let c = "/v1/completions";
+    let chat = "/v1/chat/completions";
+    let msgs = json!([{"role": "user", "content": "x"}]);
+    let cases = [
+        (
+            c,
+            json!({"prompt": "x", "logit_bias": {"5": 10}}),
+            "logit_bias",
+        ),
+        (c, json!({"prompt": "x", "best_of": 3}), "best_of"),
+        (c, json!({"prompt": "x", "suffix": "end"}), "suffix"),
+        (
+            chat,
+            json!({"messages": msgs, "tool_choice": "required"}),
+            "tool_choice",
+        ),
+        (
+            chat,
+            json!({"messages": msgs, "tool_choice": {"type": "function", "function": {"name": "f"}}}),
+            "tool_choice",
+        ),
+        (
+            chat,
+            json!({"messages": msgs, "response_format": {"type": "json_object"}}),
+            "response_format",
+        ),
+    ];
+    for (path, body, param) in cases {
+        let r = h.post(path, body).await;
+        assert_error(&r, StatusCode::BAD_REQUEST, param);
+        assert_eq!(r.json()["error"]["param"], param);
+        assert_eq!(r.json()["error"]["code"], "unsupported_parameter");
+    }
+    let accepted = [
+        (
+            c,
+            json!({"prompt": "x", "logit_bias": {}, "best_of": 1, "suffix": ""}),
+        ),
+        (
+            chat,
+            json!({"messages": msgs, "tool_choice": "auto", "response_format": {"type": "text"}}),
+        ),
+        (chat, json!({"messages": msgs, "tool_choice": "none"})),
+    ];
+    for (path, body) in accepted {
+        let r = h.post(path, body).await;
+        assert_eq!(r.status, StatusCode::OK, "{}", r.body);
+    }
+}
+
+#[tokio::test]
+async fn configurable_limits_and_body_size() {
+    let h = harness_with(|c| {
+        c.max_body_bytes = 1000;
+        c.max_stop_strings = 2;
+        c.max_n = 4;
+    });
+    let c = "/v1/completions";
+    let big = "x".repeat(2000);
+    assert_error(
+        &h.post(c, json!({"prompt": big})).await,
+        StatusCode::PAYLOAD_TOO_LARGE,
+        "1000 bytes",
+    );
+    // A body without Content-Length (chunked) is limited too.
+    let chunks = futures::stream::iter(vec![
+        Ok::<_, std::io::Error>(vec![b' '; 600]),
+        Ok(vec![b' '; 600]),
+    ]);
+    let request = Request::post(c).body(Body::from_stream(chunks)).unwrap();
+    assert_error(
+        &h.send(request).await,
+        StatusCode::PAYLOAD_TOO_LARGE,
+        "1000 bytes",
+    );
+    assert_error(
+        &h.post(c, json!({"prompt": "x", "stop": ["a", "b", "c"]}))
+            .await,
+        StatusCode::BAD_REQUEST,
+        "stop",
+    );
+    assert_error(
+        &h.post(c, json!({"prompt": "x", "n": 5})).await,
+        StatusCode::BAD_REQUEST,
+        "`n`",
+    );
+}
+
+#[tokio::test]
+async fn engine_refusals_map_to_statuses() {
+    let h = harness();
+    let body = json!({"prompt": "x"});
+    *h.engine.refuse.lock() = Some(SubmitError::Overloaded("queue full".into()));
+    let r = h.post("/v1/completions", body.clone()).await;
+    assert_error(&r, StatusCode::TOO_MANY_REQUESTS, "queue full");
+    assert!(r.headers.contains_key(header::RETRY_AFTER));
+    *h.engine.refuse.lock() = Some(SubmitError::Unavailable("restarting".into()));
+    assert_error(
+        &h.post("/v1/completions", body.clone()).await,
+        StatusCode::SERVICE_UNAVAILABLE,
+        "restarting",
+    );
+    *h.engine.refuse.lock() = Some(SubmitError::Invalid("does not fit the KV pool".into()));
+    let chat = json!({"messages": [{"role": "user", "content": "x"}]});
+    assert_error(
+        &h.post("/v1/chat/completions", chat).await,
+        StatusCode::BAD_REQUEST,
+        "KV pool",
+    );
+}
+
+#[tokio::test]
+async fn partial_submission_failure_aborts_accepted_samples() {
+    struct RefuseThird(Arc<ScriptedEngine>, AtomicU64);
+    impl Engine for RefuseThird {
+        fn submit(&self, r: GenerateRequest) -> Result<RequestStream, SubmitError> {
+            if self.1.fetch_add(1, Ordering::Relaxed) == 2 {
+                return Err(SubmitError::Overloaded("full".into()));
+            }
+            self.0.submit(r)
+        }
+        fn healthy(&self) -> bool {
+            true
+        }
+        fn model_info(&self) -> ModelInfo {
+            self.0.model_info()
+        }
+    }
+    let tokenizer = tokenizer();
+    let inner = ScriptedEngine::new(Arc::clone(&tokenizer));
+    let engine = Arc::new(RefuseThird(inner.clone(), AtomicU64::new(0)));
+    let app = router(
+        HttpConfig::new("tiny"),
+        engine,
+        tokenizer.clone(),
+        Arc::new(Metrics::new()),
+    );
+    let h = Harness {
+        app,
+        engine: inner.clone(),
+        metrics: Arc::new(Metrics::new()),
+        tokenizer,
+    };
+    let r = h
+        .post("/v1/completions", json!({"prompt": "x", "n": 3}))
+        .await;
+    assert_eq!(r.status, StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(wait_for_aborts(&inner, 2).await.len(), 2);
+}
+
+#[tokio::test]
+async fn engine_failures_during_generation() {
+    let h = harness();
+    h.engine.set_reply(Reply::FailAfter(1, true));
+    assert_error(
+        &h.post("/v1/completions", json!({"prompt": "x"})).await,
+        StatusCode::SERVICE_UNAVAILABLE,
+        "worker 1 died",
+    );
+    h.engine.set_reply(Reply::FailAfter(1, false));
+    assert_error(
+        &h.post("/v1/completions", json!({"prompt": "x"})).await,
+        StatusCode::INTERNAL_SERVER_ERROR,
+        "worker 1 died",
+    );
+    let r = h
+        .post(
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "user", "content": "x"}], "stream": true}),
+        )
+        .await;
+    assert_eq!(r.status, StatusCode::OK);
+    let events = r.events();
+    assert_eq!(events.last().unwrap(), "[DONE]");
+    let error: Value = serde_json::from_str(&events[events.len() - 2]).unwrap();
+    assert!(error["error"]["message"]
+        .as_str()
+        .unwrap()
+        .contains("worker 1 died"));
+}
+
+#[tokio::test]
+async fn dropping_a_stream_aborts_the_request() {
+    let h = harness();
+    h.engine
+        .set_reply(Reply::Text("a long answer that keeps going".into()));
+    *h.engine.delay.lock() = Duration::from_millis(20);
+    let request = Request::post("/v1/completions")
+        .body(Body::from(
+            json!({"prompt": "x", "stream": true}).to_string(),
+        ))
+        .unwrap();
+    let response = h.app.clone().oneshot(request).await.unwrap();
+    let mut body = response.into_body().into_data_stream();
+    let first = body.next().await.unwrap().unwrap();
+    assert!(String::from_utf8_lossy(&first).starts_with("data: "));
+    assert!(h.engine.aborted.lock().is_empty());
+    drop(body);
+    assert_eq!(wait_for_aborts(&h.engine, 1).await, vec![1]);
+}
+
+#[tokio::test]
+async fn dropping_a_waiting_response_aborts_every_sample() {
+    let h = harness();
+    *h.engine.delay.lock() = Duration::from_millis(50);
+    let body = json!({"prompt": "x", "n": 2}).to_string();
+    let request = Request::post("/v1/completions")
+        .body(Body::from(body))
+        .unwrap();
+    let pending = tokio::spawn(h.app.clone().oneshot(request));
+    for _ in 0..200 {
+        if h.engine.submitted.lock().len() == 2 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    assert_eq!(h.engine.submitted.lock().len(), 2);
+    pending.abort();
+    let mut aborted = wait_for_aborts(&h.engine, 2).await;
+    aborted.sort_unstable();
+    assert_eq!(aborted, vec![1, 2]);
+}
+
+#[tokio::test]
+async fn api_key_guards_v1_routes_only() {
+    let h = harness_with(|c| c.api_key = Some("sesame".into()));
+    let body = || Body::from(json!({"prompt": "x", "max_tokens": 1}).to_string());
+    let r = h
+        .send(Request::post("/v1/completions").body(body()).unwrap())
+        .await;
+    assert_error(&r, StatusCode::UNAUTHORIZED, "API key");
+    assert_eq!(r.headers[header::WWW_AUTHENTICATE], "Bearer");
+    let r = h
+        .send(
+            Request::post("/v1/completions")
+                .header(header::AUTHORIZATION, "Bearer sesame!")
+                .body(body())
+                .unwrap(),
+        )
+        .await;
+    assert_eq!(r.status, StatusCode::UNAUTHORIZED);
+    let r = h
+        .send(
+            Request::get("/v1/models")
+                .header(header::AUTHORIZATION, "Basic sesame")
+                .body(Body::empty())
+                .unwrap(),
+        )
+        .await;
+    assert_eq!(r.status, StatusCode::UNAUTHORIZED);
+    let r = h
+        .send(
+            Request::post("/v1/completions")
+                .header(header::AUTHORIZATION, "Bearer sesame")
+                .body(body())
+                .unwrap(),
+        )
+        .await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.body);
+    assert_eq!(h.get("/health").await.status, StatusCode::OK);
+    assert!(h.engine.submitted.lock().len() == 1);
+}
+
+// ---------------------------------------------------------------- small endpoints
+
+#[tokio::test]
+async fn models_health_version_and_fallbacks() {
+    let h = harness();
+    let v = h.get("/v1/models").await.json();
+    assert_eq!(v["object"], "list");
+    assert_eq!(v["data"][0]["id"], "tiny");
+    assert_eq!(v["data"][0]["object"], "model");
+    assert_eq!(v["data"][0]["max_model_len"], CONTEXT);
+    assert_eq!(h.get("/health").await.status, StatusCode::OK);
+    h.engine.healthy.store(false, Ordering::Relaxed);
+    assert_error(
+        &h.get("/health").await,
+        StatusCode::SERVICE_UNAVAILABLE,
+        "not healthy",
+    );
+    assert_eq!(
+        h.get("/version").await.json()["version"],
+        env!("CARGO_PKG_VERSION")
+    );
+    assert_error(
+        &h.get("/v2/nothing").await,
+        StatusCode::NOT_FOUND,
+        "/v2/nothing",
+    );
+    assert_error(
+        &h.get("/v1/completions").await,
+        StatusCode::METHOD_NOT_ALLOWED,
+        "not allowed",
+    );
+}
+
+#[tokio::test]
+async fn metrics_count_requests_and_latencies() {
+    let h = harness();
+    h.post("/v1/completions", json!({"prompt": "x"})).await;
+    h.post("/v1/completions", json!({"prompt": ""})).await;
+    h.metrics.set_scheduler_gauges(SchedulerGauges {
+        waiting: 4,
+        running: 2,
+        kv_pages_used: 7,
+        kv_pages_free: 9,
+    });
+    h.metrics.observe_batch_size(2);
+    h.metrics.add_prefix_hit_tokens(128);
+    let r = h.get("/metrics").await;
+    assert_eq!(r.status, StatusCode::OK);
+    assert!(r.headers[header::CONTENT_TYPE]
+        .to_str()
+        .unwrap()
+        .starts_with("text/plain; version=0.0.4"));
+    let text = r.body;
+    assert!(
+        text.contains("nsaserve_requests_total{endpoint=\"/v1/completions\",status=\"200\"} 1\n"),
+        "{text}"
+    );
+    assert!(
+        text.contains("nsaserve_requests_total{endpoint=\"/v1/completions\",status=\"400\"} 1\n"),
+        "{text}"
+    );
+    assert!(
+        text.contains("nsaserve_time_to_first_token_seconds_count 1\n"),
+        "{text}"
+    );
+    assert!(text.contains("nsaserve_e2e_request_latency_seconds_count 1\n"));
+    assert!(text.contains("nsaserve_inter_token_latency_seconds_count 2\n"));
+    assert!(text.contains("nsaserve_time_per_output_token_seconds_count 1\n"));
+    assert!(text.contains("nsaserve_generation_tokens_total 3\n"));
+    assert!(text.contains("nsaserve_requests_waiting 4\n"));
+    assert!(text.contains("nsaserve_kv_pages_used 7\n"));
+    assert!(text.contains("nsaserve_prefix_cache_hit_tokens_total 128\n"));
+    assert!(text.contains("nsaserve_batch_size_count 1\n"));
+}
+
+// ---------------------------------------------------------------- model directory
+
+#[test]
+fn model_dir_files_and_precedence() {
+    let dir = tempfile::tempdir().unwrap();
+    write_model_dir(dir.path(), "from tokenizer_config");
+    std::fs::write(
+        dir.path().join("config.json"),
+        json!({"eos_token_id": 3}).to_string(),
+    )
+    .unwrap();
+    let bundle = TokenizerBundle::from_model_dir(dir.path()).unwrap();
+    assert_eq!(bundle.eos_token_ids(), &[3, EOS]);
+    assert_eq!(bundle.vocab_size(), 267);
+    let render = |b: &TokenizerBundle| {
+        b.chat_template()
+            .unwrap()
+            .render(&[], None, true, &Default::default())
+            .unwrap()
+    };
+    assert_eq!(render(&bundle), "from tokenizer_config");
+    std::fs::write(dir.path().join("chat_template.jinja"), "from jinja file").unwrap();
+    assert_eq!(
+        render(&TokenizerBundle::from_model_dir(dir.path()).unwrap()),
+        "from jinja file"
+    );
+    assert!(TokenizerBundle::from_model_dir(&dir.path().join("missing")).is_err());
+}
+
+#[test]
+fn incremental_detokenizer_matches_full_decode() {
+    let tok = tokenizer();
+    let text = "hello world, héllo 日本語 😀 done";
+    let ids = tok.encode(text, false).unwrap();
+    let prompt = tok.encode("start", true).unwrap();
+    let mut d = nsaserve_router::tokenizer::IncrementalDetokenizer::new(&prompt);
+    let mut out = String::new();
+    for &id in &ids {
+        let piece = d.push(&tok, id);
+        assert!(!piece.contains('\u{FFFD}'));
+        out.push_str(&piece);
+    }
+    out.push_str(&d.flush(&tok));
+    assert_eq!(out, text);
+}
+
+// ---------------------------------------------------------------- over TCP
+
+/// One HTTP/1.1 exchange on a fresh connection; returns the raw response.
+async fn raw_http(addr: std::net::SocketAddr, request: &str) -> String {
+    let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
+    stream.write_all(request.as_bytes()).await.unwrap();
+    let mut response = Vec::new();
+    stream.read_to_end(&mut response).await.unwrap();
+    String::from_utf8(response).unwrap()
+}
+
+#[tokio::test]
+async fn serves_over_tcp_and_shuts_down() {
+    let tokenizer = tokenizer();
+    let engine = ScriptedEngine::new(Arc::clone(&tokenizer));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let (stop_tx, stop_rx) = oneshot::channel::<()>();
+    let server = tokio::spawn(serve_listener(
+        listener,
+        HttpConfig::new("tiny"),
+        engine,
+        tokenizer,
+        Arc::new(Metrics::new()),
+        async move {
+            let _ = stop_rx.await;
+        },
+    ));
+    let body = json!({"prompt": "x", "stream": true}).to_string();
+    let request = format!(
+        "POST /v1/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    let response = raw_http(addr, &request).await;
+    assert!(response.starts_with("HTTP/1.1 200 OK\r\n"), "{response}");
+    assert!(
+        response.contains("content-type: text/event-stream"),
+        "{response}"
+    );
+    assert!(response.contains("data: [DONE]"), "{response}");
+    let health = raw_http(
+        addr,
+        "GET /health HTTP/1.1\r\nHost: test\r\nConnection: close\r\n\r\n",
+    )
+    .await;
+    assert!(health.starts_with("HTTP/1.1 200 OK\r\n"), "{health}");
+    stop_tx.send(()).unwrap();
+    tokio::time::timeout(Duration::from_secs(5), server)
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap();
+}
+
+proptest::proptest! {
+    #![proptest_config(proptest::prelude::ProptestConfig::with_cases(64))]
+    /// Streaming decode equals the full decode for any text, and no piece ends mid-character.
+    #[test]
+    fn incremental_detokenizer_property(text in "[a-z hé日😀,]{0,30}", prompt in "[a-z é]{0,8}") {
+        let tok = shared_tokenizer();
+        let ids = tok.encode(&text, false).unwrap();
+        let prompt_ids = tok.encode(&prompt, true).unwrap();
+        let mut d = nsaserve_router::tokenizer::IncrementalDetokenizer::new(&prompt_ids);
+        let mut out = String::new();
+        for &id in &ids {
+            let piece = d.push(&tok, id);
+            proptest::prop_assert!(!piece.contains(char::REPLACEMENT_CHARACTER), "broken piece {:?}", piece);
+            out.push_str(&piece);
+        }
+        out.push_str(&d.flush(&tok));
+        proptest::prop_assert_eq!(out, text);
+    }
+}
+
+fn shared_tokenizer() -> Arc<TokenizerBundle> {
+    static SHARED: std::sync::OnceLock<Arc<TokenizerBundle>> = std::sync::OnceLock::new();
+    Arc::clone(SHARED.get_or_init(tokenizer))
+}

@@ -1,0 +1,286 @@
+//! Shared test harness for the scheduler tests: a fake executor that keeps a real KV pool
+//! (which token each slot holds) and samples from what it reads back through the plan's page
+//! table, plus a driver that runs the scheduler against it and checks every plan.
+//!
+//! Because the executor reads the sequence back from the slots, a wrong page list, a shared
+//! page overwritten, or a stale cached prefix changes the sampled tokens, and the outputs no
+//! longer match the reference computed straight from the prompt.
+
+#![allow(dead_code)]
+
+use std::collections::{HashMap, HashSet};
+
+use nsaserve_router::engine::{FinishReason, GenerateEvent, GenerateRequest, RequestId};
+use nsaserve_router::protocol::{
+    BatchPlan, PromptLogprobs, SamplingParams, StepResult, TokenLogprobs,
+};
+use nsaserve_router::scheduler::{Scheduler, SchedulerConfig};
+
+pub const VOCAB: u64 = 1000;
+
+/// The fake model: the next token is a hash of the whole sequence so far.
+pub fn next_token(seq: &[i32]) -> i32 {
+    let mut h: u64 = 0x9e37_79b9_7f4a_7c15;
+    for &t in seq {
+        h = (h ^ t as u64)
+            .wrapping_mul(0x1000_0000_01b3)
+            .rotate_left(17);
+    }
+    (h % VOCAB) as i32
+}
+
+/// What a correct engine generates for a request: tokens until a stop token or the limit.
+pub fn reference(req: &GenerateRequest, max_context: u32) -> (Vec<i32>, FinishReason) {
+    let mut seq = req.prompt_ids.clone();
+    let mut out = Vec::new();
+    while out.len() < req.max_new_tokens as usize {
+        let t = next_token(&seq);
+        seq.push(t);
+        out.push(t);
+        if req.stop_token_ids.contains(&t) {
+            return (out, FinishReason::Stop);
+        }
+        if seq.len() >= max_context as usize {
+            break;
+        }
+    }
+    (out, FinishReason::Length)
+}
+
+/// Executes plans against a KV pool of `(token, position)` per slot.
+pub struct FakeExecutor {
+    kv: Vec<Option<(i32, i32)>>,
+    /// Requests to fail with an error at their next step.
+    pub fail_next: HashSet<u64>,
+}
+
+impl FakeExecutor {
+    pub fn new(cfg: &SchedulerConfig) -> Self {
+        Self {
+            kv: vec![None; (cfg.num_pages * cfg.page_size) as usize],
+            fail_next: HashSet::new(),
+        }
+    }
+
+    pub fn run(&mut self, plan: &BatchPlan) -> StepResult {
+        let ps = plan.page_size as i32;
+        // A step writes all its new KV, then every request attends over its page table.
+        for r in &plan.requests {
+            for (k, (&tok, &slot)) in r.input_ids.iter().zip(&r.out_slots).enumerate() {
+                self.kv[slot as usize] = Some((tok, r.cached_len + k as i32));
+            }
+        }
+        let mut result = StepResult {
+            step: plan.step,
+            ..Default::default()
+        };
+        for r in &plan.requests {
+            if self.fail_next.remove(&r.id) {
+                result.errors.push((r.id, "injected failure".into()));
+                continue;
+            }
+            let seq: Vec<i32> = (0..r.seq_len())
+                .map(|pos| {
+                    let slot = r.pages[(pos / ps) as usize] * ps + pos % ps;
+                    let (tok, p) = self.kv[slot as usize].unwrap_or_else(|| {
+                        panic!(
+                            "request {}: slot {slot} (position {pos}) never written",
+                            r.id
+                        )
+                    });
+                    assert_eq!(
+                        p, pos,
+                        "request {}: slot {slot} holds position {p}, read as {pos}",
+                        r.id
+                    );
+                    tok
+                })
+                .collect();
+            if r.prompt_logprobs {
+                let first = r.cached_len.max(1);
+                let tokens: Vec<i32> = seq[first as usize..].to_vec();
+                let entries = (first..r.seq_len())
+                    .map(|p| TokenLogprobs {
+                        logprob: -(p as f32),
+                        top: vec![],
+                    })
+                    .collect();
+                result.prompt_logprobs.push(PromptLogprobs {
+                    req_id: r.id,
+                    first_pos: first,
+                    tokens,
+                    entries,
+                });
+            }
+            if r.sample {
+                let lp = r.sampling.top_logprobs.map(|_| TokenLogprobs {
+                    logprob: -0.5,
+                    top: vec![],
+                });
+                result.sampled.push((r.id, next_token(&seq), lp));
+            }
+        }
+        result
+    }
+}
+
+/// Everything one request produced.
+#[derive(Debug, Default, Clone)]
+pub struct Outcome {
+    pub tokens: Vec<i32>,
+    pub finish: Option<(FinishReason, u32, u32, u32)>,
+    pub failed: Option<(String, bool)>,
+    /// Prompt positions whose logprobs arrived, in arrival order.
+    pub prompt_lp_positions: Vec<i32>,
+}
+
+/// Checks a plan against the rules and against aliasing: a page a request writes this step
+/// appears in no other request's page list.
+pub fn check_plan(plan: &BatchPlan, num_pages: u32) {
+    plan.validate(Some(num_pages)).expect("plan is valid");
+    let ps = plan.page_size as i32;
+    let mut owner: HashMap<i32, u64> = HashMap::new();
+    for r in &plan.requests {
+        for &s in &r.out_slots {
+            owner.insert(s / ps, r.id);
+        }
+    }
+    for r in &plan.requests {
+        for p in &r.pages {
+            if let Some(&w) = owner.get(p) {
+                assert_eq!(
+                    w, r.id,
+                    "page {p} written by request {w} is also in request {}'s page table",
+                    r.id
+                );
+            }
+        }
+        let mut seen = HashSet::new();
+        assert!(
+            r.pages.iter().all(|p| seen.insert(*p)),
+            "request {} lists a page twice",
+            r.id
+        );
+    }
+}
+
+pub fn record(outcomes: &mut HashMap<RequestId, Outcome>, events: Vec<(RequestId, GenerateEvent)>) {
+    for (id, ev) in events {
+        let o = outcomes.entry(id).or_default();
+        assert!(
+            o.finish.is_none() && o.failed.is_none(),
+            "request {id}: event after the last one"
+        );
+        match ev {
+            GenerateEvent::Token { id: t, .. } => o.tokens.push(t),
+            GenerateEvent::Finished {
+                reason,
+                prompt_tokens,
+                completion_tokens,
+                cached_tokens,
+            } => o.finish = Some((reason, prompt_tokens, completion_tokens, cached_tokens)),
+            GenerateEvent::Failed { message, retryable } => o.failed = Some((message, retryable)),
+            GenerateEvent::PromptLogprobs(p) => {
+                assert!(
+                    o.tokens.is_empty(),
+                    "request {id}: prompt logprobs after a token"
+                );
+                assert_eq!(p.tokens.len(), p.entries.len());
+                o.prompt_lp_positions
+                    .extend(p.first_pos..p.first_pos + p.entries.len() as i32);
+            }
+        }
+    }
+}
+
+/// One scheduler step against the executor, with every check on. Returns false when the
+/// scheduler had nothing to run.
+pub fn step(
+    sched: &mut Scheduler,
+    exec: &mut FakeExecutor,
+    step: u64,
+    outcomes: &mut HashMap<RequestId, Outcome>,
+) -> bool {
+    let Some(plan) = sched.schedule(step) else {
+        sched.check_invariants().expect("invariants");
+        return false;
+    };
+    check_plan(&plan, sched.config().num_pages);
+    sched.check_invariants().expect("invariants after schedule");
+    let result = exec.run(&plan);
+    let events = sched.on_result(&plan, &result);
+    record(outcomes, events);
+    sched.check_invariants().expect("invariants after result");
+    true
+}
+
+/// Asserts that every finished request produced exactly its reference output.
+pub fn check_outcome(id: RequestId, req: &GenerateRequest, o: &Outcome, max_context: u32) {
+    let (want, reason) = reference(req, max_context);
+    let (got_reason, prompt_tokens, completion_tokens, _) = o.finish.expect("finished");
+    assert_eq!(
+        o.tokens, want,
+        "request {id}: output differs from the reference"
+    );
+    assert_eq!(got_reason, reason, "request {id}: finish reason");
+    assert_eq!(
+        prompt_tokens as usize,
+        req.prompt_ids.len(),
+        "request {id}: prompt_tokens"
+    );
+    assert_eq!(
+        completion_tokens as usize,
+        want.len(),
+        "request {id}: completion_tokens"
+    );
+    if req.prompt_logprobs {
+        let all: Vec<i32> = (1..req.prompt_ids.len() as i32).collect();
+        assert_eq!(
+            o.prompt_lp_positions, all,
+            "request {id}: prompt logprobs positions"
+        );
+    } else {
+        assert!(o.prompt_lp_positions.is_empty());
+    }
+}
+
+pub fn request(prompt: Vec<i32>, max_new_tokens: u32, stop: Vec<i32>) -> GenerateRequest {
+    GenerateRequest {
+        prompt_ids: prompt,
+        sampling: SamplingParams::default(),
+        max_new_tokens,
+        stop_token_ids: stop,
+        prompt_logprobs: false,
+    }
+}
+
+pub fn config(page_size: u32, num_pages: u32) -> SchedulerConfig {
+    SchedulerConfig {
+        page_size,
+        num_pages,
+        max_running_requests: 64,
+        max_prefill_tokens: 256,
+        chunked_prefill_size: Some(128),
+        disable_radix_cache: false,
+        max_context: 4096,
+        max_waiting: 100_000,
+    }
+}
+
+/// Small deterministic PRNG so the simulation needs no extra dependency and is reproducible.
+pub struct Rng(u64);
+
+impl Rng {
+    pub fn new(seed: u64) -> Self {
+        Self(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1)
+    }
+    pub fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+    pub fn below(&mut self, n: u64) -> u64 {
+        self.next() % n
+    }
+}

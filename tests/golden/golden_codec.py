@@ -1,0 +1,77 @@
+"""Logical (JSON) form <-> typed protocol messages, for the golden vectors."""
+
+from __future__ import annotations
+
+import math
+
+import msgpack
+
+from nsaserve.protocol.builder import RequestSpec, SamplingSpec, build_plan
+from nsaserve.protocol.messages import (
+    SHUTDOWN,
+    Fatal,
+    Heartbeat,
+    Hello,
+    PromptLogprobs,
+    StepResult,
+    TokenLogprobs,
+    encode_plan,
+)
+
+
+def plan_from_json(c: dict):
+    reqs = [
+        RequestSpec(
+            id=q["id"],
+            input_ids=q["input_ids"],
+            cached_len=q["cached_len"],
+            pages=q["pages"],
+            out_slots=q["out_slots"],
+            sample=q["sample"],
+            prompt_logprobs=q["prompt_logprobs"],
+            next_prompt_token=q["next_prompt_token"],
+            sampling=SamplingSpec(**q["sampling"]),
+            history=q["history"],
+            history_prompt_len=q["history_prompt_len"],
+        )
+        for q in c["requests"]
+    ]
+    return build_plan(c["step"], c["page_size"], reqs)
+
+
+def result_from_json(c: dict) -> StepResult:
+    sampled = [
+        (s["req_id"], s["token"], None if s["logprob"] is None else TokenLogprobs(s["logprob"], [tuple(t) for t in s["top"]]))
+        for s in c["sampled"]
+    ]
+    prompt = [
+        PromptLogprobs(p["req_id"], p["first_pos"], p["tokens"], [TokenLogprobs(lp, [tuple(t) for t in top]) for lp, top in p["entries"]])
+        for p in c["prompt_logprobs"]
+    ]
+    return StepResult(c["step"], sampled, prompt, [tuple(e) for e in c["errors"]], c["forward_ms"])
+
+
+def build_message(c: dict) -> bytes:
+    kind = c["kind"]
+    fields = {k: v for k, v in c.items() if k != "kind"}
+    if kind == "plan":
+        return encode_plan(plan_from_json(c))
+    if kind == "result":
+        return result_from_json(c).encode()
+    if kind == "hello":
+        return Hello(**fields).encode()
+    if kind == "heartbeat":
+        return Heartbeat(**fields).encode()
+    if kind == "fatal":
+        return Fatal(**fields).encode()
+    if kind == "shutdown":
+        return SHUTDOWN
+    raise ValueError(kind)
+
+
+def nan_to_none(x: float) -> float | None:
+    return None if math.isnan(x) else x
+
+
+def unpack(data: bytes) -> dict:
+    return msgpack.unpackb(data, raw=False)

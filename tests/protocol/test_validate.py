@@ -1,0 +1,152 @@
+"""Plan validation and fuzzing: a malformed plan never crashes the worker's decoder and fails only
+the requests it got wrong."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import replace
+
+import msgpack
+import numpy as np
+import pytest
+import torch
+
+from nsaserve.protocol.arrays import ProtocolError
+from nsaserve.protocol.builder import RequestSpec, build_plan
+from nsaserve.protocol.messages import encode_plan, plan_from_msg, unpack
+from nsaserve.protocol.validate import validate_plan
+from nsaserve.worker.batch import build_forward_batch
+
+PS = 4
+POOL = 32
+
+
+def good_plan():
+    return build_plan(
+        5,
+        PS,
+        [
+            RequestSpec(1, [1, 2, 3], 4, [0, 1]),  # cached prefix + prefill continuation
+            RequestSpec(2, [9, 9, 9, 9, 9], 0, [2, 3]),  # fresh prefill
+            RequestSpec(3, [7], 6, [4, 5]),  # decode
+        ],
+    )
+
+
+def decode_and_validate(data: bytes):
+    return validate_plan(plan_from_msg(unpack(data)), POOL)
+
+
+def test_a_good_plan_passes_whole():
+    plan, errors = decode_and_validate(encode_plan(good_plan()))
+    assert errors == [] and plan.num_reqs == 3 and plan.mode == "mixed"
+
+
+def test_page_outside_pool_fails_only_that_request():
+    plan = good_plan()
+    pt = plan.page_table.copy()
+    pt[plan.page_start[1]] = POOL + 5  # request 2's first page
+    plan = replace(plan, page_table=pt)
+    runnable, errors = validate_plan(plan, POOL)
+    assert [e[0] for e in errors] == [2] and "outside the pool" in errors[0][1]
+    assert list(runnable.req_ids) == [1, 3]
+    assert runnable.mode == "mixed" and list(runnable.query_start) == [0, 3, 4]
+    # the survivors' slots and pages are intact
+    # request 1 writes positions 4..6 into page 1, request 3 position 6 into page 5
+    assert list(runnable.out_slots) == [1 * PS + 0, 1 * PS + 1, 1 * PS + 2, 5 * PS + 2]
+
+
+def test_aliasing_slots_fail_both_writers():
+    plan = build_plan(1, PS, [RequestSpec(1, [1, 2], 0, [3]), RequestSpec(2, [5, 6], 0, [3]), RequestSpec(3, [4], 2, [6])])
+    runnable, errors = validate_plan(plan, POOL)
+    assert sorted(e[0] for e in errors) == [1, 2]
+    assert all("another token" in m for _, m in errors)
+    assert list(runnable.req_ids) == [3] and runnable.mode == "decode"
+
+
+def test_slot_disagreeing_with_page_table_fails_that_request():
+    plan = build_plan(1, PS, [RequestSpec(1, [1, 2], 0, [3], out_slots=[12, 14]), RequestSpec(2, [4], 2, [6])])
+    runnable, errors = validate_plan(plan, POOL)
+    assert [e[0] for e in errors] == [1] and "page table" in errors[0][1]
+    assert list(runnable.req_ids) == [2]
+
+
+def test_too_few_pages_fails_that_request():
+    plan = build_plan(1, PS, [RequestSpec(1, [1, 2, 3], 3, [3], out_slots=[15, 16, 17]), RequestSpec(2, [4], 2, [6])])
+    runnable, errors = validate_plan(plan, POOL)
+    assert [e[0] for e in errors] == [1] and "cannot hold" in errors[0][1]
+
+
+@pytest.mark.parametrize(
+    "field,value,needle",
+    [
+        ("mode", "decode", "contradicts"),
+        ("query_start", np.array([0, 3, 9, 8], dtype="<i4"), "monotonic"),
+        ("cached_lens", np.array([4, 0], dtype="<i4"), "entries for 3 requests"),
+        ("positions", np.arange(3, dtype="<i4"), "entries for 9 tokens"),
+        ("page_size", 0, "page_size"),
+    ],
+)
+def test_structural_damage_fails_the_whole_plan(field, value, needle):
+    plan = replace(good_plan(), **{field: value})
+    with pytest.raises(ProtocolError, match=needle):
+        validate_plan(plan, POOL)
+
+
+def test_missing_field_and_wrong_types_are_protocol_errors():
+    msg = unpack(encode_plan(good_plan()))
+    for key in ("cached_lens", "page_table", "mode", "version"):
+        broken = dict(msg)
+        del broken[key]
+        with pytest.raises(ProtocolError):
+            plan_from_msg(broken)
+    broken = dict(msg, input_ids=[1, 2, 3])
+    with pytest.raises(ProtocolError, match="must be bin"):
+        plan_from_msg(broken)
+    broken = dict(msg, version=99)
+    with pytest.raises(ProtocolError, match="version 99"):
+        plan_from_msg(broken)
+
+
+def mutate(data: bytes, rng: random.Random) -> bytes:
+    """Random damage: truncation, byte flips, or a field replaced by garbage."""
+    choice = rng.randrange(4)
+    if choice == 0:
+        return data[: rng.randrange(len(data))]
+    if choice == 1:
+        b = bytearray(data)
+        for _ in range(rng.randint(1, 8)):
+            b[rng.randrange(len(b))] = rng.randrange(256)
+        return bytes(b)
+    msg = msgpack.unpackb(data, raw=False)
+    key = rng.choice(list(msg))
+    garbage = [None, -1, 2**63, "x", b"\x00" * rng.randrange(13), [1, 2], {"a": 1}, 1.5]
+    if choice == 2:
+        msg[key] = rng.choice(garbage)
+    else:
+        # Same field, plausible but wrong contents: random int32s of a random length.
+        msg[key] = np.array([rng.randint(-3, 40) for _ in range(rng.randrange(12))], dtype="<i4").tobytes()
+    return msgpack.packb(msg, use_bin_type=True)
+
+
+def test_fuzzed_plans_never_crash_the_decoder():
+    """Every mutation either validates (and then every kept request is consistent) or raises
+    ProtocolError; nothing else escapes."""
+    rng = random.Random(1234)
+    base = encode_plan(good_plan())
+    outcomes = {"ok": 0, "partial": 0, "rejected": 0}
+    for _ in range(3000):
+        data = mutate(base, rng)
+        try:
+            plan, errors = decode_and_validate(data)
+        except ProtocolError:
+            outcomes["rejected"] += 1
+            continue
+        outcomes["partial" if errors else "ok"] += 1
+        # Whatever survived is runnable: re-validating it finds nothing wrong, and the worker
+        # can expand it into device tensors.
+        again, errors2 = validate_plan(plan, POOL)
+        assert errors2 == [] and again.num_reqs == plan.num_reqs
+        batch = build_forward_batch(plan, torch.device("cpu"))
+        assert batch.kv_slots.numel() == 0 or int(batch.kv_slots.max()) < POOL * PS
+    assert outcomes["rejected"] > 100 and outcomes["partial"] + outcomes["ok"] > 100, outcomes

@@ -1,0 +1,61 @@
+"""`nsaserve serve` as a process tree: it starts, serves and stops cleanly at --tp 1 and 2,
+leaves nothing behind, and a worker that cannot start makes it exit non-zero in one line."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+
+import pytest
+from conftest import descendants
+
+from nsaserve.serve import EMBEDDED_MODEL
+
+pytestmark = pytest.mark.skipif(not (EMBEDDED_MODEL / "config.json").exists(), reason="embedded model not built")
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_serve_starts_serves_and_stops_cleanly(start_server, tp):
+    server = start_server(f"--tp={tp}", "--device=cpu")
+    assert len(descendants(server.proc.pid)) >= tp
+    status, body = server.get("/health")
+    assert status == 200, body
+    status, body = server.get("/v1/models")
+    assert status == 200 and json.loads(body)["data"][0]["id"]
+    assert server.stop() == 0
+
+
+def test_bad_model_path_exits_nonzero_with_the_reason(start_server, tmp_path):
+    missing = tmp_path / "nope"
+    server = start_server(f"--model-path={missing}", ready=False)
+    assert server.wait_exit() == 1
+    errors = [line for line in server.lines if line.startswith("nsaserve: error:")]
+    assert len(errors) == 1 and str(missing) in errors[0], server.output
+
+
+def test_a_worker_that_fails_to_load_reports_its_own_error(start_server, tmp_path):
+    # A config.json that is not a model: the router starts, the worker fails to load, and its
+    # fatal line (not just an exit code) is what serve prints.
+    bad = tmp_path / "bad-model"
+    bad.mkdir()
+    (bad / "config.json").write_text(json.dumps({"model_type": "not-a-model"}))
+    server = start_server(f"--model-path={bad}", ready=False)
+    assert server.wait_exit() == 1
+    errors = [line for line in server.lines if line.startswith("nsaserve: error:")]
+    assert len(errors) == 1 and "rank 0" in errors[0], server.output
+
+
+def test_killed_worker_turns_health_red_within_5_s_and_serve_still_stops_cleanly(start_server):
+    server = start_server("--tp=2", "--device=cpu")
+    assert server.get("/health")[0] == 200
+    worker = max(descendants(server.proc.pid))
+    os.kill(worker, signal.SIGKILL)
+    t0 = time.monotonic()
+    while server.get("/health")[0] == 200:
+        assert time.monotonic() - t0 < 5, "a dead worker went unnoticed for 5 s"
+        time.sleep(0.1)
+    assert server.get("/health")[0] == 503
+    assert any("worker rank" in line for line in server.lines), server.output
+    assert server.stop() == 0
