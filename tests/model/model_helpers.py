@@ -10,8 +10,9 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
+
+from nsaserve.protocol.builder import RequestSpec, build_plan
 from nsaserve.protocol.messages import Plan
 from nsaserve.worker.batch import build_forward_batch
 
@@ -132,34 +133,20 @@ class Session:
         return out
 
     def plan(self, work, all_logits: bool) -> Plan:
-        qs, ids, pos, cached, pstart, ptable, slots = [0], [], [], [], [0], [], []
+        """Allocates pages for the new tokens and builds the step's plan with the protocol's builder."""
+        specs = []
         for rid, toks in work:
             r = self.reqs.setdefault(rid, Request(rid))
-            end = r.cached + len(toks)
-            while len(r.pages) * self.ps < end:
+            while len(r.pages) * self.ps < r.cached + len(toks):
                 r.pages.append(self.free.pop())
-            qs.append(qs[-1] + len(toks))
-            ids += toks
-            pos += list(range(r.cached, end))
-            cached.append(r.cached)
-            ptable += r.pages
-            pstart.append(len(ptable))
-            slots += [r.pages[p // self.ps] * self.ps + p % self.ps for p in range(r.cached, end)]
-        n = len(work)
-        i32 = lambda a: np.asarray(a, dtype=np.int32)  # noqa: E731
-        ones, zeros = np.ones(n, dtype=np.uint8), np.zeros(n, dtype=np.uint8)
-        lens = np.diff(qs)
-        mode = "decode" if all(lens == 1) else "prefill" if all(lens > 1) else "mixed"
-        return Plan(
-            step=0, mode=mode, page_size=self.ps,
-            req_ids=np.asarray([rid for rid, _ in work], dtype=np.uint64),
-            query_start=i32(qs), input_ids=i32(ids), positions=i32(pos), cached_lens=i32(cached),
-            page_start=i32(pstart), page_table=i32(ptable), out_slots=i32(slots),
-            sample=zeros if all_logits else ones, prompt_logprobs=ones if all_logits else zeros,
-            temperature=np.zeros(n, np.float32), top_p=np.ones(n, np.float32), top_k=np.full(n, -1, np.int32),
-            min_p=np.zeros(n, np.float32), repetition_penalty=np.ones(n, np.float32),
-            frequency_penalty=np.zeros(n, np.float32), presence_penalty=np.zeros(n, np.float32),
-            seed=np.zeros(n, np.uint64), has_seed=zeros, top_logprobs=np.full(n, -1, np.int32),
-            history_start=np.zeros(n + 1, np.int32), history=np.zeros(0, np.int32),
-            history_prompt_lens=np.zeros(n, np.int32),
-        )  # fmt: skip
+            specs.append(
+                RequestSpec(
+                    id=rid,
+                    input_ids=toks,
+                    cached_len=r.cached,
+                    pages=list(r.pages),
+                    sample=not all_logits,
+                    prompt_logprobs=all_logits,
+                )  # fmt: skip
+            )
+        return build_plan(0, self.ps, specs)

@@ -8,6 +8,7 @@ early difference does not make every later step differ.
 import pytest
 import torch
 from model_helpers import VOCAB, Session, make_checkpoint
+
 from nsaserve.model.runner import ModelRunner
 
 STEPS = 32

@@ -6,9 +6,10 @@ import json
 import pytest
 import torch
 from model_helpers import Session, make_checkpoint, rel_err
+from safetensors.torch import load_file, save_file
+
 from nsaserve.model.config import parse_config
 from nsaserve.model.runner import ModelRunner
-from safetensors.torch import load_file, save_file
 
 
 def load(path, **kw):

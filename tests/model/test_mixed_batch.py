@@ -4,6 +4,7 @@ running each request alone, and equals transformers on the whole sequence."""
 import pytest
 import torch
 from model_helpers import VOCAB, Session, hf_prefill_logits, make_checkpoint, rel_err
+
 from nsaserve.model.runner import ModelRunner
 
 

@@ -8,6 +8,7 @@ are handed out scrambled, must match transformers (float32, relative error <= 1e
 import pytest
 import torch
 from model_helpers import VOCAB, Session, hf_greedy, hf_prefill_logits, make_checkpoint, rel_err
+
 from nsaserve.model.runner import ModelRunner
 
 MODEL_TYPES = ["glm_moe_dsa", "deepseek_v32"]

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from model_helpers import VOCAB, Session, make_checkpoint, rel_err
+
 from nsaserve.model.runner import ModelRunner
 
 MODEL_TYPES = ["glm_moe_dsa", "deepseek_v32"]
