@@ -5,6 +5,7 @@ import random
 
 import pytest
 import torch
+
 from nsaserve.kernels import kv_cache_format as fmt
 from nsaserve.kernels.indexer import indexer_topk_torch, topk_to_slots
 from nsaserve.kernels.moe import moe_experts_torch, route_noaux_tc
