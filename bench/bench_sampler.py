@@ -15,6 +15,7 @@ import statistics
 import time
 
 import torch
+
 from nsaserve.worker.sampler import SamplingBatch, sample
 from nsaserve.worker.sampling_plans import SamplingRequest, make_plan
 

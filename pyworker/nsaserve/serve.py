@@ -166,6 +166,8 @@ class Supervisor:
             f"(tp {i['tp_size']}, {self.device}, {i['num_pages']} KV pages of {i['page_size']} tokens)",
             flush=True,
         )
+        if Path(self.model_path) == EMBEDDED_MODEL:
+            show_sample_completion(a.host, a.port, a.api_key)
         # Until signalled. A dead worker fails every open request and turns /health red (the
         # router answers 503 from then on); the HTTP server stays up so load balancers see it.
         reported = False
@@ -195,6 +197,24 @@ class Supervisor:
                 w.proc.wait()
         if self.runtime_dir:
             shutil.rmtree(self.runtime_dir, ignore_errors=True)
+
+
+def show_sample_completion(host: str, port: int, api_key: str | None) -> None:
+    """A newcomer's first look: one greedy completion from the embedded model, over HTTP."""
+    import urllib.request
+
+    prompt = "Beautiful is better than"
+    body = json.dumps({"prompt": prompt, "max_tokens": 24, "temperature": 0}).encode()
+    req = urllib.request.Request(f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}/v1/completions", data=body)
+    req.add_header("Content-Type", "application/json")
+    if api_key:
+        req.add_header("Authorization", f"Bearer {api_key}")
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            text = json.loads(r.read())["choices"][0]["text"]
+        print(f"sample completion: {prompt!r} -> {text!r}", flush=True)
+    except Exception as e:  # informational only; serving goes on
+        print(f"nsaserve: sample completion failed: {e}", file=sys.stderr, flush=True)
 
 
 def raise_keyboard_interrupt(signum, frame):

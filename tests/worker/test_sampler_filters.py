@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+
 from nsaserve.worker.sampler import SamplingBatch, sample
 from nsaserve.worker.sampling_logits import apply_penalties, process_logits
 from nsaserve.worker.sampling_plans import SamplingRequest, make_plan

@@ -4,6 +4,7 @@ import math
 
 import pytest
 import torch
+
 from nsaserve.worker.sampler import SamplingBatch, prompt_logprobs, sample
 from nsaserve.worker.sampling_plans import SamplingRequest, make_plan
 from nsaserve.worker.sampling_reference import reference_prompt_logprobs

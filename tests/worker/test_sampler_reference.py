@@ -6,6 +6,7 @@ import random
 import numpy as np
 import pytest
 import torch
+
 from nsaserve.protocol.validate import validate_plan
 from nsaserve.worker.sampler import SamplingBatch, draw_uniform, pick_tokens, sample
 from nsaserve.worker.sampling_logits import process_logits

@@ -4,6 +4,7 @@ import random
 
 import pytest
 import torch
+
 from nsaserve.worker.sampler import SamplingBatch, sample
 from nsaserve.worker.sampling_plans import SamplingRequest, make_plan
 

@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 import torch
+
 from nsaserve.worker.sampler import SamplingBatch, sample
 from nsaserve.worker.sampling_plans import SamplingRequest, make_plan
 

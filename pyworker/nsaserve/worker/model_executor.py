@@ -8,8 +8,10 @@ import time
 import numpy as np
 import torch
 
-from ..protocol.messages import Plan, PromptLogprobs, StepResult, TokenLogprobs
+from ..protocol.messages import Plan, PromptLogprobs, StepResult
 from .batch import build_forward_batch, prompt_logprob_rows, sample_rows
+from .sampler import SamplingBatch, prompt_logprobs, sample
+from .sampling_results import prompt_entries, sampled_entries
 
 
 def resolve_model_path(path: str | None) -> str:
@@ -57,8 +59,6 @@ class ModelExecutor:
         return cls(runner, device)
 
     def run(self, plan: Plan, is_rank0: bool) -> StepResult:
-        from .sampler import SamplingBatch, sample
-
         t0 = time.perf_counter()
         batch = build_forward_batch(plan, self.device)
         logits = self.runner.forward(batch)  # rows: sampling rows, then prompt-logprob rows
@@ -66,21 +66,9 @@ class ModelExecutor:
         if not is_rank0:
             return result
         n_sample = len(sample_rows(plan))
-        sampling_ids = plan.req_ids[plan.sample.astype(bool)]
         if n_sample:
-            out = sample(logits[:n_sample], SamplingBatch.from_plan(plan, self.device))
-            tokens = out.tokens.tolist()
-            lps = out.logprobs.tolist()
-            want = plan.top_logprobs[plan.sample.astype(bool)]
-            top_ids = out.top_ids.tolist() if out.top_ids.numel() else None
-            top_lps = out.top_logprobs.tolist() if out.top_logprobs.numel() else None
-            for row, (rid, tok) in enumerate(zip(sampling_ids, tokens)):
-                k = int(want[row])
-                lp = None
-                if k >= 0:
-                    top = list(zip(top_ids[row][:k], top_lps[row][:k])) if k and top_ids else []
-                    lp = TokenLogprobs(float(lps[row]), [(int(a), float(b)) for a, b in top])
-                result.sampled.append((int(rid), int(tok), lp))
+            sb = SamplingBatch.from_plan(plan, self.device)
+            result.sampled = sampled_entries(plan, sb, sample(logits[:n_sample], sb))
         row = n_sample
         for i, token_rows in prompt_logprob_rows(plan):
             result.prompt_logprobs.append(self._prompt_logprobs(plan, i, logits[row : row + len(token_rows)]))
@@ -96,11 +84,5 @@ class ModelExecutor:
         nxt = int(plan.next_prompt_token[i])
         targets = np.concatenate([chunk[1:], [nxt]]) if nxt >= 0 else chunk[1:]
         k = max(0, int(plan.top_logprobs[i]))
-        from .sampler import prompt_logprobs
-
         lp, top_ids, top_lps = prompt_logprobs(rows[: len(targets)], torch.from_numpy(targets).to(rows.device), k)
-        entries = [
-            TokenLogprobs(float(lp[j]), [(int(a), float(b)) for a, b in zip(top_ids[j].tolist(), top_lps[j].tolist())])
-            for j in range(len(targets))
-        ]
-        return PromptLogprobs(int(plan.req_ids[i]), int(plan.cached_lens[i]) + 1, [int(t) for t in targets], entries)
+        return PromptLogprobs(int(plan.req_ids[i]), int(plan.cached_lens[i]) + 1, targets.tolist(), prompt_entries(lp, top_ids, top_lps))

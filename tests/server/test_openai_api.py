@@ -1,0 +1,127 @@
+"""The served API through the official `openai` client and raw HTTP, against the embedded model:
+greedy recital of the Zen of Python must be exact, streaming or not, alone or concurrent."""
+
+from __future__ import annotations
+
+import codecs
+import concurrent.futures
+import contextlib
+import io
+import json
+import urllib.error
+import urllib.request
+
+import pytest
+
+from nsaserve.serve import EMBEDDED_MODEL
+
+pytestmark = pytest.mark.skipif(not (EMBEDDED_MODEL / "config.json").exists(), reason="embedded model not built")
+
+
+def zen() -> str:
+    with contextlib.redirect_stdout(io.StringIO()):
+        import this
+    return codecs.decode(this.s, "rot13")
+
+
+@pytest.fixture(scope="module")
+def server():
+    from conftest import ServerProcess
+
+    s = ServerProcess("--device=cpu", "--served-model-name=zen").wait_ready()
+    yield s
+    assert s.stop() == 0
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    openai = pytest.importorskip("openai")
+    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def post(server, path: str, body, raw: bool = False) -> tuple[int, dict]:
+    data = body if raw else json.dumps(body).encode()
+    req = urllib.request.Request(server.base_url + path, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_greedy_recital_is_exact(client):
+    text = zen()
+    prompt = "Beautiful is better than"
+    rest = text[text.index(prompt) + len(prompt) :]
+    out = client.completions.create(model="zen", prompt=prompt, max_tokens=400, temperature=0)
+    choice = out.choices[0]
+    assert choice.text == rest[: len(choice.text)] and len(choice.text) >= len(rest.rstrip()) - 1
+    assert choice.finish_reason == "stop"
+    assert out.usage.completion_tokens > 50 and out.usage.total_tokens == out.usage.prompt_tokens + out.usage.completion_tokens
+
+
+def test_streaming_equals_non_streaming(client):
+    kwargs = dict(model="zen", prompt="Explicit is better than", max_tokens=60, temperature=0)
+    whole = client.completions.create(**kwargs).choices[0].text
+    pieces = [c.choices[0].text for c in client.completions.create(stream=True, **kwargs) if c.choices]
+    assert "".join(pieces) == whole and len(pieces) > 5
+
+
+def test_concurrent_identical_prompts_give_identical_outputs(client):
+    prompts = ["Simple is better than", "Flat is better than", "Simple is better than", "Errors should never"] * 4
+
+    def run(p):
+        return p, client.completions.create(model="zen", prompt=p, max_tokens=40, temperature=0).choices[0].text
+
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        results = list(pool.map(run, prompts))
+    by_prompt: dict[str, set[str]] = {}
+    for p, t in results:
+        by_prompt.setdefault(p, set()).add(t)
+    assert all(len(v) == 1 for v in by_prompt.values()), by_prompt
+    text = zen()
+    for p, outs in by_prompt.items():
+        (out,) = outs
+        assert (p + out) in text or text.startswith(p + out, text.index(p)), (p, out)
+
+
+def test_chat_recites(client):
+    out = client.chat.completions.create(
+        model="zen", messages=[{"role": "user", "content": "Recite the Zen of Python."}], max_tokens=400, temperature=0
+    )
+    msg = out.choices[0].message
+    assert msg.role == "assistant" and "Beautiful is better than ugly." in msg.content
+
+
+def test_stop_string_is_not_leaked(client):
+    out = client.completions.create(model="zen", prompt="Beautiful is better than", max_tokens=100, temperature=0, stop=["Simple"])
+    assert out.choices[0].text.endswith("\n") and "Simple" not in out.choices[0].text
+    assert out.choices[0].finish_reason == "stop"
+
+
+def test_max_tokens_gives_length(client):
+    out = client.completions.create(model="zen", prompt="Beautiful is better than", max_tokens=3, temperature=0)
+    assert out.choices[0].finish_reason == "length" and out.usage.completion_tokens == 3
+
+
+@pytest.mark.parametrize(
+    "body,status",
+    [
+        ({"model": "zen", "prompt": "x", "temperature": -1}, 400),
+        ({"model": "zen", "prompt": "x", "top_p": 0}, 400),
+        ({"model": "zen", "prompt": "x", "n": 0}, 400),
+        ({"model": "zen", "prompt": ""}, 400),
+        ({"model": "zen", "prompt": [10**9]}, 400),
+        ({"model": "zen", "prompt": "x", "max_tokens": 10**9}, 400),
+        ({"model": "no-such-model", "prompt": "x"}, 404),
+        ({"model": "zen", "prompt": 12}, 400),
+    ],
+)
+def test_bad_requests_get_openai_errors(server, body, status):
+    code, err = post(server, "/v1/completions", body)
+    assert code == status and err["error"]["message"], err
+
+
+def test_invalid_json_is_400(server):
+    code, err = post(server, "/v1/completions", b"{not json", raw=True)
+    assert code == 400 and "error" in err
