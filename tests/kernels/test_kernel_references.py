@@ -170,12 +170,13 @@ def test_fp8_latent_row_layout_and_error():
 def test_fp8_index_keys_paged_layout():
     ps, pages, dim = 4, 3, 16
     cache = fmt.alloc_index_k(pages, ps, dim, True, torch.float32, "cpu")
-    assert cache.shape == (pages, ps * (dim + 4))
+    assert cache.shape == (pages, ps, dim + 4)
     keys = torch.randn(5, dim)
     slots = torch.tensor([11, 0, 5, 6, 3])
     fmt.write_index_k(cache, slots, keys, ps)
     # Page 1's offset 1 (slot 5): its codes start at 1 * dim, its scale at ps * dim + 4 * 1.
-    scale = cache[1, ps * dim + 4 : ps * dim + 8].contiguous().view(torch.float32)
+    page1 = cache[1].reshape(-1)
+    scale = page1[ps * dim + 4 : ps * dim + 8].contiguous().view(torch.float32)
     torch.testing.assert_close(scale, keys[2].abs().amax().reshape(1) / 448)
     back = fmt.gather_index_k(cache, slots, ps)
     assert float(((back - keys).abs() / keys.abs().amax(-1, keepdim=True)).max()) <= 1 / 16
@@ -188,3 +189,20 @@ def test_registry():
     assert get_backend("attention", "torch") is sparse_mla_torch
     with pytest.raises(KeyError, match="registered"):
         get_backend("attention", "no-such-backend")
+
+
+def test_fp8_layouts_are_byte_compatible_with_quant_formats():
+    """Same bytes as kernels.quant's FlashMLA / DeepGEMM encoders (float scales) at production dims."""
+    from nsaserve.kernels.quant.indexer_k_fp8 import write_indexer_k
+    from nsaserve.kernels.quant.mla_kv_fp8 import encode_mla_kv
+
+    torch.manual_seed(6)
+    c, k_pe = torch.randn(5, 512) * 3, torch.randn(5, 64)
+    assert torch.equal(fmt.pack_latent_fp8(c, k_pe), encode_mla_kv(c, k_pe, scale_fmt="float"))
+    ps, pages = 64, 2
+    ours = fmt.alloc_index_k(pages, ps, 128, True, torch.float32, "cpu")
+    theirs = torch.zeros(pages, ps, 132, dtype=torch.uint8)
+    slots, keys = torch.tensor([3, 70, 64, 127]), torch.randn(4, 128)
+    fmt.write_index_k(ours, slots, keys, ps)
+    write_indexer_k(theirs, slots, keys, scale_fmt="float")
+    assert torch.equal(ours, theirs)

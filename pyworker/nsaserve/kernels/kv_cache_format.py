@@ -10,8 +10,13 @@ MLA latent, one row per slot:
 
 Indexer key (D = index_head_dim):
 - "auto": [num_slots, D] in the model dtype.
-- fp8: DeepGEMM's paged layout, [num_pages, page_size * (D + 4)] uint8: per page, page_size rows of
-  D e4m3 codes, then page_size float32 scales (one per key).
+- fp8: DeepGEMM's paged layout, uint8 [num_pages, page_size, D + 4] whose bytes per page are
+  page_size rows of D e4m3 codes, then page_size float32 scales (one per key); a key's D + 4
+  bytes are therefore not contiguous.
+
+These are the byte layouts of kernels.quant.mla_kv_fp8 / indexer_k_fp8 (which fix R = 512,
+P = 64, D = 128); this module also serves the small dims of test models. Scales here are
+amax / 448 ("float" in kernels.quant.fp8), not rounded to powers of two.
 
 Scales are amax / 448 (e4m3's largest finite value), so every element is representable.
 """
@@ -109,21 +114,29 @@ def gather_latent(cache: torch.Tensor, slots: torch.Tensor, kv_lora_rank: int) -
 
 def alloc_index_k(num_pages, page_size, dim, fp8: bool, dtype, device) -> torch.Tensor:
     if fp8:
-        return torch.zeros(num_pages, page_size * (dim + 4), dtype=torch.uint8, device=device)
+        return torch.zeros(num_pages, page_size, dim + 4, dtype=torch.uint8, device=device)
     return torch.zeros(num_pages * page_size, dim, dtype=dtype, device=device)
+
+
+def _index_regions(cache: torch.Tensor):
+    """(codes [pages, page_size, D] uint8, scale bytes [pages, page_size, 4]) views of the fp8
+    paged layout."""
+    num_pages, page_size, row = cache.shape
+    dim = row - 4
+    flat = cache.view(num_pages, page_size * row)
+    codes = flat[:, : page_size * dim].view(num_pages, page_size, dim)
+    scales = flat[:, page_size * dim :].view(num_pages, page_size, 4)
+    return codes, scales, dim
 
 
 def write_index_k(cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, page_size: int) -> None:
     if cache.dtype != torch.uint8:
         cache[slots] = k.to(cache.dtype)
         return
-    num_pages = cache.shape[0]
-    dim = cache.shape[1] // page_size - 4
+    codes_part, scale_part, dim = _index_regions(cache)
     codes, scale = _quant_groups(k, dim)
     page, off = slots // page_size, slots % page_size
-    value_part = cache[:, : page_size * dim].view(num_pages, page_size, dim)
-    scale_part = cache[:, page_size * dim :].view(num_pages, page_size, 4)
-    value_part[page, off] = codes
+    codes_part[page, off] = codes
     scale_part[page, off] = _bytes(scale)
 
 
@@ -131,9 +144,7 @@ def gather_index_k(cache: torch.Tensor, slots: torch.Tensor, page_size: int) -> 
     """Keys at `slots` [N] -> float32 [N, D]."""
     if cache.dtype != torch.uint8:
         return cache[slots].float()
-    num_pages = cache.shape[0]
-    dim = cache.shape[1] // page_size - 4
+    codes_part, scale_part, dim = _index_regions(cache)
     page, off = slots // page_size, slots % page_size
-    codes = cache[:, : page_size * dim].view(num_pages, page_size, dim)[page, off]
-    scale = _from_bytes(cache[:, page_size * dim :].view(num_pages, page_size, 4)[page, off], torch.float32)
-    return _dequant_groups(codes, scale, dim)
+    scale = _from_bytes(scale_part[page, off], torch.float32)
+    return _dequant_groups(codes_part[page, off], scale, dim)
