@@ -114,7 +114,8 @@ class Session:
     def __init__(self, runner, seed: int = 0):
         self.runner = runner
         self.ps = runner.page_size
-        self.free = list(range(runner.num_pages))
+        # At most the first 4096 pages (a pool sized from GPU memory can have millions).
+        self.free = list(range(min(runner.num_pages, 4096)))
         random.Random(seed).shuffle(self.free)
         self.reqs: dict[int, Request] = {}
 
