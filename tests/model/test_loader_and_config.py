@@ -131,3 +131,8 @@ def test_rope_and_indexer_conventions():
     assert ds.mlp_layer_types == ["dense"] * 3 + ["sparse"] * 3
     with pytest.raises(ValueError, match="model_type"):
         parse_config(dict(BASE, model_type="llama"))
+
+
+def test_quantised_checkpoint_is_refused_clearly():
+    with pytest.raises(NotImplementedError, match="fp8"):
+        parse_config(dict(BASE, model_type="deepseek_v32", quantization_config={"quant_method": "fp8"}))

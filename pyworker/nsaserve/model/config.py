@@ -103,6 +103,11 @@ def parse_config(cfg: dict) -> ModelConfig:
     model_type = cfg.get("model_type")
     if model_type not in SUPPORTED:
         raise ValueError(f"unsupported model_type {model_type!r}; supported: {sorted(SUPPORTED)}")
+    quant = cfg.get("quantization_config")
+    if quant:
+        # FP8-block / NVFP4 weights need the quantised linear layers (kernels.quant), not wired yet.
+        method = quant.get("quant_method", "?") if isinstance(quant, dict) else quant
+        raise NotImplementedError(f"quantised checkpoints ({method}) are not supported yet; use a BF16 checkpoint")
     if cfg.get("q_lora_rank") is None:
         raise NotImplementedError("q_lora_rank = null (no query LoRA) is not supported")
     if cfg.get("attention_bias", False):
