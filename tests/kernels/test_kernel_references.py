@@ -206,3 +206,22 @@ def test_fp8_layouts_are_byte_compatible_with_quant_formats():
     fmt.write_index_k(ours, slots, keys, ps)
     write_indexer_k(theirs, slots, keys, scale_fmt="float")
     assert torch.equal(ours, theirs)
+
+
+def test_hadamard_rotation_is_orthonormal_and_keeps_dot_products():
+    from nsaserve.kernels.hadamard import hadamard_rotate
+
+    torch.manual_seed(7)
+    eye = hadamard_rotate(torch.eye(32))
+    torch.testing.assert_close(eye @ eye.T, torch.eye(32), rtol=0, atol=1e-6)
+    torch.testing.assert_close(eye.abs(), torch.full((32, 32), 32**-0.5))
+    q, k = torch.randn(4, 2, 32), torch.randn(5, 32)
+    torch.testing.assert_close(
+        torch.einsum("thd,ld->thl", hadamard_rotate(q), hadamard_rotate(k)), torch.einsum("thd,ld->thl", q, k)
+    )
+    # An outlier is spread over every dim.
+    spike = torch.zeros(1, 32)
+    spike[0, 3] = 10.0
+    assert float(hadamard_rotate(spike).abs().max()) < 2.0
+    with pytest.raises(ValueError, match="power-of-two"):
+        hadamard_rotate(torch.zeros(2, 24))
