@@ -1,5 +1,6 @@
-"""FP8 KV cache (e4m3 latent with per-group scales + bf16 rope part; e4m3 indexer keys with one
-scale per key) against the bf16 cache of the same bf16 model: >= 95% of greedy tokens agree.
+"""FP8 KV cache (e4m3 latent with per-group scales + bf16 rope part; Hadamard-rotated e4m3 indexer
+keys with one scale per key) against the bf16 cache of the same bf16 model: >= 95% of greedy
+tokens agree.
 
 Tokens are compared under teacher forcing (both caches are fed the bf16 run's tokens), so one
 early difference does not make every later step differ.
