@@ -1,1 +1,18 @@
-"""The GLM-5 / DeepSeek-V3.2 model family in torch (MLA + lightning indexer + sparse attention + MoE)."""
+"""The GLM-5 / DeepSeek-V3.2 model family in torch (MLA + lightning indexer + sparse attention + MoE).
+
+Entry point: runner.ModelRunner (load a checkpoint and its KV pool, run one ForwardBatch per step).
+
+- config.py     config.json as transformers writes it (both model types), per-layer facts resolved
+- rope_params   RoPE / YaRN frequencies and the MLA softmax-scale correction
+- attention.py  MLA (absorbed, one latent head) + the lightning indexer; same path for prefill,
+                decode and mixed batches, always reading the paged cache
+- mlp.py        dense MLP and MoE (routed experts fused per rank + shared experts)
+- model.py      the decoder stack; parameter names mirror the checkpoint's
+- loader.py     safetensors -> parameters, each rank reading only its slices
+- kv_pool.py    the paged KV pool (latent + indexer key per slot per layer), bf16 or fp8
+- parallel.py   the tensor-parallel layout (heads and experts split, indexer replicated)
+- step_meta.py  metadata built once per forward and shared by all layers
+
+Top-k contract (every indexer backend): contexts that fit in index_topk are attended densely;
+otherwise the index_topk highest scores, ties going to the lower position.
+"""

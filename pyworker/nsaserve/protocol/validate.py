@@ -85,7 +85,10 @@ def request_faults(plan: Plan, num_pages: int) -> dict[int, str]:
     flag(qlen <= 0, "no tokens to run")
     flag(cached < 0, "negative cached_len")
     flag(npages < -(-seq // ps), "its pages cannot hold its tokens")
-    flag((plan.history_prompt_lens < 0) | (plan.history_prompt_lens > np.diff(plan.history_start)), "history_prompt_len out of range")
+    flag(
+        (plan.history_prompt_lens < 0) | (plan.history_prompt_lens > np.diff(plan.history_start)),
+        "history_prompt_len out of range",
+    )
 
     page_req = np.repeat(np.arange(n), npages)
     bad_page = (plan.page_table < 0) | (plan.page_table >= num_pages)

@@ -1,0 +1,56 @@
+"""A small registry of kernel backends: get_backend("attention", "torch").
+
+Kernels are picked by (kind, name). The torch references register themselves when their module is
+imported; GPU backends (Triton, FlashMLA, DeepGEMM, ...) add one file and one `@register` each and
+become selectable by name without the model changing.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+
+# Kinds used by the model:
+#   "attention": sparse MLA over the paged latent cache  (sparse_mla.py)
+#   "indexer":   lightning-indexer scores + causal top-k over paged index keys  (indexer.py)
+#   "moe_route": sigmoid / bias / group-limited expert choice  (moe.py)
+#   "moe_experts": routed expert MLPs for the experts this rank owns  (moe.py)
+_BACKENDS: dict[tuple[str, str], Callable] = {}
+
+# Modules holding the built-in torch references; imported on first lookup so that importing the
+# registry alone stays cheap and free of cycles.
+_BUILTIN_MODULES = ("sparse_mla", "indexer", "moe")
+_builtins_loaded = False
+
+
+def register(kind: str, name: str) -> Callable[[Callable], Callable]:
+    def deco(fn: Callable) -> Callable:
+        key = (kind, name)
+        if key in _BACKENDS and _BACKENDS[key] is not fn:
+            raise ValueError(f"kernel backend {kind}/{name} is already registered")
+        _BACKENDS[key] = fn
+        return fn
+
+    return deco
+
+
+def _load_builtins() -> None:
+    global _builtins_loaded
+    if not _builtins_loaded:
+        for mod in _BUILTIN_MODULES:
+            importlib.import_module(f"{__package__}.{mod}")
+        _builtins_loaded = True
+
+
+def get_backend(kind: str, name: str = "torch") -> Callable:
+    _load_builtins()
+    try:
+        return _BACKENDS[(kind, name)]
+    except KeyError:
+        have = sorted(n for k, n in _BACKENDS if k == kind)
+        raise KeyError(f"no kernel backend {name!r} for {kind!r}; registered: {have}") from None
+
+
+def available(kind: str) -> list[str]:
+    _load_builtins()
+    return sorted(n for k, n in _BACKENDS if k == kind)

@@ -1,0 +1,130 @@
+"""MLA attention with the lightning indexer (DeepSeek Sparse Attention), absorbed form.
+
+Per token x (after input_layernorm):
+    qr = RMSNorm(q_a_proj x)                q = q_b_proj qr -> per head [q_nope | q_pe]
+    ckv = kv_a_proj_with_mqa x -> c = RMSNorm(ckv[:R]),  k_pe = ckv[R:]   (one latent head)
+    q_pe, k_pe get RoPE; (c, k_pe) go to the paged cache at the token's slot.
+Absorbed attention: kv_b_proj per head is [W_UK (nope rows) | W_UV (v rows)] over the latent, so
+    q_lat = q_nope W_UK,  o_lat = sparse attention over (c, k_pe) of the selected slots,
+    o = o_lat W_UV^T,  out = o_proj(concat heads)  (all-reduced across TP ranks).
+The same path serves prefill, decode and mixed batches: the current tokens are written first and
+then read back through the cache like any other position.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..kernels.hadamard import hadamard_rotate
+from ..kernels.indexer import topk_to_slots
+from ..kernels.norms import layer_norm, rms_norm
+from ..kernels.registry import get_backend
+from ..kernels.rope import apply_rope
+from .linear import Linear, Norm
+from .rope_params import mla_softmax_scale
+
+# transformers and the DeepSeek reference build q_a_layernorm / kv_a_layernorm (and the indexer's
+# LayerNorm) with eps 1e-6, not config.rms_norm_eps; we match them.
+LORA_NORM_EPS = 1e-6
+INDEXER_NORM_EPS = 1e-6
+
+
+class Indexer(nn.Module):
+    """Lightning indexer: scores keys with a few cheap heads and picks each query's top-k."""
+
+    def __init__(self, cfg, *, dtype, device):
+        super().__init__()
+        self.n_heads, self.head_dim, self.rope_dim = cfg.index_n_heads, cfg.index_head_dim, cfg.qk_rope_head_dim
+        self.topk = cfg.index_topk
+        self.interleaved = cfg.indexer_rope_interleave
+        self.wq_b = Linear(cfg.q_lora_rank, self.n_heads * self.head_dim, dtype=dtype, device=device)
+        self.wk = Linear(cfg.hidden_size, self.head_dim, dtype=dtype, device=device)
+        self.k_norm = Norm(self.head_dim, dtype=dtype, device=device, bias=True)
+        # Kept in float32 like the reference (weights_proj is never quantised).
+        self.weights_proj = Linear(cfg.hidden_size, self.n_heads, dtype=torch.float32, device=device)
+
+    def _rope(self, x, meta):
+        # The indexer ropes the FIRST rope_dim dims (MLA ropes the last ones).
+        rot = apply_rope(x[..., : self.rope_dim], meta.cos, meta.sin, self.interleaved)
+        return torch.cat((rot, x[..., self.rope_dim :]), dim=-1)
+
+    def forward(self, x, qr, layer, batch, meta, pool, backend: str):
+        num_tokens = x.shape[0]
+        q = self._rope(self.wq_b(qr).view(num_tokens, self.n_heads, self.head_dim), meta)
+        k = self._rope(layer_norm(self.wk(x), self.k_norm.weight, self.k_norm.bias, INDEXER_NORM_EPS), meta)
+        if pool.fp8:
+            # As DeepSeek's reference does before fp8-quantising the keys: same scores, smaller error.
+            q, k = hadamard_rotate(q), hadamard_rotate(k)
+        pool.write_index_k(layer, batch.out_slots, k)
+        weights = self.weights_proj(x.float()) * self.n_heads**-0.5
+        topk_pos = get_backend("indexer", backend)(
+            q.float(),
+            weights.float(),
+            pool.index_k[layer],
+            batch.kv_slots,
+            batch.query_start_host,
+            batch.cached_lens_host,
+            batch.seq_lens_host,
+            self.topk,
+            self.head_dim**-0.5,
+            pool.page_size,
+        )
+        return topk_to_slots(topk_pos, meta.token_kv_base, batch.kv_slots)
+
+
+class MLAttention(nn.Module):
+    def __init__(self, cfg, layer: int, tp, *, dtype, device):
+        super().__init__()
+        self.layer, self.tp = layer, tp
+        self.nope, self.rope_dim, self.v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+        self.rank = cfg.kv_lora_rank
+        h0, self.heads = tp.split(cfg.num_attention_heads, "num_attention_heads")
+        qk, kvb = cfg.qk_head_dim, self.nope + self.v_dim
+        self.mla_interleaved = cfg.mla_rope_interleave
+        self.softmax_scale = mla_softmax_scale(qk, cfg.rope_parameters)
+        H = cfg.hidden_size
+        self.q_a_proj = Linear(H, cfg.q_lora_rank, dtype=dtype, device=device)
+        self.q_a_layernorm = Norm(cfg.q_lora_rank, dtype=dtype, device=device)
+        self.q_b_proj = Linear(
+            cfg.q_lora_rank, cfg.num_attention_heads * qk, dtype=dtype, device=device,
+            shard_dim=0, start=h0 * qk, length=self.heads * qk,
+        )  # fmt: skip
+        self.kv_a_proj_with_mqa = Linear(H, self.rank + self.rope_dim, dtype=dtype, device=device)
+        self.kv_a_layernorm = Norm(self.rank, dtype=dtype, device=device)
+        self.kv_b_proj = Linear(
+            self.rank, cfg.num_attention_heads * kvb, dtype=dtype, device=device,
+            shard_dim=0, start=h0 * kvb, length=self.heads * kvb,
+        )  # fmt: skip
+        self.o_proj = Linear(
+            cfg.num_attention_heads * self.v_dim, H, dtype=dtype, device=device,
+            shard_dim=1, start=h0 * self.v_dim, length=self.heads * self.v_dim,
+        )  # fmt: skip
+        self.indexer = Indexer(cfg, dtype=dtype, device=device) if cfg.indexer_types[layer] == "full" else None
+
+    def forward(self, x, batch, meta, pool, prev_topk_slots, backends):
+        num_tokens = x.shape[0]
+        qr = rms_norm(self.q_a_proj(x), self.q_a_layernorm.weight, LORA_NORM_EPS)
+        q = self.q_b_proj(qr).view(num_tokens, self.heads, self.nope + self.rope_dim)
+        q_nope, q_pe = q[..., : self.nope], q[..., self.nope :]
+        ckv = self.kv_a_proj_with_mqa(x)
+        c = rms_norm(ckv[:, : self.rank], self.kv_a_layernorm.weight, LORA_NORM_EPS)
+        q_pe = apply_rope(q_pe, meta.cos, meta.sin, self.mla_interleaved)
+        k_pe = apply_rope(ckv[:, self.rank :], meta.cos, meta.sin, self.mla_interleaved)
+        pool.write_latent(self.layer, batch.out_slots, c, k_pe)
+
+        if self.indexer is not None:
+            topk_slots = self.indexer(x, qr, self.layer, batch, meta, pool, backends["indexer"])
+        elif prev_topk_slots is None:
+            raise RuntimeError(f"layer {self.layer} shares top-k but no earlier layer computed one")
+        else:
+            topk_slots = prev_topk_slots
+
+        w = self.kv_b_proj.weight.view(self.heads, self.nope + self.v_dim, self.rank)
+        w_uk, w_uv = w[:, : self.nope], w[:, self.nope :]
+        q_lat = torch.einsum("thn,hnr->thr", q_nope, w_uk)
+        o_lat = get_backend("attention", backends["attention"])(
+            q_lat, q_pe, pool.latent[self.layer], topk_slots, self.softmax_scale
+        )
+        o = torch.einsum("thr,hvr->thv", o_lat.to(x.dtype), w_uv).reshape(num_tokens, self.heads * self.v_dim)
+        return self.tp.all_reduce(self.o_proj(o)), topk_slots

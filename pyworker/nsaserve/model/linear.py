@@ -1,0 +1,44 @@
+"""Weight holders that know which slice of the checkpoint tensor they hold.
+
+`tp_shard = (dim, start, length)` names this rank's slice of the checkpoint tensor along `dim`
+(PyTorch layout [out, in]); the loader reads exactly that slice. Quantised formats will subclass
+these with their own weight tensors and forward.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def empty_param(shape, dtype, device, shard: tuple[int, int, int] | None = None) -> nn.Parameter:
+    p = nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
+    p.tp_shard = shard
+    return p
+
+
+class Linear(nn.Module):
+    """y = x W^T, W [out, in]; `shard_dim` 0 splits outputs (column parallel), 1 inputs (row parallel)."""
+
+    def __init__(self, in_features, out_features, *, dtype, device, shard_dim=None, start=0, length=None):
+        super().__init__()
+        shape = [out_features, in_features]
+        shard = None
+        if shard_dim is not None:
+            shard = (shard_dim, start, length)
+            shape[shard_dim] = length
+        self.weight = empty_param(shape, dtype, device, shard)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x.to(self.weight.dtype), self.weight)
+
+
+class Norm(nn.Module):
+    """A norm's replicated weight (and bias for LayerNorm); the math lives in kernels.norms."""
+
+    def __init__(self, dim, *, dtype, device, bias=False):
+        super().__init__()
+        self.weight = empty_param([dim], dtype, device)
+        if bias:
+            self.bias = empty_param([dim], dtype, device)

@@ -1,0 +1,95 @@
+"""The decoder stack: embedding, layers (MLA + indexer attention, dense MLP or MoE), norm, lm_head.
+
+Module and parameter names mirror the checkpoint's (model.layers.{i}.self_attn.q_a_proj.weight, ...)
+so the loader maps names one to one; only the routed experts are fused on load.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..kernels.norms import rms_norm
+from .attention import MLAttention
+from .linear import Norm, empty_param
+from .mlp import DenseMLP, MoE
+from .parallel import TPGroup
+from .rope_params import rope_inv_freq
+from .step_meta import build_step_meta
+
+DEFAULT_BACKENDS = {"attention": "torch", "indexer": "torch", "moe_route": "torch", "moe_experts": "torch"}
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg, layer, tp, *, dtype, device):
+        super().__init__()
+        self.eps = cfg.rms_norm_eps
+        self.input_layernorm = Norm(cfg.hidden_size, dtype=dtype, device=device)
+        self.post_attention_layernorm = Norm(cfg.hidden_size, dtype=dtype, device=device)
+        self.self_attn = MLAttention(cfg, layer, tp, dtype=dtype, device=device)
+        if cfg.mlp_layer_types[layer] == "sparse":
+            self.mlp = MoE(cfg, tp, dtype=dtype, device=device)
+        else:
+            self.mlp = DenseMLP(cfg, tp, dtype=dtype, device=device)
+
+    def forward(self, h, batch, meta, pool, prev_topk_slots, backends):
+        attn, topk_slots = self.self_attn(
+            rms_norm(h, self.input_layernorm.weight, self.eps), batch, meta, pool, prev_topk_slots, backends
+        )
+        h = h + attn
+        h = h + self.mlp(rms_norm(h, self.post_attention_layernorm.weight, self.eps), backends)
+        return h, topk_slots
+
+
+class Backbone(nn.Module):
+    def __init__(self, cfg, tp, *, dtype, device):
+        super().__init__()
+        self.embed_tokens = nn.Module()
+        self.embed_tokens.weight = empty_param([cfg.vocab_size, cfg.hidden_size], dtype, device)
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, i, tp, dtype=dtype, device=device) for i in range(cfg.num_hidden_layers)
+        )
+        self.norm = Norm(cfg.hidden_size, dtype=dtype, device=device)
+
+
+class CausalLM(nn.Module):
+    def __init__(self, cfg, tp: TPGroup, *, dtype, device):
+        super().__init__()
+        self.cfg, self.tp = cfg, tp
+        self.model = Backbone(cfg, tp, dtype=dtype, device=device)
+        v0, vn, self.vocab_share = tp.split_padded(cfg.vocab_size)
+        self.lm_head = nn.Module()
+        self.lm_head.weight = empty_param([vn, cfg.hidden_size], dtype, device, shard=(0, v0, vn))
+        inv_freq, self.rope_attention_factor = rope_inv_freq(
+            cfg.qk_rope_head_dim, cfg.rope_parameters, cfg.max_position_embeddings
+        )
+        self.register_buffer("inv_freq", inv_freq.to(device), persistent=False)
+        self.backends = dict(DEFAULT_BACKENDS)
+
+    def weight_targets(self) -> dict[str, tuple[torch.Tensor, tuple] | None]:
+        """Every checkpoint tensor name this model expects -> (param, index) or None (the tensor
+        exists but belongs to another rank). Missing/unexpected names are checked against this."""
+        targets = {}
+        for name, p in self.named_parameters():
+            if ".mlp.w13" in name or ".mlp.w2" in name:
+                continue
+            targets[name] = (p, ())
+        for i, layer in enumerate(self.model.layers):
+            if isinstance(layer.mlp, MoE):
+                targets.update(layer.mlp.expert_targets(f"model.layers.{i}.mlp."))
+        return targets
+
+    @torch.no_grad()
+    def forward(self, batch, pool) -> torch.Tensor:
+        cfg = self.cfg
+        if batch.num_tokens == 0:
+            return torch.zeros(0, cfg.vocab_size, dtype=torch.float32, device=self.inv_freq.device)
+        meta = build_step_meta(batch, self.inv_freq, self.rope_attention_factor)
+        h = self.model.embed_tokens.weight[batch.input_ids]
+        topk_slots = None
+        for layer in self.model.layers:
+            h, topk_slots = layer(h, batch, meta, pool, topk_slots, self.backends)
+        # Only the rows the sampler needs go through the final norm and lm_head.
+        h = rms_norm(h[batch.logits_index], self.model.norm.weight, cfg.rms_norm_eps)
+        logits = torch.nn.functional.linear(h, self.lm_head.weight).float()
+        return self.tp.all_gather_rows(logits, self.vocab_share, cfg.vocab_size)

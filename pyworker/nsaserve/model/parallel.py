@@ -1,0 +1,56 @@
+"""Tensor-parallel bookkeeping: which slice of a weight this rank holds, and the two collectives.
+
+Layout (rank r of N):
+- MLA heads: q_b_proj / kv_b_proj rows of heads [r*H/N, (r+1)*H/N); o_proj the matching input
+  columns; o_proj output is all-reduced. q_a_proj, kv_a_proj and the latent KV cache are replicated
+  (one latent head).
+- Indexer: REPLICATED on every rank (all its weights, its key cache, its scores). Every rank sees
+  identical hidden states (they come out of all-reduces) and runs the identical deterministic
+  kernel, so all ranks pick identical top-k indices without any communication.
+- Routed experts: rank r owns experts [r*E/N, (r+1)*E/N) (expert parallel inside the TP group);
+  the router is replicated. Shared experts and dense MLPs split their intermediate dim. One
+  all-reduce per MLP sums routed + shared partials.
+- Embedding replicated; lm_head vocab-parallel, logits all-gathered so every rank returns the full
+  vocabulary.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class TPGroup:
+    rank: int = 0
+    size: int = 1
+
+    def split(self, total: int, what: str) -> tuple[int, int]:
+        """(start, length) of this rank's equal share of `total` items; must divide evenly."""
+        if total % self.size:
+            raise ValueError(f"{what} = {total} is not divisible by tp_size = {self.size}")
+        n = total // self.size
+        return self.rank * n, n
+
+    def split_padded(self, total: int) -> tuple[int, int, int]:
+        """(start, length, padded share) for a split that need not divide evenly (the vocabulary)."""
+        share = -(-total // self.size)
+        start = min(self.rank * share, total)
+        return start, min(share, total - start), share
+
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        if self.size > 1:
+            dist.all_reduce(t)
+        return t
+
+    def all_gather_rows(self, t: torch.Tensor, share: int, total: int) -> torch.Tensor:
+        """Concatenate each rank's [N, len_r] along dim 1 (each padded to `share`) -> [N, total]."""
+        if self.size == 1:
+            return t
+        padded = torch.zeros(t.shape[0], share, dtype=t.dtype, device=t.device)
+        padded[:, : t.shape[1]] = t
+        parts = [torch.empty_like(padded) for _ in range(self.size)]
+        dist.all_gather(parts, padded)
+        return torch.cat(parts, dim=1)[:, :total]

@@ -1,0 +1,24 @@
+"""Per-forward metadata derived from a ForwardBatch once and shared by every layer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..kernels.rope import rope_cos_sin
+
+
+@dataclass
+class StepMeta:
+    cos: torch.Tensor  # [T, rope_dim/2] float32, YaRN attention factor included
+    sin: torch.Tensor
+    # kv_start of each token's request: logical top-k position p of token t is physical slot
+    # kv_slots[token_kv_base[t] + p] (kernels.indexer.topk_to_slots).
+    token_kv_base: torch.Tensor  # int64 [T]
+
+
+def build_step_meta(batch, inv_freq: torch.Tensor, attention_factor: float) -> StepMeta:
+    cos, sin = rope_cos_sin(batch.positions, inv_freq, attention_factor)
+    token_kv_base = batch.kv_start.to(torch.int64)[batch.token_req]
+    return StepMeta(cos=cos, sin=sin, token_kv_base=token_kv_base)
