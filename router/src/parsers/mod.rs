@@ -69,3 +69,31 @@ impl ToolParserKind {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The flag values `serve` passes through are SGLang's names.
+    #[test]
+    fn kinds_read_sglang_names() {
+        let reasoning = |s: &str| serde_json::from_str::<ReasoningParserKind>(s).ok();
+        let tools = |s: &str| serde_json::from_str::<ToolParserKind>(s).ok();
+        for kind in [
+            ReasoningParserKind::Glm45,
+            ReasoningParserKind::DeepSeekR1,
+            ReasoningParserKind::DeepSeekV3,
+        ] {
+            assert_eq!(reasoning(&format!("\"{}\"", kind.name())), Some(kind));
+        }
+        for kind in [
+            ToolParserKind::Glm45,
+            ToolParserKind::Glm47,
+            ToolParserKind::DeepSeekV32,
+        ] {
+            assert_eq!(tools(&format!("\"{}\"", kind.name())), Some(kind));
+        }
+        assert_eq!(reasoning("\"qwen3\""), None);
+        assert_eq!(tools("\"glm4\""), None);
+    }
+}
