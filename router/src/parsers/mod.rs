@@ -5,6 +5,10 @@
 //! One incremental state machine serves both streaming and whole responses (a whole response
 //! is one `feed` and a `finish`), so a stream split anywhere gives the same result. Malformed
 //! markup never fails a request: it is passed on as content and counted as a fallback.
+//!
+//! The parsers read detokenized text. The tags (`<think>`, `<tool_call>`, `<arg_key>`, …) are
+//! added tokens that GLM's and DeepSeek's tokenizers do not mark special, so decoding, which
+//! skips special tokens, keeps them. A tokenizer that marked them special would hide them.
 
 mod arguments;
 mod dsml;
