@@ -163,3 +163,17 @@ fn partial_tags_at_the_end_are_content() {
     assert_eq!(out.content, "b <tool_");
     assert_eq!(fallbacks, 0);
 }
+
+#[test]
+fn thinking_disabled_call_right_away() {
+    let prompt = "<|user|>hi<|assistant|></think>";
+    let text = "<tool_call>get_weather<arg_key>days</arg_key><arg_value>4</arg_value></tool_call>";
+    let (out, fallbacks) = parse_all_ways(prompt, Some(ToolParserKind::Glm47), text);
+    assert_eq!(out.reasoning, "");
+    assert_eq!(out.content, "");
+    assert_eq!(
+        out.tool_calls,
+        vec![call("get_weather", json!({"days": 4}))]
+    );
+    assert_eq!(fallbacks, 0);
+}
