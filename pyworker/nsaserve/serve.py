@@ -102,6 +102,8 @@ def router_config(args, runtime_dir: str | None, model_path: str) -> dict:
         "disable_radix_cache": args.disable_radix_cache,
         "heartbeat_timeout_s": args.heartbeat_timeout,
         "log_level": args.log_level,
+        "reasoning_parser": args.reasoning_parser,
+        "tool_call_parser": args.tool_call_parser,
     }
 
 

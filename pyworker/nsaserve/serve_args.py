@@ -38,6 +38,20 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     h.add_argument("--port", type=int, default=30000)
     h.add_argument("--api-key", default=None, help="require 'Authorization: Bearer <key>' on API requests")
 
+    c = p.add_argument_group("chat output")
+    c.add_argument(
+        "--reasoning-parser",
+        choices=["deepseek-r1", "deepseek-v3", "glm45"],
+        default=None,
+        help="return the model's <think>...</think> as reasoning_content (SGLang's names)",
+    )
+    c.add_argument(
+        "--tool-call-parser",
+        choices=["deepseekv32", "glm45", "glm47"],
+        default=None,
+        help="return the model's tool-call markup as tool_calls: glm45/glm47 for GLM-4.5/4.7/5, deepseekv32 for DeepSeek-V3.2",
+    )
+
     w = p.add_argument_group("workers")
     w.add_argument("--worker-transport", choices=["ipc", "tcp"], default="ipc", help="ipc sockets in a private directory, or tcp for workers on other machines")
     w.add_argument("--worker-host", default="127.0.0.1", help="host the router binds its worker sockets on (tcp)")

@@ -5,6 +5,7 @@
 pub mod engine;
 pub mod http;
 pub mod metrics;
+pub mod parsers;
 pub mod protocol;
 #[cfg(feature = "python")]
 mod python;

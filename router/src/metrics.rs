@@ -108,6 +108,8 @@ pub struct SchedulerGauges {
 pub struct Metrics {
     /// (endpoint, HTTP status) -> count.
     requests: Mutex<BTreeMap<(String, u16), u64>>,
+    /// Tool-call parser name -> outputs whose markup was malformed and passed on as content.
+    parser_fallbacks: Mutex<BTreeMap<String, u64>>,
     ttft: Histogram,
     time_per_output_token: Histogram,
     inter_token: Histogram,
@@ -132,6 +134,7 @@ impl Metrics {
     pub fn new() -> Metrics {
         Metrics {
             requests: Mutex::new(BTreeMap::new()),
+            parser_fallbacks: Mutex::new(BTreeMap::new()),
             ttft: Histogram::new(
                 "nsaserve_time_to_first_token_seconds",
                 "Time from request arrival to its first generated token.",
@@ -195,6 +198,17 @@ impl Metrics {
             .or_insert(0) += 1;
     }
 
+    /// Malformed markup from the model that `parser` passed on as plain content.
+    pub fn add_parser_fallbacks(&self, parser: &str, count: u64) {
+        if count > 0 {
+            *self
+                .parser_fallbacks
+                .lock()
+                .entry(parser.to_owned())
+                .or_insert(0) += count;
+        }
+    }
+
     pub fn observe_time_to_first_token(&self, seconds: f64) {
         self.ttft.observe(seconds);
     }
@@ -232,6 +246,15 @@ impl Metrics {
                 out,
                 "nsaserve_requests_total{{endpoint=\"{}\",status=\"{status}\"}} {count}",
                 escape_label(endpoint)
+            );
+        }
+        out.push_str("# HELP nsaserve_parser_fallbacks_total Malformed tool-call markup from the model, returned as plain content, by parser.\n");
+        out.push_str("# TYPE nsaserve_parser_fallbacks_total counter\n");
+        for (parser, count) in self.parser_fallbacks.lock().iter() {
+            let _ = writeln!(
+                out,
+                "nsaserve_parser_fallbacks_total{{parser=\"{}\"}} {count}",
+                escape_label(parser)
             );
         }
         let counters = [
@@ -328,7 +351,12 @@ mod tests {
         m.add_prefix_hit_tokens(64);
         m.observe_time_to_first_token(0.05);
         m.observe_generation(1.25, Some(0.25), 7, 11);
+        m.add_parser_fallbacks("glm47", 2);
+        m.add_parser_fallbacks("glm47", 1);
+        m.add_parser_fallbacks("deepseekv32", 0);
         let text = m.render();
+        assert!(text.contains("nsaserve_parser_fallbacks_total{parser=\"glm47\"} 3\n"));
+        assert!(!text.contains("parser=\"deepseekv32\""));
         assert!(text
             .contains("nsaserve_requests_total{endpoint=\"/v1/completions\",status=\"200\"} 2\n"));
         assert!(text.contains(

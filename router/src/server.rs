@@ -12,6 +12,7 @@ use tokio::sync::oneshot;
 use crate::engine::{EngineHandle, EngineLimits, Startup, WorkersInfo};
 use crate::http::{serve_listener, HttpConfig};
 use crate::metrics::Metrics;
+use crate::parsers::{ReasoningParserKind, ToolParserKind};
 use crate::tokenizer::TokenizerBundle;
 use crate::transport::Endpoints;
 
@@ -32,6 +33,12 @@ pub struct RouterConfig {
     pub disable_radix_cache: bool,
     pub heartbeat_timeout_s: f64,
     pub log_level: String,
+    /// `--reasoning-parser` (SGLang's names); absent or null: thinking stays in `content`.
+    #[serde(default)]
+    pub reasoning_parser: Option<ReasoningParserKind>,
+    /// `--tool-call-parser` (SGLang's names); absent or null: no `tool_calls` are parsed.
+    #[serde(default)]
+    pub tool_call_parser: Option<ToolParserKind>,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -125,6 +132,8 @@ impl RunningServer {
             host: config.host.clone(),
             port: config.port,
             api_key: config.api_key.clone(),
+            reasoning_parser: config.reasoning_parser,
+            tool_call_parser: config.tool_call_parser,
             ..HttpConfig::new(config.served_model_name.clone())
         };
         let (stop_tx, stop_rx) = oneshot::channel::<()>();

@@ -22,12 +22,25 @@ use nsaserve_router::engine::{
 };
 use nsaserve_router::http::{router, serve_listener, HttpConfig};
 use nsaserve_router::metrics::{Metrics, SchedulerGauges};
+use nsaserve_router::parsers::{ReasoningParserKind, ToolParserKind};
 use nsaserve_router::protocol::{PromptLogprobs, TokenLogprobs};
 use nsaserve_router::tokenizer::TokenizerBundle;
 
 const BOS: i32 = 265;
 const EOS: i32 = 266;
 const VOCAB: u32 = 300;
+/// GLM's reasoning and tool-call tags: added tokens that are not special (so decoding keeps
+/// them, as it does for GLM's tokenizer), one id each from 267 on.
+const MARKUP: [&str; 8] = [
+    "<think>",
+    "</think>",
+    "<tool_call>",
+    "</tool_call>",
+    "<arg_key>",
+    "</arg_key>",
+    "<arg_value>",
+    "</arg_value>",
+];
 const CONTEXT: u32 = 128;
 
 // ---------------------------------------------------------------- tokenizer
@@ -49,7 +62,7 @@ fn byte_chars() -> Vec<char> {
 }
 
 /// A byte-level BPE: ids 0..256 are the bytes, a few merges (256..265) make "hello" and
-/// " world" single tokens, and 265/266 are <s>/</s>.
+/// " world" single tokens, 265/266 are <s>/</s>, and 267.. are the [`MARKUP`] tags.
 fn write_model_dir(dir: &std::path::Path, chat_template: &str) {
     let chars = byte_chars();
     let mut vocab = serde_json::Map::new();
@@ -71,11 +84,17 @@ fn write_model_dir(dir: &std::path::Path, chat_template: &str) {
         vocab.insert(format!("{a}{b}"), json!(id));
     }
     let special = |id: i32, content: &str| json!({"id": id, "content": content, "single_word": false, "lstrip": false, "rstrip": false, "normalized": false, "special": true});
+    let mut added_tokens = vec![special(BOS, "<s>"), special(EOS, "</s>")];
+    for (id, tag) in (EOS + 1..).zip(MARKUP) {
+        let mut token = special(id, tag);
+        token["special"] = json!(false);
+        added_tokens.push(token);
+    }
     let tokenizer = json!({
         "version": "1.0",
         "truncation": null,
         "padding": null,
-        "added_tokens": [special(BOS, "<s>"), special(EOS, "</s>")],
+        "added_tokens": added_tokens,
         "normalizer": null,
         "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": true},
         "post_processor": {
@@ -130,6 +149,8 @@ struct ScriptedEngine {
     delay: Mutex<Duration>,
     refuse: Mutex<Option<SubmitError>>,
     healthy: AtomicBool,
+    /// The context it reports (byte-level prompts with tools need more than [`CONTEXT`]).
+    max_context: Mutex<u32>,
     next_id: AtomicU64,
     submitted: Mutex<Vec<GenerateRequest>>,
     aborted: Arc<Mutex<Vec<u64>>>,
@@ -152,6 +173,7 @@ impl ScriptedEngine {
             delay: Mutex::new(Duration::ZERO),
             refuse: Mutex::new(None),
             healthy: AtomicBool::new(true),
+            max_context: Mutex::new(CONTEXT),
             next_id: AtomicU64::new(1),
             submitted: Mutex::new(Vec::new()),
             aborted,
@@ -256,7 +278,7 @@ impl Engine for ScriptedEngine {
     fn model_info(&self) -> ModelInfo {
         ModelInfo {
             served_model_name: "tiny".into(),
-            max_context: CONTEXT,
+            max_context: *self.max_context.lock(),
             vocab_size: VOCAB,
         }
     }
@@ -1466,6 +1488,369 @@ async fn metrics_count_requests_and_latencies() {
     assert!(text.contains("nsaserve_batch_size_count 1\n"));
 }
 
+// ---------------------------------------------------------------- reasoning and tool calls
+
+/// GLM-4.7/5's chat template, cut down to what these tests touch: tools listed in a system
+/// turn, assistant turns with their reasoning and tool calls in GLM's markup, tool results as
+/// observations, and the generation prompt that opens `<think>` (or closes it when
+/// `enable_thinking` is false).
+const GLM_TEMPLATE: &str = "[gMASK]<sop>{% if tools %}<|system|>\n# Tools\n{% for tool in tools %}{{ tool.function.name }}\n{% endfor %}{% endif %}{% for m in messages %}{% if m.role == 'user' %}<|user|>{{ m.content }}{% elif m.role == 'assistant' %}<|assistant|><think>{{ m.reasoning_content or '' }}</think>{{ m.content or '' }}{% for tc in m.tool_calls or [] %}<tool_call>{{ tc.function.name }}{% for k, v in tc.function.arguments.items() %}<arg_key>{{ k }}</arg_key><arg_value>{{ v if v is string else v | tojson }}</arg_value>{% endfor %}</tool_call>{% endfor %}{% elif m.role == 'tool' %}<|observation|><tool_response>{{ m.content }}</tool_response>{% endif %}{% endfor %}{% if add_generation_prompt %}<|assistant|>{{ '</think>' if (enable_thinking is defined and not enable_thinking) else '<think>' }}{% endif %}";
+
+/// DeepSeek-V3.2's turn markers; thinking opens in the prompt when `thinking` is true.
+const DEEPSEEK_TEMPLATE: &str = "<｜begin▁of▁sentence｜>{% for m in messages %}{% if m.role == 'user' %}<｜User｜>{{ m.content }}{% endif %}{% endfor %}<｜Assistant｜>{{ '<think>' if thinking else '</think>' }}";
+
+fn parser_harness(
+    template: &str,
+    reasoning: Option<ReasoningParserKind>,
+    tools: Option<ToolParserKind>,
+) -> Harness {
+    let h = build_harness(tokenizer_with_template(template), |cfg| {
+        cfg.reasoning_parser = reasoning;
+        cfg.tool_call_parser = tools;
+    });
+    *h.engine.max_context.lock() = 4096;
+    h
+}
+
+fn glm_harness() -> Harness {
+    parser_harness(
+        GLM_TEMPLATE,
+        Some(ReasoningParserKind::Glm45),
+        Some(ToolParserKind::Glm47),
+    )
+}
+
+fn weather_tools() -> Value {
+    json!([
+        {"type": "function", "function": {"name": "get_weather", "description": "Weather by city",
+         "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+                        "required": ["city"]}}},
+        {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
+    ])
+}
+
+const GLM_CALL_REPLY: &str = "The user wants the weather.</think>Let me check.\n<tool_call>get_weather<arg_key>city</arg_key><arg_value>Paris</arg_value><arg_key>days</arg_key><arg_value>2</arg_value></tool_call>";
+
+fn rendered_prompt(h: &Harness) -> String {
+    let submitted = h.engine.submitted.lock().last().unwrap().clone();
+    h.tokenizer.decode(&submitted.prompt_ids, false)
+}
+
+fn assert_call_id(id: &Value) {
+    let id = id.as_str().unwrap();
+    assert!(
+        id.starts_with("call_") && id.len() == 29,
+        "OpenAI-style call id: {id}"
+    );
+}
+
+#[tokio::test]
+async fn chat_glm_reasoning_and_tool_call() {
+    let h = glm_harness();
+    h.engine.set_reply(Reply::Text(GLM_CALL_REPLY.into()));
+    let body = json!({"messages": [{"role": "user", "content": "Weather in Paris?"}],
+                      "tools": weather_tools()});
+    let r = h.post("/v1/chat/completions", body).await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.body);
+    let v = r.json();
+    assert_eq!(
+        rendered_prompt(&h),
+        "[gMASK]<sop><|system|>\n# Tools\nget_weather\nget_time\n<|user|>Weather in Paris?<|assistant|><think>"
+    );
+    let choice = &v["choices"][0];
+    assert_eq!(choice["finish_reason"], "tool_calls");
+    let message = &choice["message"];
+    assert_call_id(&message["tool_calls"][0]["id"]);
+    let mut message = message.clone();
+    message["tool_calls"][0]["id"] = json!("call_x");
+    assert_eq!(
+        message,
+        json!({
+            "role": "assistant",
+            "content": "Let me check.",
+            "reasoning_content": "The user wants the weather.",
+            "tool_calls": [{"id": "call_x", "type": "function",
+                            "function": {"name": "get_weather", "arguments": "{\"city\":\"Paris\",\"days\":2}"}}]
+        })
+    );
+}
+
+#[tokio::test]
+async fn chat_glm_only_a_call_has_null_content() {
+    let h = glm_harness();
+    h.engine.set_reply(Reply::Text(
+        "Plan.</think><tool_call>get_time</tool_call>".into(),
+    ));
+    let body =
+        json!({"messages": [{"role": "user", "content": "time?"}], "tools": weather_tools()});
+    let v = h.post("/v1/chat/completions", body).await.json();
+    let message = &v["choices"][0]["message"];
+    assert_eq!(message["content"], Value::Null);
+    assert!(message.as_object().unwrap().contains_key("content"));
+    assert_eq!(message["tool_calls"][0]["function"]["arguments"], "{}");
+    assert_eq!(v["choices"][0]["finish_reason"], "tool_calls");
+}
+
+#[tokio::test]
+async fn chat_glm_stream_sends_reasoning_content_and_tool_call_deltas() {
+    let h = glm_harness();
+    h.engine.set_reply(Reply::Text(GLM_CALL_REPLY.into()));
+    let body = json!({"messages": [{"role": "user", "content": "Weather in Paris?"}],
+                      "tools": weather_tools(), "stream": true, "logprobs": true});
+    let chunks = h.post("/v1/chat/completions", body).await.chunks();
+    assert_eq!(
+        chunks[0]["choices"][0]["delta"],
+        json!({"role": "assistant", "content": ""})
+    );
+    let reasoning = stream_text(&chunks, |c| c["delta"]["reasoning_content"].as_str());
+    let content = stream_text(&chunks, |c| c["delta"]["content"].as_str());
+    assert_eq!(reasoning[&0], "The user wants the weather.");
+    assert_eq!(content[&0], "Let me check.");
+    let calls: Vec<&Value> = chunks
+        .iter()
+        .filter_map(|c| c["choices"][0]["delta"].get("tool_calls"))
+        .collect();
+    assert_eq!(calls.len(), 2, "a name delta, then an arguments delta");
+    assert_call_id(&calls[0][0]["id"]);
+    let mut first = calls[0].clone();
+    first[0]["id"] = json!("call_x");
+    assert_eq!(
+        first,
+        json!([{"index": 0, "id": "call_x", "type": "function",
+                "function": {"name": "get_weather", "arguments": ""}}])
+    );
+    assert_eq!(
+        *calls[1],
+        json!([{"index": 0, "function": {"arguments": "{\"city\":\"Paris\",\"days\":2}"}}])
+    );
+    let last = chunks.last().unwrap();
+    assert_eq!(last["choices"][0]["finish_reason"], "tool_calls");
+    assert_eq!(last["choices"][0]["delta"], json!({}));
+    // Every generated token's logprob is sent exactly once, even those whose text was held.
+    let tokens: usize = chunks
+        .iter()
+        .filter_map(|c| c["choices"][0]["logprobs"]["content"].as_array())
+        .map(Vec::len)
+        .sum();
+    let generated = h.tokenizer.encode(GLM_CALL_REPLY, false).unwrap().len();
+    assert_eq!(tokens, generated);
+}
+
+#[tokio::test]
+async fn chat_thinking_disabled_keeps_the_answer_in_content() {
+    let h = glm_harness();
+    h.engine
+        .set_reply(Reply::Text("No thinking </think> here.".into()));
+    let body = json!({"messages": [{"role": "user", "content": "hi"}],
+                      "chat_template_kwargs": {"enable_thinking": false}});
+    let v = h.post("/v1/chat/completions", body).await.json();
+    assert!(rendered_prompt(&h).ends_with("<|assistant|></think>"));
+    assert_eq!(
+        v["choices"][0]["message"],
+        json!({"role": "assistant", "content": "No thinking </think> here."})
+    );
+    assert_eq!(v["choices"][0]["finish_reason"], "stop");
+}
+
+#[tokio::test]
+async fn chat_tool_turns_render_back_through_the_template() {
+    let h = glm_harness();
+    h.engine
+        .set_reply(Reply::Text("Done.</think>It is sunny.".into()));
+    let body = json!({
+        "messages": [
+            {"role": "user", "content": "Weather in Paris?"},
+            {"role": "assistant", "content": null, "reasoning_content": "Need the tool.",
+             "tool_calls": [{"id": "call_1", "type": "function",
+                             "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\", \"days\": 2}"}}]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}
+        ],
+        "tools": weather_tools()
+    });
+    let v = h.post("/v1/chat/completions", body).await.json();
+    assert_eq!(
+        rendered_prompt(&h),
+        "[gMASK]<sop><|system|>\n# Tools\nget_weather\nget_time\n<|user|>Weather in Paris?<|assistant|><think>Need the tool.</think><tool_call>get_weather<arg_key>city</arg_key><arg_value>Paris</arg_value><arg_key>days</arg_key><arg_value>2</arg_value></tool_call><|observation|><tool_response>sunny</tool_response><|assistant|><think>"
+    );
+    assert_eq!(
+        v["choices"][0]["message"],
+        json!({"role": "assistant", "content": "It is sunny.", "reasoning_content": "Done."})
+    );
+    assert_eq!(v["choices"][0]["finish_reason"], "stop");
+}
+
+#[tokio::test]
+async fn chat_malformed_tool_markup_is_content_and_counted() {
+    let h = glm_harness();
+    let reply = "x</think>Try <tool_call>get_weather<arg_value>Paris</arg_value></tool_call>";
+    h.engine.set_reply(Reply::Text(reply.into()));
+    let body = json!({"messages": [{"role": "user", "content": "hi"}], "tools": weather_tools()});
+    let v = h.post("/v1/chat/completions", body.clone()).await.json();
+    assert_eq!(
+        v["choices"][0]["message"],
+        json!({"role": "assistant",
+               "content": "Try <tool_call>get_weather<arg_value>Paris</arg_value></tool_call>",
+               "reasoning_content": "x"})
+    );
+    assert_eq!(v["choices"][0]["finish_reason"], "stop");
+    let mut stream = body;
+    stream["stream"] = json!(true);
+    let chunks = h.post("/v1/chat/completions", stream).await.chunks();
+    let content = stream_text(&chunks, |c| c["delta"]["content"].as_str());
+    assert_eq!(
+        content[&0],
+        "Try <tool_call>get_weather<arg_value>Paris</arg_value></tool_call>"
+    );
+    let metrics = h.get("/metrics").await.body;
+    assert!(
+        metrics.contains("nsaserve_parser_fallbacks_total{parser=\"glm47\"} 2\n"),
+        "{metrics}"
+    );
+}
+
+#[tokio::test]
+async fn chat_tool_choice_none_required_and_named() {
+    let h = glm_harness();
+    let msgs = json!([{"role": "user", "content": "hi"}]);
+    // "none": markup stays text.
+    h.engine.set_reply(Reply::Text(GLM_CALL_REPLY.into()));
+    let v = h
+        .post(
+            "/v1/chat/completions",
+            json!({"messages": msgs, "tools": weather_tools(), "tool_choice": "none"}),
+        )
+        .await
+        .json();
+    assert!(v["choices"][0]["message"]["content"]
+        .as_str()
+        .unwrap()
+        .contains("<tool_call>get_weather"));
+    assert_eq!(v["choices"][0]["finish_reason"], "stop");
+    // "required", obeyed.
+    let v = h
+        .post(
+            "/v1/chat/completions",
+            json!({"messages": msgs, "tools": weather_tools(), "tool_choice": "required"}),
+        )
+        .await
+        .json();
+    assert_eq!(v["choices"][0]["finish_reason"], "tool_calls");
+    // "required", but the model answered in words: returned as it is.
+    h.engine
+        .set_reply(Reply::Text("t</think>No tool needed.".into()));
+    let v = h
+        .post(
+            "/v1/chat/completions",
+            json!({"messages": msgs, "tools": weather_tools(), "tool_choice": "required"}),
+        )
+        .await
+        .json();
+    assert_eq!(
+        v["choices"][0]["message"],
+        json!({"role": "assistant", "content": "No tool needed.", "reasoning_content": "t"})
+    );
+    assert_eq!(v["choices"][0]["finish_reason"], "stop");
+    // Named: only that tool is rendered, and only calls to it count.
+    h.engine.set_reply(Reply::Text(GLM_CALL_REPLY.into()));
+    let named = json!({"type": "function", "function": {"name": "get_time"}});
+    let v = h
+        .post(
+            "/v1/chat/completions",
+            json!({"messages": msgs, "tools": weather_tools(), "tool_choice": named}),
+        )
+        .await
+        .json();
+    assert!(rendered_prompt(&h).contains("# Tools\nget_time\n<|user|>"));
+    assert_eq!(v["choices"][0]["finish_reason"], "stop");
+    assert!(v["choices"][0]["message"].get("tool_calls").is_none());
+    let named = json!({"type": "function", "function": {"name": "get_weather"}});
+    let v = h
+        .post(
+            "/v1/chat/completions",
+            json!({"messages": msgs, "tools": weather_tools(), "tool_choice": named}),
+        )
+        .await
+        .json();
+    assert_eq!(v["choices"][0]["finish_reason"], "tool_calls");
+    assert_eq!(
+        v["choices"][0]["message"]["tool_calls"][0]["function"]["name"],
+        "get_weather"
+    );
+    // Bad choices.
+    let chat = "/v1/chat/completions";
+    let cases = [
+        (
+            json!({"messages": msgs, "tool_choice": "required"}),
+            "needs `tools`",
+        ),
+        (
+            json!({"messages": msgs, "tools": weather_tools(), "tool_choice": {"type": "function", "function": {"name": "nope"}}}),
+            "not in `tools`",
+        ),
+        (
+            json!({"messages": msgs, "tools": weather_tools(), "tool_choice": "sometimes"}),
+            "must be",
+        ),
+    ];
+    for (body, fragment) in cases {
+        let r = h.post(chat, body).await;
+        assert_error(&r, StatusCode::BAD_REQUEST, fragment);
+        assert_eq!(r.json()["error"]["param"], "tool_choice");
+    }
+}
+
+#[tokio::test]
+async fn chat_deepseek_v32_dsml_calls() {
+    let h = parser_harness(
+        DEEPSEEK_TEMPLATE,
+        Some(ReasoningParserKind::DeepSeekV3),
+        Some(ToolParserKind::DeepSeekV32),
+    );
+    let reply = "Two lookups.</think>\n\n<｜DSML｜function_calls>\n<｜DSML｜invoke name=\"get_weather\">\n<｜DSML｜parameter name=\"city\" string=\"true\">杭州</｜DSML｜parameter>\n<｜DSML｜parameter name=\"days\" string=\"false\">3</｜DSML｜parameter>\n</｜DSML｜invoke>\n<｜DSML｜invoke name=\"get_time\">\n</｜DSML｜invoke>\n</｜DSML｜function_calls>";
+    h.engine.set_reply(Reply::Text(reply.into()));
+    let body = json!({"messages": [{"role": "user", "content": "hi"}], "tools": weather_tools(),
+                      "chat_template_kwargs": {"thinking": true}});
+    let v = h.post("/v1/chat/completions", body.clone()).await.json();
+    let message = &v["choices"][0]["message"];
+    assert_eq!(message["content"], Value::Null);
+    assert_eq!(message["reasoning_content"], "Two lookups.");
+    let functions: Vec<&Value> = message["tool_calls"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| &c["function"])
+        .collect();
+    assert_eq!(
+        functions,
+        [
+            &json!({"name": "get_weather", "arguments": "{\"city\":\"杭州\",\"days\":3}"}),
+            &json!({"name": "get_time", "arguments": "{}"})
+        ]
+    );
+    // Streamed: two calls, indexes 0 and 1.
+    let mut stream = body;
+    stream["stream"] = json!(true);
+    let chunks = h.post("/v1/chat/completions", stream).await.chunks();
+    let indexes: Vec<u64> = chunks
+        .iter()
+        .filter_map(|c| c["choices"][0]["delta"]["tool_calls"][0]["index"].as_u64())
+        .collect();
+    assert_eq!(indexes, [0, 0, 1, 1]);
+    // Thinking off: the prompt closes `</think>` and nothing is taken for reasoning.
+    h.engine.set_reply(Reply::Text("Hello.".into()));
+    let v = h
+        .post(
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "user", "content": "hi"}]}),
+        )
+        .await
+        .json();
+    assert_eq!(
+        v["choices"][0]["message"],
+        json!({"role": "assistant", "content": "Hello."})
+    );
+}
+
 // ---------------------------------------------------------------- model directory
 
 #[test]
@@ -1479,7 +1864,7 @@ fn model_dir_files_and_precedence() {
     .unwrap();
     let bundle = TokenizerBundle::from_model_dir(dir.path()).unwrap();
     assert_eq!(bundle.eos_token_ids(), &[3, EOS]);
-    assert_eq!(bundle.vocab_size(), 267);
+    assert_eq!(bundle.vocab_size(), 267 + MARKUP.len());
     let render = |b: &TokenizerBundle| {
         b.chat_template()
             .unwrap()

@@ -12,20 +12,24 @@ use serde_json::{Map, Value};
 
 use crate::tokenizer::TokenizerBundle;
 
+use super::chat_output::{OutputSetup, StreamingChoice};
 use super::errors::ApiError;
-use super::generation::{self, ChoiceEvent, ChoiceOutput, GenerationContext, UsageTally};
+use super::generation::{
+    self, ChoiceEvent, ChoiceOutput, GeneratedToken, GenerationContext, UsageTally,
+};
 use super::json_body::read_json;
 use super::logprobs;
 use super::openai_types::{
-    ChatChoice, ChatChunk, ChatChunkChoice, ChatDelta, ChatMessage, ChatRequest, ChatResponse,
-    Usage,
+    ChatChoice, ChatChunk, ChatChunkChoice, ChatDelta, ChatRequest, ChatResponse, Usage,
 };
 use super::prompt::blocking;
 use super::sse::{sse_response, to_json, ChunkWriter};
+use super::tool_choice::ToolChoice;
 use super::validation::{
     check_logprobs, check_model, fit_context, generate_requests, unsupported, validate_sampling,
 };
 use super::{unix_now, AppState};
+use crate::parsers::ToolSet;
 
 const ROLES: &[&str] = &["system", "developer", "user", "assistant", "tool"];
 
@@ -119,14 +123,15 @@ fn parse_tool_call_arguments(call: &mut Value) {
 }
 
 /// Renders the conversation and tokenizes it (without adding special tokens: the template
-/// writes them).
+/// writes them). The rendered text comes back too: its end says whether generation starts
+/// inside the model's thinking.
 async fn chat_prompt(
     tokenizer: &Arc<TokenizerBundle>,
     messages: Vec<Value>,
     tools: Option<Vec<Value>>,
     add_generation_prompt: bool,
     kwargs: Map<String, Value>,
-) -> Result<Vec<i32>, ApiError> {
+) -> Result<(Vec<i32>, String), ApiError> {
     let tokenizer = Arc::clone(tokenizer);
     blocking(move || {
         let template = tokenizer.chat_template().ok_or_else(|| {
@@ -135,9 +140,10 @@ async fn chat_prompt(
         let text = template
             .render(&messages, tools.as_deref(), add_generation_prompt, &kwargs)
             .map_err(|e| ApiError::invalid_param("messages", e.0))?;
-        tokenizer
+        let ids = tokenizer
             .encode(&text, false)
-            .map_err(|e| ApiError::invalid_param("messages", e.to_string()))
+            .map_err(|e| ApiError::invalid_param("messages", e.to_string()))?;
+        Ok((ids, text))
     })
     .await?
 }
@@ -156,15 +162,11 @@ async fn handle(app: AppState, request: Request) -> Result<Response, ApiError> {
     let body: ChatRequest = read_json(request, app.cfg.max_body_bytes).await?;
     let info = app.engine.model_info();
     check_model(body.model.as_deref(), &app.cfg.served_model_name)?;
-    match body.tool_choice.as_ref().map(|c| c.as_str()) {
-        None | Some(Some("auto")) | Some(Some("none")) => {}
-        _ => {
-            return Err(unsupported(
-                "tool_choice",
-                "Only `tool_choice` \"auto\" and \"none\" are supported.",
-            ))
-        }
-    }
+    let tool_choice = ToolChoice::from_request(
+        body.tool_choice.as_ref(),
+        body.tools.as_deref(),
+        app.cfg.tool_call_parser.is_some(),
+    )?;
     if body
         .response_format
         .as_ref()
@@ -202,14 +204,26 @@ async fn handle(app: AppState, request: Request) -> Result<Response, ApiError> {
         .enumerate()
         .map(|(i, m)| normalize_message(i, m))
         .collect::<Result<_, _>>()?;
-    let prompt_ids = chat_prompt(
+    let tool_set = match (app.cfg.tool_call_parser, &body.tools, &tool_choice) {
+        (Some(kind), Some(tools), choice) if *choice != ToolChoice::None => {
+            Some((kind, ToolSet::from_request(tools, choice.only())))
+        }
+        _ => None,
+    };
+    let (prompt_ids, rendered) = chat_prompt(
         &app.tokenizer,
         messages,
-        body.tools,
+        tool_choice.rendered_tools(body.tools),
         body.add_generation_prompt.unwrap_or(true),
         body.chat_template_kwargs.unwrap_or_default(),
     )
     .await?;
+    let output = OutputSetup::new(
+        app.cfg.reasoning_parser,
+        &rendered,
+        tool_set,
+        Arc::clone(&app.metrics),
+    );
     let max_new = fit_context(prompt_ids.len(), v.max_tokens, info.max_context)?;
     let requests = generate_requests(
         &prompt_ids,
@@ -247,22 +261,30 @@ async fn handle(app: AppState, request: Request) -> Result<Response, ApiError> {
     };
     if v.stream {
         let tally = UsageTally::new(1, v.n);
+        let choices = (0..v.n)
+            .map(|_| StreamedChoice {
+                parser: output.streaming(),
+                held_tokens: Vec::new(),
+            })
+            .collect();
         return Ok(sse_response(
             events,
             StreamWriter {
                 shape,
                 tokenizer: Arc::clone(&app.tokenizer),
                 tally,
+                choices,
             },
         ));
     }
     let outputs = generation::collect(events, v.n as usize).await?;
-    Ok(Json(full_response(&shape, &app.tokenizer, outputs)).into_response())
+    Ok(Json(full_response(&shape, &app.tokenizer, &output, outputs)).into_response())
 }
 
 fn full_response(
     shape: &Shape,
     tokenizer: &TokenizerBundle,
+    output: &OutputSetup,
     outputs: Vec<ChoiceOutput>,
 ) -> ChatResponse {
     let mut tally = UsageTally::new(1, shape.n);
@@ -274,16 +296,14 @@ fn full_response(
             if let Some(usage) = &out.usage {
                 tally.add(index, usage);
             }
+            let (message, finish_reason) = output.message(&out.text, out.finish_reason);
             ChatChoice {
                 index,
-                message: ChatMessage {
-                    role: "assistant",
-                    content: out.text,
-                },
+                message,
                 logprobs: shape
                     .top_n
                     .map(|top_n| logprobs::chat(tokenizer, &out.tokens, top_n)),
-                finish_reason: out.finish_reason,
+                finish_reason,
             }
         })
         .collect();
@@ -301,9 +321,59 @@ struct StreamWriter {
     shape: Shape,
     tokenizer: Arc<TokenizerBundle>,
     tally: UsageTally,
+    choices: Vec<StreamedChoice>,
+}
+
+struct StreamedChoice {
+    parser: StreamingChoice,
+    /// Tokens whose text the parser is still holding: their logprobs go with the next chunk.
+    held_tokens: Vec<GeneratedToken>,
 }
 
 impl StreamWriter {
+    /// One chunk per delta; the held tokens' logprobs ride on the first.
+    fn delta_chunks(
+        &mut self,
+        index: u32,
+        deltas: Vec<ChatDelta>,
+        finish_reason: Option<&'static str>,
+    ) -> Vec<String> {
+        if deltas.is_empty() && finish_reason.is_none() {
+            return Vec::new();
+        }
+        let held = std::mem::take(&mut self.choices[index as usize].held_tokens);
+        let mut logprobs = self
+            .shape
+            .top_n
+            .map(|top_n| logprobs::chat(&self.tokenizer, &held, top_n));
+        let count = deltas.len();
+        let mut chunks: Vec<String> = deltas
+            .into_iter()
+            .enumerate()
+            .map(|(i, delta)| {
+                let choice = ChatChunkChoice {
+                    index,
+                    delta,
+                    logprobs: logprobs.take(),
+                    finish_reason: if i + 1 == count { finish_reason } else { None },
+                };
+                self.chunk(vec![choice], None)
+            })
+            .collect();
+        if count == 0 {
+            if let Some(reason) = finish_reason {
+                let choice = ChatChunkChoice {
+                    index,
+                    delta: ChatDelta::default(),
+                    logprobs: logprobs.take().filter(|l| !l.content.is_empty()),
+                    finish_reason: Some(reason),
+                };
+                chunks.push(self.chunk(vec![choice], None));
+            }
+        }
+        chunks
+    }
+
     fn chunk(&self, choices: Vec<ChatChunkChoice>, usage: Option<Usage>) -> String {
         to_json(&ChatChunk {
             id: self.shape.id.clone(),
@@ -324,6 +394,7 @@ impl ChunkWriter for StreamWriter {
                 let delta = ChatDelta {
                     role: Some("assistant"),
                     content: Some(String::new()),
+                    ..ChatDelta::default()
                 };
                 self.chunk(
                     vec![ChatChunkChoice {
@@ -345,23 +416,10 @@ impl ChunkWriter for StreamWriter {
                 text,
                 tokens,
             } => {
-                let logprobs = self
-                    .shape
-                    .top_n
-                    .map(|top_n| logprobs::chat(&self.tokenizer, &tokens, top_n));
-                let delta = ChatDelta {
-                    role: None,
-                    content: Some(text),
-                };
-                vec![self.chunk(
-                    vec![ChatChunkChoice {
-                        index,
-                        delta,
-                        logprobs,
-                        finish_reason: None,
-                    }],
-                    None,
-                )]
+                let choice = &mut self.choices[index as usize];
+                choice.held_tokens.extend(tokens);
+                let deltas = choice.parser.on_text(&text);
+                self.delta_chunks(index, deltas, None)
             }
             ChoiceEvent::Finished {
                 index,
@@ -369,13 +427,12 @@ impl ChunkWriter for StreamWriter {
                 usage,
             } => {
                 self.tally.add(index, &usage);
-                let choice = ChatChunkChoice {
-                    index,
-                    delta: ChatDelta::default(),
-                    logprobs: None,
-                    finish_reason: Some(reason),
-                };
-                vec![self.chunk(vec![choice], None)]
+                let choice = &mut self.choices[index as usize];
+                let deltas = choice.parser.on_finish();
+                let reason = choice.parser.finish_reason(reason);
+                let mut chunks = self.delta_chunks(index, deltas, None);
+                chunks.extend(self.delta_chunks(index, Vec::new(), Some(reason)));
+                chunks
             }
             ChoiceEvent::PromptLogprobs { .. } | ChoiceEvent::Failed { .. } => Vec::new(),
         }

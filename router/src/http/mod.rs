@@ -8,10 +8,13 @@
 //! `max_tokens` / `max_completion_tokens` (default: the rest of the context), `temperature`,
 //! `top_p`, `top_k`, `min_p`, the three penalties, `seed` (sample i uses seed + i), `stop`,
 //! `stop_token_ids`, `ignore_eos`, `n`, `logprobs` / `top_logprobs`, `echo`, `stream`,
-//! `stream_options.include_usage`, `tools`, `chat_template_kwargs`, `add_generation_prompt`
-//! and `user`. Fields that would change the output but are not implemented (`logit_bias`,
-//! `best_of`, `suffix`, a forced `tool_choice`, a JSON `response_format`) are refused with a
-//! 400 rather than ignored.
+//! `stream_options.include_usage`, `tools`, `tool_choice`, `chat_template_kwargs`,
+//! `add_generation_prompt` and `user`. Fields that would change the output but are not
+//! implemented (`logit_bias`, `best_of`, `suffix`, a JSON `response_format`, a forced
+//! `tool_choice` without a tool-call parser) are refused with a 400 rather than ignored.
+//!
+//! With `--reasoning-parser`, chat answers carry the model's thinking in `reasoning_content`;
+//! with `--tool-call-parser`, its tool-call markup becomes `tool_calls` (see `parsers`).
 //!
 //! Statuses: 400 for bad input (including invalid JSON and wrong types, and the engine's
 //! `SubmitError::Invalid`), 401 without the API key, 404 for an unknown model or route, 413 for
@@ -21,6 +24,7 @@
 
 mod auth;
 mod chat;
+mod chat_output;
 mod completions;
 mod errors;
 mod generation;
@@ -30,6 +34,7 @@ mod openai_types;
 mod prompt;
 mod routes;
 mod sse;
+mod tool_choice;
 mod validation;
 
 use std::future::Future;
@@ -42,6 +47,7 @@ use axum::Router;
 
 use crate::engine::Engine;
 use crate::metrics::Metrics;
+use crate::parsers::{ReasoningParserKind, ToolParserKind};
 use crate::tokenizer::TokenizerBundle;
 
 pub use errors::ApiError;
@@ -60,6 +66,10 @@ pub struct HttpConfig {
     pub max_stop_strings: usize,
     /// The largest `n` (samples per prompt) a request may ask for.
     pub max_n: u32,
+    /// Splits `<think>…</think>` into `reasoning_content` (chat only).
+    pub reasoning_parser: Option<ReasoningParserKind>,
+    /// Turns the model's tool-call markup into `tool_calls` (chat with `tools` only).
+    pub tool_call_parser: Option<ToolParserKind>,
 }
 
 impl HttpConfig {
@@ -72,6 +82,8 @@ impl HttpConfig {
             max_body_bytes: 32 * 1024 * 1024,
             max_stop_strings: 16,
             max_n: 128,
+            reasoning_parser: None,
+            tool_call_parser: None,
         }
     }
 }

@@ -82,7 +82,8 @@ pub struct ChatRequest {
     pub chat_template_kwargs: Option<Map<String, Value>>,
     /// Extension (as in vLLM): render without the assistant header, e.g. to continue a turn.
     pub add_generation_prompt: Option<bool>,
-    /// Only "auto" and "none" are supported: output is not constrained to a tool call.
+    /// "auto", "none", "required" or `{"type": "function", "function": {"name": …}}`; see
+    /// `http::tool_choice` for how the forced ones are enforced.
     pub tool_choice: Option<Value>,
     /// Only `{"type": "text"}` is supported: output is not constrained to JSON.
     pub response_format: Option<Value>,
@@ -163,10 +164,49 @@ pub struct ChatLogprobs {
     pub refusal: Option<Vec<ChatTokenLogprob>>,
 }
 
+/// `content` is null when the answer is only tool calls, as OpenAI sends it.
 #[derive(Debug, Serialize)]
 pub struct ChatMessage {
     pub role: &'static str,
-    pub content: String,
+    pub content: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reasoning_content: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<Vec<ToolCall>>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct FunctionCall {
+    pub name: String,
+    /// A JSON object, as a string.
+    pub arguments: String,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct ToolCall {
+    pub id: String,
+    #[serde(rename = "type")]
+    pub kind: &'static str,
+    pub function: FunctionCall,
+}
+
+/// A streamed piece of a tool call: the first carries id, type and name, later ones only
+/// argument text, all under the call's `index`.
+#[derive(Debug, Serialize)]
+pub struct ToolCallDelta {
+    pub index: u32,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub id: Option<String>,
+    #[serde(rename = "type", skip_serializing_if = "Option::is_none")]
+    pub kind: Option<&'static str>,
+    pub function: FunctionCallDelta,
+}
+
+#[derive(Debug, Serialize)]
+pub struct FunctionCallDelta {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
+    pub arguments: String,
 }
 
 #[derive(Debug, Serialize)]
@@ -193,6 +233,10 @@ pub struct ChatDelta {
     pub role: Option<&'static str>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub content: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reasoning_content: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<Vec<ToolCallDelta>>,
 }
 
 #[derive(Debug, Serialize)]
