@@ -29,13 +29,19 @@ impl StopMatcher {
             return StopOutcome::Continue(text.to_owned());
         }
         self.held.push_str(text);
-        // The earliest match wins: the output ends before the first stop string that appears.
+        // The stop string that is complete first wins (as it would if text arrived a character
+        // at a time, so the answer never depends on how tokens split the text); among those
+        // completing together, the one starting first. The output ends before it.
         let first_match = self
             .stops
             .iter()
-            .filter_map(|s| self.held.find(s.as_str()))
+            .filter_map(|s| {
+                self.held
+                    .find(s.as_str())
+                    .map(|start| (start + s.len(), start))
+            })
             .min();
-        if let Some(pos) = first_match {
+        if let Some((_, pos)) = first_match {
             let out = self.held[..pos].to_owned();
             self.held.clear();
             return StopOutcome::Stopped(out);
@@ -115,21 +121,31 @@ mod tests {
     }
 
     #[test]
+    fn the_stop_complete_first_wins_however_the_text_is_split() {
+        // "日 é" starts before " " but is complete only after it.
+        let want = ("日日".to_string(), true);
+        assert_eq!(run(&[" ", "日 é"], &["日日 é"]), want);
+        assert_eq!(run(&[" ", "日 é"], &["日", "日", " ", "é"]), want);
+    }
+
+    #[test]
     fn multibyte_text_is_cut_on_char_boundaries() {
         assert_eq!(run(&["é!"], &["café", "!x"]), ("caf".into(), true));
         assert_eq!(run(&["日本"], &["今日", "は"]), ("今日は".into(), false));
     }
 
     proptest::proptest! {
-        /// However the text is split, the output is the text up to the earliest stop string.
+        /// However the text is split, the output is the text up to the stop string that is
+        /// complete first.
         #[test]
         fn streaming_equals_cutting_the_whole_text(
             text in "[abé日 ]{0,40}",
             stops in proptest::collection::vec("[abé日 ]{1,4}", 0..4),
             cuts in proptest::collection::vec(0usize..40, 0..10),
         ) {
-            let expected = match stops.iter().filter_map(|s| text.find(s.as_str())).min() {
-                Some(pos) => (text[..pos].to_owned(), true),
+            let first = stops.iter().filter_map(|s| text.find(s.as_str()).map(|p| (p + s.len(), p))).min();
+            let expected = match first {
+                Some((_, pos)) => (text[..pos].to_owned(), true),
                 None => (text.clone(), false),
             };
             let mut bounds: Vec<usize> = cuts.into_iter().filter(|&c| text.is_char_boundary(c.min(text.len()))).map(|c| c.min(text.len())).collect();
