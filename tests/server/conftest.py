@@ -1,127 +1,16 @@
-"""Starting and stopping a real `nsaserve serve` process tree for end-to-end tests."""
+"""Fixtures for end-to-end server tests; the helpers live in server_process.py."""
 
 from __future__ import annotations
 
 import os
-import signal
-import socket
-import subprocess
 import sys
-import tempfile
-import threading
-import time
-import urllib.error
-import urllib.request
-from pathlib import Path
 
 import pytest
 
+# The helpers next to these tests are imported by name.
+sys.path.insert(0, os.path.dirname(__file__))
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def descendants(pid: int) -> set[int]:
-    """All live descendant pids of `pid` (from /proc)."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        children.setdefault(ppid, []).append(int(entry.name))
-    out, todo = set(), [pid]
-    while todo:
-        for c in children.get(todo.pop(), []):
-            out.add(c)
-            todo.append(c)
-    return out
-
-
-def alive(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
-
-
-class ServerProcess:
-    """`python -m nsaserve serve ...` with its own TMPDIR (so its runtime directory can be
-    checked), output captured, stopped with SIGTERM."""
-
-    def __init__(self, *args: str, startup_timeout: float = 240.0):
-        self.port = free_port()
-        self.tmp = tempfile.TemporaryDirectory()
-        env = dict(os.environ, TMPDIR=self.tmp.name, PYTHONUNBUFFERED="1")
-        cmd = [sys.executable, "-m", "nsaserve", "serve", f"--port={self.port}", *args]
-        self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        self.lines: list[str] = []
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-        self.startup_timeout = startup_timeout
-
-    def _read(self) -> None:
-        for line in self.proc.stdout:
-            self.lines.append(line.rstrip("\n"))
-
-    @property
-    def output(self) -> str:
-        return "\n".join(self.lines)
-
-    @property
-    def base_url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def wait_ready(self) -> ServerProcess:
-        deadline = time.monotonic() + self.startup_timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise AssertionError(f"serve exited with {self.proc.returncode}:\n{self.output}")
-            if any("nsaserve ready" in line for line in self.lines):
-                return self
-            time.sleep(0.1)
-        raise AssertionError(f"serve not ready after {self.startup_timeout} s:\n{self.output}")
-
-    def wait_exit(self, timeout: float = 60.0) -> int:
-        code = self.proc.wait(timeout=timeout)
-        self._reader.join(timeout=5)
-        return code
-
-    def get(self, path: str, timeout: float = 10.0) -> tuple[int, bytes]:
-        try:
-            with urllib.request.urlopen(self.base_url + path, timeout=timeout) as r:
-                return r.status, r.read()
-        except urllib.error.HTTPError as e:
-            return e.code, e.read()
-
-    def stop(self) -> int:
-        """SIGTERM, then require a clean exit: code 0, no process left, no runtime files left."""
-        workers = descendants(self.proc.pid)
-        self.proc.send_signal(signal.SIGTERM)
-        code = self.wait_exit()
-        deadline = time.monotonic() + 10
-        while any(alive(p) for p in workers) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        left = [p for p in workers if alive(p)]
-        assert not left, f"orphaned processes after SIGTERM: {left}"
-        leftovers = list(Path(self.tmp.name).iterdir())
-        assert not leftovers, f"runtime files left behind: {leftovers}"
-        return code
-
-    def kill_all(self) -> None:
-        for p in descendants(self.proc.pid) | {self.proc.pid}:
-            try:
-                os.kill(p, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        self.proc.wait()
-        self.tmp.cleanup()
+from server_process import ServerProcess  # noqa: E402
 
 
 @pytest.fixture

@@ -26,7 +26,7 @@ def zen() -> str:
 
 @pytest.fixture(scope="module")
 def server():
-    from conftest import ServerProcess
+    from server_process import ServerProcess
 
     s = ServerProcess("--device=cpu", "--served-model-name=zen").wait_ready()
     yield s

@@ -9,7 +9,7 @@ import signal
 import time
 
 import pytest
-from conftest import descendants
+from server_process import descendants
 
 from nsaserve.serve import EMBEDDED_MODEL
 
