@@ -55,6 +55,7 @@ def test_random_sweep_sends_exact_lengths_and_writes_json_and_plot(server, tmp_p
     assert "nsaserve bench" in doc["command"] and "--concurrency=2,8" in doc["command"]
     assert doc["date"] and doc["machine"]["python"] and doc["args"]["request_rate"] == "inf"
     assert [r["max_concurrency"] for r in doc["runs"]] == [2, 8]
+    assert "concurrency     req/s" in proc.stdout  # the sweep's one-line-per-level table
     for run in doc["runs"]:
         s = run["summary"]
         assert (s["completed"], s["failed"]) == (24, 0), s["first_errors"]
@@ -62,7 +63,9 @@ def test_random_sweep_sends_exact_lengths_and_writes_json_and_plot(server, tmp_p
         assert s["total_output_tokens"] == 24 * 12  # ignore_eos + max_tokens
         assert s["ttft"]["p50_ms"] > 0 and s["e2e_latency"]["p99_ms"] >= s["ttft"]["p99_ms"]
         assert s["tpot"]["mean_ms"] is not None and s["output_throughput"] > 0
-        assert run["prefix_hit_rate"] is not None and run["prefix_hit_rate"] < 0.1  # random ids share nothing
+        assert run["endpoint"] == "/v1/completions" and run["model"]
+        # Random ids share nothing, and each level draws fresh prompts (none left in the cache by the last level).
+        assert run["prefix_hit_rate"] is not None and run["prefix_hit_rate"] < 0.1
     png = tmp_path / "result.png"
     if importlib.util.find_spec("matplotlib"):
         assert png.read_bytes()[:4] == b"\x89PNG"

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import math
+import resource
 import sys
 from pathlib import Path
 
@@ -17,7 +19,7 @@ from .datasets import Conversation, random_dataset, shared_prefix_dataset, warmu
 from .metrics import summarize
 from .openai_api import ApiOptions
 from .plot import matplotlib_available, plot_sweep
-from .report import document, format_run, write_json
+from .report import document, format_run, format_sweep, write_json
 from .runner import arrival_times, run_load
 from .server_metrics import parse_counters, prefix_hit_rate
 
@@ -112,6 +114,9 @@ async def run_level(
         results, duration = await run_load(client, opts, conversations, starts, max_concurrency, lambda r: bar.update(1))
     after = await scrape_counters(client)
     return {
+        "base_url": base_url(args),
+        "model": opts.model,
+        "endpoint": opts.path,
         "max_concurrency": max_concurrency,
         "request_rate": args.request_rate if math.isfinite(args.request_rate) else "inf",
         "num_conversations": len(conversations),
@@ -168,15 +173,30 @@ def json_args(args: argparse.Namespace) -> dict:
     return {k: ("inf" if isinstance(v, float) and math.isinf(v) else v) for k, v in vars(args).items() if k != "func"}
 
 
+def raise_open_file_limit() -> None:
+    """One connection per request in flight: 1024 of them exceed the usual soft limit of 1024
+    open files, so lift the soft limit to the hard one."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or soft < hard:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
 def run_bench(args: argparse.Namespace) -> int:
     if args.concurrency and args.max_concurrency:
         print("nsaserve bench: give --concurrency (a sweep) or --max-concurrency, not both", file=sys.stderr)
         return 2
+    raise_open_file_limit()
     try:
         runs = asyncio.run(bench(args))
     except (BenchError, ProtocolError, ValueError, OSError) as e:
         print(f"nsaserve bench: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print("nsaserve bench: interrupted", file=sys.stderr)
+        return 130
+    if len(runs) > 1:
+        print(format_sweep(runs))
     if args.output_file:
         doc = document(json_args(args), runs)
         write_json(args.output_file, doc)

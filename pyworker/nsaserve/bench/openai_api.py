@@ -156,6 +156,8 @@ async def send(client: HttpClient, opts: ApiOptions, turn: Turn) -> RequestResul
             message = _error_message(json.loads(e.body))
         return RequestResult(ok=False, latency=time.perf_counter() - sent, error=f"HTTP {e.status}: {message}"[:500])
     except TimeoutError:
-        return RequestResult(ok=False, latency=time.perf_counter() - sent, error=f"timed out after {opts.timeout_s} s")
+        # Either --request-timeout or the client's connect timeout.
+        what = f"after {opts.timeout_s} s" if opts.timeout_s else "connecting"
+        return RequestResult(ok=False, latency=time.perf_counter() - sent, error=f"timed out {what}")
     except (StreamFailed, ProtocolError, OSError, ValueError) as e:
         return RequestResult(ok=False, latency=time.perf_counter() - sent, error=f"{type(e).__name__}: {e}"[:500])

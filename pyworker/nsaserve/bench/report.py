@@ -83,3 +83,21 @@ def format_run(run: dict) -> str:
     for e in s["first_errors"]:
         lines.append(f"error: {e}")
     return "\n".join(lines)
+
+
+def format_sweep(runs: list[dict]) -> str:
+    """One line per concurrency level, for comparing levels at a glance."""
+    head = f"{'concurrency':>12}{'req/s':>10}{'out tok/s':>12}{'total tok/s':>13}{'TTFT p50':>10}{'TTFT p99':>10}{'TPOT p50':>10}{'TPOT p99':>10}{'failed':>8}"
+    lines = [head]
+    for r in runs:
+        s = r["summary"]
+        cells = [
+            f"{r['max_concurrency'] or 'unlimited':>12}",
+            f"{_fmt(s['request_throughput']):>10}",
+            f"{_fmt(s['output_throughput'], 0):>12}",
+            f"{_fmt(s['total_throughput'], 0):>13}",
+            *(f"{_fmt(s[k][p], 1):>10}" for k in ("ttft", "tpot") for p in ("p50_ms", "p99_ms")),
+            f"{s['failed']:>8}",
+        ]
+        lines.append("".join(cells))
+    return "\n".join(lines)
