@@ -96,14 +96,18 @@ class FakeOpenAI:
                 w.write(self._chunk(b"data: " + json.dumps(err).encode() + b"\n\ndata: [DONE]\n\n"))
                 w.write(b"0\r\n\r\n")
                 return True
-            event = b"data: " + json.dumps({"choices": [{"index": 0, "text": f"t{i}"}]}).encode() + b"\r\n\r\n"
+            text = "" if mode == "empty-text" else f"t{i}"  # tokens that decode to no text
+            finish = "length" if i == n - 1 else None
+            choice = {"index": 0, "text": text, "finish_reason": finish}
+            event = b"data: " + json.dumps({"choices": [choice]}).encode() + b"\r\n\r\n"
             # Split one event over two chunks: the parser must join them.
             w.write(self._chunk(event[:7]) + self._chunk(event[7:]))
             await w.drain()
-        if mode != "no-done":
+        if mode not in ("no-done", "no-usage"):
             usage = {"prompt_tokens": len(body["prompt"]), "completion_tokens": n}
-            tail = b"data: " + json.dumps({"choices": [], "usage": usage}).encode() + b"\n\ndata: [DONE]\n\n"
-            w.write(self._chunk(tail))
+            w.write(self._chunk(b"data: " + json.dumps({"choices": [], "usage": usage}).encode() + b"\n\n"))
+        if mode != "no-done":
+            w.write(self._chunk(b"data: [DONE]\n\n"))
         w.write(b"0\r\n\r\n")
         await w.drain()
         return True
@@ -218,3 +222,20 @@ def test_max_concurrency_caps_requests_in_flight_and_turns_go_in_order():
     assert server.max_in_flight == 3
     assert server.connections <= 3 + 1  # the pool reuses connections between requests
     assert duration > 0
+
+
+def test_tokens_without_text_count_when_the_server_reports_them():
+    async def go():
+        async with FakeOpenAI(token_gap_s=0.02) as server:
+            client = HttpClient(server.url)
+            counted = await send(client, ApiOptions(model="empty-text"), turn(4))
+            without_usage = await send(client, ApiOptions(model="no-usage"), turn(4))
+            await client.close()
+            return counted, without_usage
+
+    counted, without_usage = run(go())
+    # No text at all: the server's usage still says 4 tokens, first seen with the finishing chunk.
+    assert counted.ok and counted.output_tokens == 4 and counted.itl == []
+    assert 0.06 <= counted.ttft <= counted.latency
+    # Without usage the client counts text chunks itself.
+    assert without_usage.ok and without_usage.output_tokens == 4 and without_usage.prompt_tokens == 4

@@ -62,6 +62,11 @@ def chunk_text(obj: dict) -> str:
     return (delta.get("content") or "") + (delta.get("reasoning_content") or "")
 
 
+def finished(obj: dict) -> bool:
+    choices = obj.get("choices") or []
+    return bool(choices and choices[0].get("finish_reason"))
+
+
 def response_text(obj: dict) -> str:
     choices = obj.get("choices") or []
     if not choices:
@@ -85,7 +90,7 @@ def _error_message(obj: dict) -> str:
 
 
 async def _streamed(client: HttpClient, opts: ApiOptions, body: dict, turn: Turn, sent: float) -> RequestResult:
-    first = last = None
+    first = last = finish = None
     itl: list[float] = []
     chunks = 0
     usage = None
@@ -103,6 +108,8 @@ async def _streamed(client: HttpClient, opts: ApiOptions, body: dict, turn: Turn
                 raise StreamFailed(_error_message(obj))
             if obj.get("usage"):
                 usage = obj["usage"]
+            if finish is None and finished(obj):
+                finish = event.arrived
             if chunk_text(obj):
                 if first is None:
                     first = event.arrived
@@ -114,7 +121,12 @@ async def _streamed(client: HttpClient, opts: ApiOptions, body: dict, turn: Turn
     if not done:
         raise StreamFailed("the stream ended without [DONE]")
     if first is None:
-        raise StreamFailed("the response had no generated text")
+        # Tokens whose text is empty (special tokens, bytes of an unfinished character) show no
+        # text at all; if the server counts tokens, the request still succeeded, and the first
+        # sign of output is the chunk that finished it.
+        if not (usage and usage.get("completion_tokens") and finish is not None):
+            raise StreamFailed("the response had no generated text")
+        first = finish
     return RequestResult(
         ok=True,
         prompt_tokens=int(usage["prompt_tokens"]) if usage else turn.prompt_len,
@@ -130,9 +142,9 @@ async def _whole(client: HttpClient, opts: ApiOptions, body: dict, turn: Turn, s
     end = time.perf_counter()
     if not isinstance(obj, dict) or "error" in obj:
         raise StreamFailed(_error_message(obj) if isinstance(obj, dict) else f"unexpected response {obj!r:.200}")
-    if not response_text(obj):
-        raise StreamFailed("the response had no generated text")
     usage = obj.get("usage") or {}
+    if not (response_text(obj) or usage.get("completion_tokens")):
+        raise StreamFailed("the response had no generated text")
     # Without streaming the first token arrives with the last one.
     return RequestResult(
         ok=True,
