@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from . import __version__
-from .bench.args import add_bench_arguments
+from .bench.args import EXAMPLES, HelpFormatter, add_bench_arguments
 from .serve_args import add_serve_arguments
 
 
@@ -24,10 +24,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser(
         "bench",
         help="measure an OpenAI-compatible server under load (throughput, TTFT, TPOT, ITL, latency)",
-        description="Send a generated workload (random prompts, or multi-turn conversations behind a shared system "
-        "prompt) to an OpenAI-compatible server at a request rate or concurrency, then report throughput, latency "
-        "percentiles, failures and the server's prefix-cache hit rate. --concurrency runs a sweep.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        description="Send a generated workload (random prompts, or multi-turn conversations behind a shared\n"
+        "system prompt) to an OpenAI-compatible server at a request rate or concurrency, then report\n"
+        "throughput, latency percentiles, failures and the server's prefix-cache hit rate.\n"
+        "--concurrency runs a sweep.",
+        epilog=EXAMPLES,
+        formatter_class=HelpFormatter,
     )
     add_bench_arguments(bench)
     sub.add_parser("version", help="print the version")

@@ -5,6 +5,23 @@ from __future__ import annotations
 
 import argparse
 
+EXAMPLES = """examples:
+  # 1k/1k random token-id prompts (lengths 800..1024), 64 in flight, 2x64 warm-up requests
+  nsaserve bench --tokenizer MODEL_DIR --random-input-len 1024 --random-output-len 1024 \\
+      --random-range-ratio 0.8 --num-prompts 640 --max-concurrency 64 --warmup-requests 128
+
+  # concurrency sweep, 10 prompts per unit of concurrency, JSON + PNG
+  nsaserve bench --tokenizer MODEL_DIR --random-range-ratio 0.8 --concurrency 64,256,512,1024 \\
+      --prompts-per-concurrency 10 --output-file results/sweep.json
+
+  # 4-turn chats behind a 2048-token system prompt, 32 users at once; reports the prefix hit rate
+  nsaserve bench --backend openai-chat --dataset-name shared-prefix --num-prompts 128 --max-concurrency 32
+"""
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Defaults in the flag help, and the examples kept as written."""
+
 
 def positive_int_list(text: str) -> list[int]:
     try:
