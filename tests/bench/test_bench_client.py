@@ -239,3 +239,18 @@ def test_tokens_without_text_count_when_the_server_reports_them():
     assert 0.06 <= counted.ttft <= counted.latency
     # Without usage the client counts text chunks itself.
     assert without_usage.ok and without_usage.output_tokens == 4 and without_usage.prompt_tokens == 4
+
+
+def test_request_timeout_is_a_failure_and_frees_the_connection():
+    async def go():
+        async with FakeOpenAI(first_token_s=1.0) as server:
+            client = HttpClient(server.url)
+            slow = await send(client, ApiOptions(model="stream", timeout_s=0.2), turn(3))
+            await asyncio.sleep(0.05)
+            idle = len(client._idle)
+            await client.close()
+            return slow, idle
+
+    slow, idle = run(go())
+    assert not slow.ok and "timed out after 0.2 s" in slow.error and 0.2 <= slow.latency < 1.0
+    assert idle == 0  # a half-read response never goes back to the pool

@@ -158,6 +158,9 @@ class HttpClient:
                 conn.close()
                 if not conn.reused or attempt == 1:
                     raise ProtocolError(str(e) or type(e).__name__) from e
+            except BaseException:  # a timeout or cancellation: the connection is mid-request
+                conn.close()
+                raise
         raise AssertionError("unreachable")
 
     @staticmethod
