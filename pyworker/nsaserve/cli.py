@@ -1,4 +1,4 @@
-"""The `nsaserve` command line: `nsaserve serve ...` (and `nsaserve version`)."""
+"""The `nsaserve` command line: `nsaserve serve ...`, `nsaserve bench ...` (and `nsaserve version`)."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from . import __version__
+from .bench.args import EXAMPLES, HelpFormatter, add_bench_arguments
 from .serve_args import add_serve_arguments
 
 
@@ -20,6 +21,17 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     add_serve_arguments(serve)
+    bench = sub.add_parser(
+        "bench",
+        help="measure an OpenAI-compatible server under load (throughput, TTFT, TPOT, ITL, latency)",
+        description="Send a generated workload (random prompts, or multi-turn conversations behind a shared\n"
+        "system prompt) to an OpenAI-compatible server at a request rate or concurrency, then report\n"
+        "throughput, latency percentiles, failures and the server's prefix-cache hit rate.\n"
+        "--concurrency runs a sweep.",
+        epilog=EXAMPLES,
+        formatter_class=HelpFormatter,
+    )
+    add_bench_arguments(bench)
     sub.add_parser("version", help="print the version")
     return p
 
@@ -29,6 +41,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "version":
         print(f"nsaserve {__version__}")
         return 0
+    if args.command == "bench":
+        from .bench.main import run_bench
+
+        return run_bench(args)
     from .serve import serve
 
     return serve(args)
