@@ -5,6 +5,8 @@ committed so the training data cannot change under us; `write_zen_file` regenera
 """
 
 import codecs
+import contextlib
+import io
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,10 +45,7 @@ SYSTEM_MESSAGES = [
 
 
 def zen_from_stdlib() -> str:
-    """Decodes the Zen from CPython's `this` module (importing it prints the text, so read its attribute only)."""
-    import contextlib
-    import io
-
+    """Decodes the Zen from CPython's `this` module (importing `this` prints the text: silence that)."""
     with contextlib.redirect_stdout(io.StringIO()):
         import this
     return codecs.decode(this.s, "rot13")
