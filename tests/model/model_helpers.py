@@ -153,11 +153,12 @@ class Session:
         return build_plan(0, self.ps, specs)
 
 
-def quantize_checkpoint(src: str, dst: str, fmt: str, scope: str = "linear") -> None:
-    """A quantised copy of the float checkpoint `src` (kernels.quant.make_checkpoint, ModelOpt-style)."""
+def quantize_checkpoint(src: str, dst: str, fmt: str, scope: str = "linear", **kw) -> None:
+    """A quantised copy of the float checkpoint `src` (kernels.quant.make_checkpoint, ModelOpt-style;
+    `kw` goes to it, e.g. exclude=[globs])."""
     from nsaserve.kernels.quant.make_checkpoint import make_checkpoint as quantize
 
-    quantize(src, dst, fmt, scope=scope)
+    quantize(src, dst, fmt, scope=scope, **kw)
 
 
 def dequantized_checkpoint(src: str, dst: str) -> None:

@@ -8,6 +8,9 @@ the original float model fails by orders of magnitude: the test can tell whether
 weights (and not some other copy) are what runs.
 """
 
+import os
+import shutil
+
 import pytest
 import torch
 from model_helpers import (
@@ -21,6 +24,7 @@ from model_helpers import (
     quantize_checkpoint,
     rel_err,
 )
+from safetensors.torch import load_file, save_file
 
 from nsaserve.model.linear import Linear
 from nsaserve.model.quant_linear import Fp8BlockLinear, Nvfp4Linear
@@ -72,3 +76,25 @@ def test_quantized_matches_transformers_on_dequantized_weights(float_model, vari
         if tok is not None:
             logits = session.step([(0, [tok])])[0]
         assert rel_err(logits, ref_logits[step]) < TOL, f"step {step}"
+
+
+def test_gate_and_up_with_their_own_global_scales(float_model):
+    """Exports usually give gate_proj and up_proj one shared weight_scale_2, but the format does not
+    require it: with up_proj's global scale changed (a different but valid NVFP4 weight) in every
+    expert, the stacked experts must still apply each projection its own scale."""
+    _, root = float_model
+    quant, odd = str(root / "shared-scales"), str(root / "own-scales")
+    quantize_checkpoint(str(root / "float"), quant, "nvfp4", "experts")
+    sd = load_file(f"{quant}/model.safetensors")
+    changed = {k: v * 1.5 for k, v in sd.items() if k.endswith("up_proj.weight_scale_2")}
+    assert len(changed) == 2 * 8  # two MoE layers x 8 experts
+    os.makedirs(odd)
+    shutil.copy(f"{quant}/config.json", odd)
+    save_file({**sd, **changed}, f"{odd}/model.safetensors")
+    for path in (quant, odd):
+        dequantized_checkpoint(path, path + "-dequantized")
+    runner = ModelRunner(odd, device=torch.device("cpu"), dtype=None, num_pages=40, page_size=4, show_progress=False)
+    tokens = list(range(5, 25))
+    ours = Session(runner).step([(0, tokens)], all_logits=True)[0]
+    assert rel_err(ours, hf_prefill_logits(load_hf(odd + "-dequantized"), tokens)) < TOL
+    assert rel_err(ours, hf_prefill_logits(load_hf(quant + "-dequantized"), tokens)) > 100 * TOL
