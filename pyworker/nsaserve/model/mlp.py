@@ -94,6 +94,8 @@ class MoE(nn.Module):
             1, DEQUANT_CHUNK_BYTES // (self.w13.dense_bytes_per_expert() + self.w2.dense_bytes_per_expert())
         )
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        if active.numel() == 0:
+            return out  # no token chose an expert of this rank
         clamped = local.clamp(0, self.num_local - 1)
         for group in active.split(per_group):
             position = torch.full((self.num_local,), -1, dtype=ids.dtype, device=ids.device)
