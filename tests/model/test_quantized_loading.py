@@ -2,6 +2,8 @@
 bytes of the same modules); a missing, unexpected or wrongly typed tensor is an error naming it;
 NVFP4's input_scale is accepted and not required; unsupported configs are refused before loading."""
 
+import json
+
 import pytest
 import torch
 from model_helpers import Session, make_checkpoint, quantize_checkpoint
@@ -113,3 +115,13 @@ def test_unsupported_quantisation_is_refused():
         parse_config(dict(cfg, quantization_config={"quant_method": "fp8", "weight_block_size": [1, 128]}))
     ok = parse_config(dict(cfg, quantization_config={"quant_method": "fp8", "weight_block_size": [128, 128]}))
     assert ok.quant.precision_of("model.layers.1.self_attn.q_a_proj") == "fp8_block"
+
+
+def test_config_and_tensors_disagreeing_is_named(ckpts, tmp_path):
+    """The config keeps q_a_proj in bf16 but the file holds it in NVFP4: the packed weight is named."""
+    sd = load_file(ckpts / "nvfp4" / "model.safetensors")
+    qc = json.loads((ckpts / "nvfp4" / "config.json").read_text())["quantization_config"]
+    qc = dict(qc, ignore=qc["ignore"] + ["model.layers.0.self_attn.q_a_proj"])
+    rewrite(ckpts / "nvfp4", tmp_path / "c", sd, {"quantization_config": qc})
+    with pytest.raises(ValueError, match=r"layers\.0\.self_attn\.q_a_proj\.weight: checkpoint dtype torch\.uint8"):
+        load(tmp_path / "c")

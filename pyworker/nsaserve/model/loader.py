@@ -52,11 +52,16 @@ def _read(handle, name: str, shard) -> torch.Tensor:
 def _check_and_copy(name: str, t: torch.Tensor, dst: torch.Tensor) -> None:
     if dst.dim() == 0 and t.numel() == 1:
         t = t.reshape(())  # per-tensor scales: some exports write shape [1], others []
-    if tuple(t.shape) != tuple(dst.shape):
-        raise ValueError(f"tensor {name}: checkpoint shape {tuple(t.shape)} != expected {tuple(dst.shape)}")
+    # Checked before the shape: a module stored in another precision than the quantisation config
+    # says shows up here first, and this message says what is wrong.
     quantized = (torch.uint8, torch.float8_e4m3fn)
     if (dst.dtype in quantized or t.dtype in quantized) and t.dtype != dst.dtype:
-        raise ValueError(f"tensor {name}: checkpoint dtype {t.dtype} != expected {dst.dtype} (quantised data)")
+        raise ValueError(
+            f"tensor {name}: checkpoint dtype {t.dtype} != expected {dst.dtype} (quantised data is never "
+            "converted; do the quantisation config and the stored tensors agree on this module's precision?)"
+        )
+    if tuple(t.shape) != tuple(dst.shape):
+        raise ValueError(f"tensor {name}: checkpoint shape {tuple(t.shape)} != expected {tuple(dst.shape)}")
     dst.copy_(t.to(dst.dtype))
 
 
