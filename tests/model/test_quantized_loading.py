@@ -47,7 +47,8 @@ def param_bytes(module) -> int:
 @pytest.mark.parametrize("fmt, low, high", [("nvfp4", 0.27, 0.30), ("fp8_block", 0.49, 0.52)])
 def test_quantized_bytes_against_bf16(ckpts, fmt, low, high):
     bf16 = load(ckpts / "float", torch.bfloat16).model
-    quant = load(ckpts / fmt, torch.bfloat16).model
+    runner = load(ckpts / fmt, torch.bfloat16)
+    quant = runner.model
     names = quantized_modules(quant)
     # Every Linear but the always-bf16 ones: 3 layers x (attention + indexer) + MLPs + expert stacks.
     assert len(names) > 20
@@ -56,6 +57,9 @@ def test_quantized_bytes_against_bf16(ckpts, fmt, low, high):
     b = sum(param_bytes(bf16.get_submodule(n)) for n in names)
     assert low < q / b < high, q / b
     assert param_bytes(quant) < param_bytes(bf16)
+    # The bf16 compute path runs (weights dequantised to bf16; the oracle tests cover float32).
+    logits = Session(runner).step([(0, list(range(12)))], all_logits=True)[0]
+    assert logits.shape == (12, runner.vocab_size) and torch.isfinite(logits).all()
 
 
 def test_missing_quantised_tensor_is_named(ckpts, tmp_path):
