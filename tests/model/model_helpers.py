@@ -151,3 +151,57 @@ class Session:
                 )  # fmt: skip
             )
         return build_plan(0, self.ps, specs)
+
+
+def quantize_checkpoint(src: str, dst: str, fmt: str, scope: str = "linear", **kw) -> None:
+    """A quantised copy of the float checkpoint `src` (kernels.quant.make_checkpoint, ModelOpt-style;
+    `kw` goes to it, e.g. exclude=[globs])."""
+    from nsaserve.kernels.quant.make_checkpoint import make_checkpoint as quantize
+
+    quantize(src, dst, fmt, scope=scope, **kw)
+
+
+def dequantized_checkpoint(src: str, dst: str) -> None:
+    """The float32 checkpoint transformers runs as the oracle for the quantised checkpoint `src`: every
+    quantised weight dequantised with the kernels.quant references, scales dropped, and config.json
+    without its quantization_config. Each module's precision is read from its tensors and must agree
+    with the checkpoint's quantisation scheme."""
+    import json
+    import os
+
+    from safetensors.torch import load_file, save_file
+
+    from nsaserve.kernels.quant import FP8_BLOCK, NVFP4, dequantize_fp8_block, dequantize_nvfp4, load_quant_scheme
+
+    scheme = load_quant_scheme(src)
+    tensors = {}
+    for name in sorted(os.listdir(src)):
+        if name.endswith(".safetensors"):
+            tensors.update(load_file(os.path.join(src, name)))
+    scale_suffixes = (".weight_scale", ".weight_scale_2", ".weight_scale_inv", ".input_scale")
+    out = {}
+    for name, t in tensors.items():
+        if name.endswith(scale_suffixes):
+            continue
+        module = name.removesuffix(".weight")
+        if module + ".weight_scale" in tensors:
+            assert scheme.precision_of(module) == NVFP4, module
+            t = dequantize_nvfp4(t, tensors[module + ".weight_scale"], tensors[module + ".weight_scale_2"])
+        elif module + ".weight_scale_inv" in tensors:
+            assert scheme.precision_of(module) == FP8_BLOCK, module
+            t = dequantize_fp8_block(t, tensors[module + ".weight_scale_inv"])
+        out[name] = t
+    os.makedirs(dst, exist_ok=True)
+    save_file(out, os.path.join(dst, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(src, "config.json")) as f:
+        config = json.load(f)
+    config.pop("quantization_config")
+    with open(os.path.join(dst, "config.json"), "w") as f:
+        json.dump(config, f)
+
+
+def load_hf(path: str):
+    """A saved checkpoint as a transformers model (eval, float32, eager attention)."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()

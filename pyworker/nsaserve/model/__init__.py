@@ -6,8 +6,13 @@ Entry point: runner.ModelRunner (load a checkpoint and its KV pool, run one Forw
 - rope_params   RoPE / YaRN frequencies and the MLA softmax-scale correction
 - attention.py  MLA (absorbed, one latent head) + the lightning indexer; same path for prefill,
                 decode and mixed batches, always reading the paged cache
-- mlp.py        dense MLP and MoE (routed experts fused per rank + shared experts)
+- mlp.py        dense MLP and MoE (routed experts stacked per rank + shared experts)
 - model.py      the decoder stack; parameter names mirror the checkpoint's
+- linear.py     dense Linear / Norm weight holders (with the TP slice each rank reads)
+- quant_linear  NVFP4 (W4A16) and 128x128 block-FP8 Linear layers, weights kept quantised; TP slicing
+                of packed weights and scales
+- expert_stack  routed experts stacked per rank in bf16 / NVFP4 / FP8, dequantised per expert on use
+- weight_factory  picks each module's holder from the checkpoint's quantisation config
 - loader.py     safetensors -> parameters, each rank reading only its slices
 - kv_pool.py    the paged KV pool (latent + indexer key per slot per layer), bf16 or fp8
 - parallel.py   the tensor-parallel layout (heads and experts split, indexer replicated)

@@ -21,7 +21,7 @@ from ..kernels.indexer import topk_to_slots
 from ..kernels.norms import layer_norm, rms_norm
 from ..kernels.registry import get_backend
 from ..kernels.rope import apply_rope
-from .linear import Linear, Norm
+from .linear import Norm
 from .rope_params import mla_softmax_scale
 
 # transformers and the DeepSeek reference build q_a_layernorm / kv_a_layernorm (and the indexer's
@@ -33,16 +33,16 @@ INDEXER_NORM_EPS = 1e-6
 class Indexer(nn.Module):
     """Lightning indexer: scores keys with a few cheap heads and picks each query's top-k."""
 
-    def __init__(self, cfg, *, dtype, device):
+    def __init__(self, cfg, wf, prefix: str):
         super().__init__()
         self.n_heads, self.head_dim, self.rope_dim = cfg.index_n_heads, cfg.index_head_dim, cfg.qk_rope_head_dim
         self.topk = cfg.index_topk
         self.interleaved = cfg.indexer_rope_interleave
-        self.wq_b = Linear(cfg.q_lora_rank, self.n_heads * self.head_dim, dtype=dtype, device=device)
-        self.wk = Linear(cfg.hidden_size, self.head_dim, dtype=dtype, device=device)
-        self.k_norm = Norm(self.head_dim, dtype=dtype, device=device, bias=True)
+        self.wq_b = wf.linear(prefix + "wq_b", cfg.q_lora_rank, self.n_heads * self.head_dim)
+        self.wk = wf.linear(prefix + "wk", cfg.hidden_size, self.head_dim)
+        self.k_norm = Norm(self.head_dim, dtype=wf.dtype, device=wf.device, bias=True)
         # Kept in float32 like the reference (weights_proj is never quantised).
-        self.weights_proj = Linear(cfg.hidden_size, self.n_heads, dtype=torch.float32, device=device)
+        self.weights_proj = wf.linear(prefix + "weights_proj", cfg.hidden_size, self.n_heads, dtype=torch.float32)
 
     def _rope(self, x, meta):
         # The indexer ropes the FIRST rope_dim dims (MLA ropes the last ones).
@@ -74,7 +74,7 @@ class Indexer(nn.Module):
 
 
 class MLAttention(nn.Module):
-    def __init__(self, cfg, layer: int, tp, *, dtype, device):
+    def __init__(self, cfg, layer: int, tp, wf):
         super().__init__()
         self.layer, self.tp = layer, tp
         self.nope, self.rope_dim, self.v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
@@ -83,24 +83,24 @@ class MLAttention(nn.Module):
         qk, kvb = cfg.qk_head_dim, self.nope + self.v_dim
         self.mla_interleaved = cfg.mla_rope_interleave
         self.softmax_scale = mla_softmax_scale(qk, cfg.rope_parameters)
-        H = cfg.hidden_size
-        self.q_a_proj = Linear(H, cfg.q_lora_rank, dtype=dtype, device=device)
-        self.q_a_layernorm = Norm(cfg.q_lora_rank, dtype=dtype, device=device)
-        self.q_b_proj = Linear(
-            cfg.q_lora_rank, cfg.num_attention_heads * qk, dtype=dtype, device=device,
+        H, p = cfg.hidden_size, f"model.layers.{layer}.self_attn."
+        self.q_a_proj = wf.linear(p + "q_a_proj", H, cfg.q_lora_rank)
+        self.q_a_layernorm = Norm(cfg.q_lora_rank, dtype=wf.dtype, device=wf.device)
+        self.q_b_proj = wf.linear(
+            p + "q_b_proj", cfg.q_lora_rank, cfg.num_attention_heads * qk,
             shard_dim=0, start=h0 * qk, length=self.heads * qk,
         )  # fmt: skip
-        self.kv_a_proj_with_mqa = Linear(H, self.rank + self.rope_dim, dtype=dtype, device=device)
-        self.kv_a_layernorm = Norm(self.rank, dtype=dtype, device=device)
-        self.kv_b_proj = Linear(
-            self.rank, cfg.num_attention_heads * kvb, dtype=dtype, device=device,
+        self.kv_a_proj_with_mqa = wf.linear(p + "kv_a_proj_with_mqa", H, self.rank + self.rope_dim)
+        self.kv_a_layernorm = Norm(self.rank, dtype=wf.dtype, device=wf.device)
+        self.kv_b_proj = wf.linear(
+            p + "kv_b_proj", self.rank, cfg.num_attention_heads * kvb,
             shard_dim=0, start=h0 * kvb, length=self.heads * kvb,
         )  # fmt: skip
-        self.o_proj = Linear(
-            cfg.num_attention_heads * self.v_dim, H, dtype=dtype, device=device,
+        self.o_proj = wf.linear(
+            p + "o_proj", cfg.num_attention_heads * self.v_dim, H,
             shard_dim=1, start=h0 * self.v_dim, length=self.heads * self.v_dim,
         )  # fmt: skip
-        self.indexer = Indexer(cfg, dtype=dtype, device=device) if cfg.indexer_types[layer] == "full" else None
+        self.indexer = Indexer(cfg, wf, p + "indexer.") if cfg.indexer_types[layer] == "full" else None
 
     def forward(self, x, batch, meta, pool, prev_topk_slots, backends):
         num_tokens = x.shape[0]
@@ -120,7 +120,8 @@ class MLAttention(nn.Module):
         else:
             topk_slots = prev_topk_slots
 
-        w = self.kv_b_proj.weight.view(self.heads, self.nope + self.v_dim, self.rank)
+        # A quantised kv_b_proj is dequantised here once per layer call (it is small: [heads*(nope+v), R]).
+        w = self.kv_b_proj.dense_weight().view(self.heads, self.nope + self.v_dim, self.rank)
         w_uk, w_uv = w[:, : self.nope], w[:, self.nope :]
         q_lat = torch.einsum("thn,hnr->thr", q_nope, w_uk)
         o_lat = get_backend("attention", backends["attention"])(

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..kernels.quant import QuantScheme, parse_quant_scheme
+
 SUPPORTED = {
     "glm_moe_dsa": "GlmMoeDsaForCausalLM",
     "deepseek_v32": "DeepseekV32ForCausalLM",
@@ -54,6 +56,7 @@ class ModelConfig:
     mla_rope_interleave: bool
     indexer_rope_interleave: bool
     torch_dtype: torch.dtype
+    quant: QuantScheme  # which Linear modules the checkpoint stores in bf16 / NVFP4 / FP8-block
     raw: dict = field(repr=False, default_factory=dict)
 
     @property
@@ -99,15 +102,23 @@ def _indexer_types(cfg: dict, model_type: str, num_layers: int) -> list[str]:
     return types
 
 
-def parse_config(cfg: dict) -> ModelConfig:
+def _quant_scheme(cfg: dict, hf_quant_config: dict | None) -> QuantScheme:
+    """The checkpoint's per-module precisions; formats other than ModelOpt NVFP4 and 128x128 block
+    FP8 (or variants of them we do not run) are refused here, before any weight is allocated."""
+    try:
+        return parse_quant_scheme(cfg, hf_quant_config)
+    except ValueError as e:
+        quant = cfg.get("quantization_config")
+        method = quant.get("quant_method", "?") if isinstance(quant, dict) else "modelopt"
+        raise NotImplementedError(f"quantised checkpoint ({method}) is not supported: {e}") from None
+
+
+def parse_config(cfg: dict, hf_quant_config: dict | None = None) -> ModelConfig:
+    """config.json (parsed), plus hf_quant_config.json (parsed) when the checkpoint has one."""
     model_type = cfg.get("model_type")
     if model_type not in SUPPORTED:
         raise ValueError(f"unsupported model_type {model_type!r}; supported: {sorted(SUPPORTED)}")
-    quant = cfg.get("quantization_config")
-    if quant:
-        # FP8-block / NVFP4 weights need the quantised linear layers (kernels.quant), not wired yet.
-        method = quant.get("quant_method", "?") if isinstance(quant, dict) else quant
-        raise NotImplementedError(f"quantised checkpoints ({method}) are not supported yet; use a BF16 checkpoint")
+    quant = _quant_scheme(cfg, hf_quant_config)
     if cfg.get("q_lora_rank") is None:
         raise NotImplementedError("q_lora_rank = null (no query LoRA) is not supported")
     if cfg.get("attention_bias", False):
@@ -164,10 +175,18 @@ def parse_config(cfg: dict) -> ModelConfig:
         mla_rope_interleave=bool(cfg.get("rope_interleave", True)),
         indexer_rope_interleave=bool(idx_interleave),
         torch_dtype=_DTYPES[dtype_name],
+        quant=quant,
         raw=cfg,
     )
 
 
 def load_config(model_path: str) -> ModelConfig:
     with open(os.path.join(model_path, "config.json")) as f:
-        return parse_config(json.load(f))
+        cfg = json.load(f)
+    hf_quant_config = None
+    # Older ModelOpt exports describe the quantisation only in this side file.
+    side = os.path.join(model_path, "hf_quant_config.json")
+    if os.path.exists(side):
+        with open(side) as f:
+            hf_quant_config = json.load(f)
+    return parse_config(cfg, hf_quant_config)

@@ -1,8 +1,8 @@
 """Weight holders that know which slice of the checkpoint tensor they hold.
 
 `tp_shard = (dim, start, length)` names this rank's slice of the checkpoint tensor along `dim`
-(PyTorch layout [out, in]); the loader reads exactly that slice. Quantised formats will subclass
-these with their own weight tensors and forward.
+(PyTorch layout [out, in]); the loader reads exactly that slice. Quantised weights (NVFP4,
+block FP8) live in quant_linear.py with the same interface: forward(x) and dense_weight().
 """
 
 from __future__ import annotations
@@ -29,6 +29,10 @@ class Linear(nn.Module):
             shard = (shard_dim, start, length)
             shape[shard_dim] = length
         self.weight = empty_param(shape, dtype, device, shard)
+
+    def dense_weight(self) -> torch.Tensor:
+        """W [out, in] in the compute dtype (callers that need the matrix itself, e.g. MLA absorption)."""
+        return self.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x.to(self.weight.dtype), self.weight)

@@ -7,27 +7,31 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..kernels.registry import get_backend
-from .linear import Linear, empty_param
+from .linear import empty_param
+
+# Most bytes of dequantised expert weights a quantised MoE materialises at once; experts with tokens
+# are processed in groups that fit (at least one expert per group).
+DEQUANT_CHUNK_BYTES = 256 << 20
 
 
 class GatedMLP(nn.Module):
     """down(silu(gate x) * up x), intermediate dim split across TP ranks; returns this rank's
     partial sum (the caller all-reduces)."""
 
-    def __init__(self, hidden, inter, tp, *, dtype, device):
+    def __init__(self, hidden, inter, tp, wf, prefix: str):
         super().__init__()
         i0, n = tp.split(inter, "MLP intermediate size")
-        self.gate_proj = Linear(hidden, inter, dtype=dtype, device=device, shard_dim=0, start=i0, length=n)
-        self.up_proj = Linear(hidden, inter, dtype=dtype, device=device, shard_dim=0, start=i0, length=n)
-        self.down_proj = Linear(inter, hidden, dtype=dtype, device=device, shard_dim=1, start=i0, length=n)
+        self.gate_proj = wf.linear(prefix + "gate_proj", hidden, inter, shard_dim=0, start=i0, length=n)
+        self.up_proj = wf.linear(prefix + "up_proj", hidden, inter, shard_dim=0, start=i0, length=n)
+        self.down_proj = wf.linear(prefix + "down_proj", inter, hidden, shard_dim=1, start=i0, length=n)
 
     def forward(self, x):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class DenseMLP(GatedMLP):
-    def __init__(self, cfg, tp, *, dtype, device):
-        super().__init__(cfg.hidden_size, cfg.intermediate_size, tp, dtype=dtype, device=device)
+    def __init__(self, cfg, tp, wf, prefix: str):
+        super().__init__(cfg.hidden_size, cfg.intermediate_size, tp, wf, prefix)
         self.tp = tp
 
     def forward(self, x, backends=None):
@@ -43,33 +47,61 @@ class Router(nn.Module):
 
 
 class MoE(nn.Module):
-    def __init__(self, cfg, tp, *, dtype, device):
+    def __init__(self, cfg, tp, wf, prefix: str):
         super().__init__()
         self.cfg, self.tp = cfg, tp
         self.first_expert, self.num_local = tp.split(cfg.n_routed_experts, "n_routed_experts")
-        inter = cfg.moe_intermediate_size
-        self.gate = Router(cfg, device)
-        # Local experts fused as [E_local, 2I, H] (gate rows, then up rows) and [E_local, H, I]; the
-        # loader fills them from the checkpoint's per-expert tensors (see expert_targets).
-        self.w13 = empty_param([self.num_local, 2 * inter, cfg.hidden_size], dtype, device)
-        self.w2 = empty_param([self.num_local, cfg.hidden_size, inter], dtype, device)
+        inter, hidden = cfg.moe_intermediate_size, cfg.hidden_size
+        self.gate = Router(cfg, wf.device)
+        # Local experts stacked as w13 [E_local, 2I, H] (gate rows, then up rows) and w2 [E_local, H, I],
+        # in the checkpoint's precision (expert_stack.py); filled from the per-expert tensors.
+        n = cfg.n_routed_experts
+        self.w13 = wf.experts(prefix, n, self.num_local, ("gate_proj", "up_proj"), inter, hidden)
+        self.w2 = wf.experts(prefix, n, self.num_local, ("down_proj",), hidden, inter)
         self.shared_experts = (
-            GatedMLP(cfg.hidden_size, inter * cfg.n_shared_experts, tp, dtype=dtype, device=device)
+            GatedMLP(hidden, inter * cfg.n_shared_experts, tp, wf, prefix + "shared_experts.")
             if cfg.n_shared_experts
             else None
         )
 
-    def expert_targets(self, prefix: str):
-        """checkpoint name -> (param, index into it) or None when another rank owns the expert."""
-        inter = self.cfg.moe_intermediate_size
-        out = {}
+    def _expert_prefixes(self, prefix: str):
         for e in range(self.cfg.n_routed_experts):
             local = e - self.first_expert
-            mine = 0 <= local < self.num_local
-            p = f"{prefix}experts.{e}."
-            out[p + "gate_proj.weight"] = (self.w13, (local, slice(0, inter))) if mine else None
-            out[p + "up_proj.weight"] = (self.w13, (local, slice(inter, 2 * inter))) if mine else None
-            out[p + "down_proj.weight"] = (self.w2, (local,)) if mine else None
+            yield f"{prefix}experts.{e}.", (local if 0 <= local < self.num_local else None)
+
+    def expert_targets(self, prefix: str):
+        """checkpoint name -> (param, index into it) or None when another rank owns the expert."""
+        out = {}
+        for expert_prefix, local in self._expert_prefixes(prefix):
+            out.update(self.w13.targets(expert_prefix, local))
+            out.update(self.w2.targets(expert_prefix, local))
+        return out
+
+    def expert_ignored(self, prefix: str) -> list[str]:
+        """Per-expert tensors that may be on disk and are read past (NVFP4 input_scale)."""
+        return [n for ep, _ in self._expert_prefixes(prefix) for n in self.w13.ignored(ep) + self.w2.ignored(ep)]
+
+    def _routed(self, x, ids, weights, backend):
+        """Sum over the chosen experts this rank owns -> float32 [T, H]."""
+        if not (self.w13.quantized or self.w2.quantized):
+            return backend(x, ids, weights, self.w13.weight, self.w2.weight, self.first_expert)
+        # Quantised: dequantise only the experts that got tokens, a bounded group at a time, and run
+        # the same expert kernel on each group with the token's expert ids renumbered into it.
+        local = ids - self.first_expert
+        mine = (local >= 0) & (local < self.num_local)
+        active = torch.unique(local[mine])
+        per_group = max(
+            1, DEQUANT_CHUNK_BYTES // (self.w13.dense_bytes_per_expert() + self.w2.dense_bytes_per_expert())
+        )
+        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        if active.numel() == 0:
+            return out  # no token chose an expert of this rank
+        clamped = local.clamp(0, self.num_local - 1)
+        for group in active.split(per_group):
+            position = torch.full((self.num_local,), -1, dtype=ids.dtype, device=ids.device)
+            position[group] = torch.arange(len(group), dtype=ids.dtype, device=ids.device)
+            group_ids = torch.where(mine, position[clamped], -1)
+            out += backend(x, group_ids, weights, self.w13.dense(group), self.w2.dense(group), 0)
         return out
 
     def forward(self, x, backends):
@@ -79,7 +111,7 @@ class MoE(nn.Module):
             logits, self.gate.e_score_correction_bias, c.num_experts_per_tok, c.n_group, c.topk_group,
             c.norm_topk_prob, c.routed_scaling_factor,
         )  # fmt: skip
-        y = get_backend("moe_experts", backends["moe_experts"])(x, ids, weights, self.w13, self.w2, self.first_expert)
+        y = self._routed(x, ids, weights, get_backend("moe_experts", backends["moe_experts"]))
         if self.shared_experts is not None:
             y = y + self.shared_experts(x).float()
         return self.tp.all_reduce(y.to(x.dtype))

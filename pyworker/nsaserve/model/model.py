@@ -1,7 +1,9 @@
 """The decoder stack: embedding, layers (MLA + indexer attention, dense MLP or MoE), norm, lm_head.
 
-Module and parameter names mirror the checkpoint's (model.layers.{i}.self_attn.q_a_proj.weight, ...)
-so the loader maps names one to one; only the routed experts are fused on load.
+Module and parameter names mirror the checkpoint's (model.layers.{i}.self_attn.q_a_proj.weight, ...,
+and .weight_scale / .weight_scale_2 / .weight_scale_inv of quantised modules) so the loader maps
+names one to one; only the routed experts are stacked on load. Each Linear is built in the precision
+the checkpoint stores it in (weight_factory.py).
 """
 
 from __future__ import annotations
@@ -14,23 +16,26 @@ from .attention import MLAttention
 from .linear import Norm, empty_param
 from .mlp import DenseMLP, MoE
 from .parallel import TPGroup
+from .quant_linear import QuantLinear
 from .rope_params import rope_inv_freq
 from .step_meta import build_step_meta
+from .weight_factory import WeightFactory
 
 DEFAULT_BACKENDS = {"attention": "torch", "indexer": "torch", "moe_route": "torch", "moe_experts": "torch"}
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg, layer, tp, *, dtype, device):
+    def __init__(self, cfg, layer, tp, wf: WeightFactory):
         super().__init__()
         self.eps = cfg.rms_norm_eps
-        self.input_layernorm = Norm(cfg.hidden_size, dtype=dtype, device=device)
-        self.post_attention_layernorm = Norm(cfg.hidden_size, dtype=dtype, device=device)
-        self.self_attn = MLAttention(cfg, layer, tp, dtype=dtype, device=device)
+        self.input_layernorm = Norm(cfg.hidden_size, dtype=wf.dtype, device=wf.device)
+        self.post_attention_layernorm = Norm(cfg.hidden_size, dtype=wf.dtype, device=wf.device)
+        self.self_attn = MLAttention(cfg, layer, tp, wf)
+        prefix = f"model.layers.{layer}.mlp."
         if cfg.mlp_layer_types[layer] == "sparse":
-            self.mlp = MoE(cfg, tp, dtype=dtype, device=device)
+            self.mlp = MoE(cfg, tp, wf, prefix)
         else:
-            self.mlp = DenseMLP(cfg, tp, dtype=dtype, device=device)
+            self.mlp = DenseMLP(cfg, tp, wf, prefix)
 
     def forward(self, h, batch, meta, pool, prev_topk_slots, backends):
         attn, topk_slots = self.self_attn(
@@ -42,21 +47,19 @@ class DecoderLayer(nn.Module):
 
 
 class Backbone(nn.Module):
-    def __init__(self, cfg, tp, *, dtype, device):
+    def __init__(self, cfg, tp, wf: WeightFactory):
         super().__init__()
         self.embed_tokens = nn.Module()
-        self.embed_tokens.weight = empty_param([cfg.vocab_size, cfg.hidden_size], dtype, device)
-        self.layers = nn.ModuleList(
-            DecoderLayer(cfg, i, tp, dtype=dtype, device=device) for i in range(cfg.num_hidden_layers)
-        )
-        self.norm = Norm(cfg.hidden_size, dtype=dtype, device=device)
+        self.embed_tokens.weight = empty_param([cfg.vocab_size, cfg.hidden_size], wf.dtype, wf.device)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, tp, wf) for i in range(cfg.num_hidden_layers))
+        self.norm = Norm(cfg.hidden_size, dtype=wf.dtype, device=wf.device)
 
 
 class CausalLM(nn.Module):
     def __init__(self, cfg, tp: TPGroup, *, dtype, device):
         super().__init__()
         self.cfg, self.tp = cfg, tp
-        self.model = Backbone(cfg, tp, dtype=dtype, device=device)
+        self.model = Backbone(cfg, tp, WeightFactory(dtype, device, cfg.quant))
         v0, vn, self.vocab_share = tp.split_padded(cfg.vocab_size)
         self.lm_head = nn.Module()
         self.lm_head.weight = empty_param([vn, cfg.hidden_size], dtype, device, shard=(0, v0, vn))
@@ -71,13 +74,25 @@ class CausalLM(nn.Module):
         exists but belongs to another rank). Missing/unexpected names are checked against this."""
         targets = {}
         for name, p in self.named_parameters():
-            if ".mlp.w13" in name or ".mlp.w2" in name:
+            if ".mlp.w13." in name or ".mlp.w2." in name:
                 continue
             targets[name] = (p, ())
         for i, layer in enumerate(self.model.layers):
             if isinstance(layer.mlp, MoE):
                 targets.update(layer.mlp.expert_targets(f"model.layers.{i}.mlp."))
         return targets
+
+    def ignored_tensors(self) -> set[str]:
+        """Names the checkpoint may hold that are read past: the static activation scales
+        (input_scale) of NVFP4 modules, which only W4A4 kernels use; we run W4A16."""
+        names = set()
+        for name, module in self.named_modules():
+            if isinstance(module, QuantLinear):
+                names.update(f"{name}.{s}" for s in module.IGNORED_SUFFIXES)
+        for i, layer in enumerate(self.model.layers):
+            if isinstance(layer.mlp, MoE):
+                names.update(layer.mlp.expert_ignored(f"model.layers.{i}.mlp."))
+        return names
 
     @torch.no_grad()
     def forward(self, batch, pool) -> torch.Tensor:

@@ -12,6 +12,10 @@ Layout (rank r of N):
   all-reduce per MLP sums routed + shared partials.
 - Embedding replicated; lm_head vocab-parallel, logits all-gathered so every rank returns the full
   vocabulary.
+- Quantised weights follow the same layout. NVFP4 / FP8 tensors are sliced in their packed form
+  when the split lands on scale-group boundaries (16 inputs for NVFP4, 128x128 blocks for FP8),
+  otherwise that module is dequantised at load and sliced (quant_linear.py); experts are never
+  sliced (expert parallel).
 """
 
 from __future__ import annotations

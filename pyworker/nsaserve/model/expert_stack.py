@@ -1,0 +1,99 @@
+"""The routed experts this rank owns, stacked into one tensor set per projection group, in the
+checkpoint's precision: w13 = [gate_proj rows; up_proj rows], w2 = [down_proj rows].
+
+Expert parallel: a rank holds whole experts, so nothing inside an expert is ever sliced. Layouts
+(E = local experts, R = rows of one part, P = parts in the group: 2 for w13, 1 for w2):
+
+    bf16       weight [E, P*R, in]
+    nvfp4      weight uint8 [E, P*R, in/2], weight_scale e4m3 [E, P*R, in/16],
+               weight_scale_2 fp32 [E, P]   (gate and up keep their own global scale: exports
+               usually share one, but nothing in the format requires it)
+    fp8_block  weight e4m3 [E, P*R, in], weight_scale_inv fp32 [E, P, ceil(R/128), ceil(in/128)]
+               (block scales per part: when R is not a multiple of 128, gate's last row block and
+               up's first one are different blocks on disk and must stay so)
+
+dense(local_ids) dequantises only the listed experts -> [n, P*R, in] in the compute dtype; the
+MoE calls it for the experts that received tokens, a bounded number at a time.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..kernels.quant import BF16, FP8_BLOCK, NVFP4, dequantize_fp8_block, dequantize_nvfp4, module_tensors
+from ..kernels.quant.fp8_block import FP8_BLOCK as FP8_BLOCK_SIZE
+from ..kernels.quant.nvfp4 import NVFP4_GROUP_SIZE
+from .linear import empty_param
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class ExpertStack(nn.Module):
+    """Stacked expert weights of one projection group; see the module docstring for the layouts."""
+
+    def __init__(self, precision: str, parts: tuple[str, ...], rows: int, in_features: int, num_local: int, *,
+                 dtype, device):  # fmt: skip
+        super().__init__()
+        self.precision, self.parts, self.rows, self.in_features = precision, parts, rows, in_features
+        self.dtype = dtype
+        out = len(parts) * rows
+        if precision == BF16:
+            self.weight = empty_param([num_local, out, in_features], dtype, device)
+        elif precision == NVFP4:
+            if in_features % NVFP4_GROUP_SIZE:
+                raise ValueError(f"NVFP4 experts need in_features divisible by {NVFP4_GROUP_SIZE}, got {in_features}")
+            self.weight = empty_param([num_local, out, in_features // 2], torch.uint8, device)
+            self.weight_scale = empty_param(
+                [num_local, out, in_features // NVFP4_GROUP_SIZE], torch.float8_e4m3fn, device
+            )
+            self.weight_scale_2 = empty_param([num_local, len(parts)], torch.float32, device)
+        elif precision == FP8_BLOCK:
+            self.weight = empty_param([num_local, out, in_features], torch.float8_e4m3fn, device)
+            blocks = [_ceil_div(rows, FP8_BLOCK_SIZE), _ceil_div(in_features, FP8_BLOCK_SIZE)]
+            self.weight_scale_inv = empty_param([num_local, len(parts), *blocks], torch.float32, device)
+        else:
+            raise ValueError(f"unknown expert precision {precision!r}")
+
+    @property
+    def quantized(self) -> bool:
+        return self.precision != BF16
+
+    def targets(self, expert_prefix: str, local: int | None) -> dict:
+        """checkpoint name -> (param, index) for one expert ("...mlp.experts.{e}."), or None for
+        each name when another rank owns the expert."""
+        out = {}
+        for p, part in enumerate(self.parts):
+            rows = slice(p * self.rows, (p + 1) * self.rows)
+            for suffix in module_tensors(self.precision)[0]:
+                param = getattr(self, suffix)
+                # Per-part tensors (global scale, block scales) are indexed by part, the others by rows.
+                index = (local, p) if suffix in ("weight_scale_2", "weight_scale_inv") else (local, rows)
+                out[f"{expert_prefix}{part}.{suffix}"] = None if local is None else (param, index)
+        return out
+
+    def ignored(self, expert_prefix: str) -> list[str]:
+        """Names that may be present on disk for one expert and are read past (NVFP4 input_scale)."""
+        return [f"{expert_prefix}{part}.{s}" for part in self.parts for s in module_tensors(self.precision)[1]]
+
+    def dense(self, local_ids: torch.Tensor) -> torch.Tensor:
+        """Weights of the listed local experts, dequantised: [len(local_ids), P*R, in] in self.dtype."""
+        if self.precision == BF16:
+            return self.weight[local_ids]
+        pieces = []
+        for p in range(len(self.parts)):
+            rows = slice(p * self.rows, (p + 1) * self.rows)
+            if self.precision == NVFP4:
+                scale_2 = self.weight_scale_2[local_ids, p].view(-1, 1, 1)
+                w = dequantize_nvfp4(
+                    self.weight[local_ids, rows], self.weight_scale[local_ids, rows], scale_2, self.dtype
+                )
+            else:
+                w = dequantize_fp8_block(self.weight[local_ids, rows], self.weight_scale_inv[local_ids, p], self.dtype)
+            pieces.append(w)
+        return torch.cat(pieces, dim=1) if len(pieces) > 1 else pieces[0]
+
+    def dense_bytes_per_expert(self) -> int:
+        return len(self.parts) * self.rows * self.in_features * torch.empty((), dtype=self.dtype).element_size()
