@@ -34,11 +34,11 @@ def scattered_slots(seq_lens, page_size, num_pages, seed):
     return torch.tensor(slots, dtype=torch.int64)
 
 
-def make_case(seq_lens, new_tokens, heads, dim, page_size, fp8, seed, key_shift=0.0):
+def make_case(seq_lens, new_tokens, heads, dim, page_size, fp8, seed, key_shift=0.0, dtype=torch.bfloat16):
     g = torch.Generator().manual_seed(seed)
     num_pages = sum(-(-s // page_size) for s in seq_lens) + 3
     kv_slots = scattered_slots(seq_lens, page_size, num_pages, seed)
-    cache = fmt.alloc_index_k(num_pages, page_size, dim, fp8, torch.bfloat16, "cpu")
+    cache = fmt.alloc_index_k(num_pages, page_size, dim, fp8, dtype, "cpu")
     fmt.write_index_k(cache, kv_slots, torch.randn(len(kv_slots), dim, generator=g) + key_shift, page_size)
     cached = [s - n for s, n in zip(seq_lens, new_tokens)]
     qs = [0]
@@ -47,6 +47,18 @@ def make_case(seq_lens, new_tokens, heads, dim, page_size, fp8, seed, key_shift=
     q = torch.randn(qs[-1], heads, dim, generator=g)
     w = torch.randn(qs[-1], heads, generator=g)
     return q, w, cache, kv_slots, qs, cached
+
+
+@pytest.fixture(autouse=True)
+def poisoned_empty(monkeypatch):
+    """Fresh buffers full of a valid-looking position, so an unwritten output entry is caught."""
+    real = torch.empty
+
+    def empty(*args, **kwargs):
+        t = real(*args, **kwargs)
+        return t.fill_(7) if t.dtype in (torch.int64, torch.float32) else t
+
+    monkeypatch.setattr(torch, "empty", empty)
 
 
 def assert_same_sets(got, want):
@@ -76,20 +88,30 @@ def test_registered():
 @pytest.mark.parametrize("fp8", [False, True])
 @pytest.mark.parametrize("seed", [1, 2])
 def test_decode_matches_reference(fp8, seed):
+    decode_case(fp8, seed, torch.bfloat16)
+
+
+def test_float32_keys_match_reference():
+    # Keys not exact in bf16 take the 3xTF32 path instead of the split-query bf16 one.
+    decode_case(False, 4, torch.float32)
+
+
+def decode_case(fp8, seed, dtype):
     # Decode rows: one new token each; contexts below, at and above top-k.
     if GPU:
         seq_lens, heads, dim, page_size, topk = [4096, 100, 2048, 2049, 8000], 32, 128, 64, 2048
     else:
         seq_lens, heads, dim, page_size, topk = [70, 9, 32, 33, 150], 4, 32, 8, 32
-    case = make_case(seq_lens, [1] * len(seq_lens), heads, dim, page_size, fp8, seed)
+    case = make_case(seq_lens, [1] * len(seq_lens), heads, dim, page_size, fp8, seed, dtype=dtype)
     assert_same_sets(*run_both(case, topk, page_size))
 
 
 @pytest.mark.parametrize("fp8", [False, True])
 def test_prefill_and_chunked_rows(fp8, monkeypatch):
     # Several query rows per request (causal within the chunk), and rows longer than one top-k
-    # chunk so that the re-reading path runs too.
+    # chunk so that the re-reading path runs too; few logits programs, so each loops over blocks.
     monkeypatch.setattr(triton_indexer, "_TOPK_CHUNK", 1024 if GPU else 32)
+    monkeypatch.setattr(triton_indexer, "_PROGRAMS_WANTED", 8)
     if GPU:
         seq_lens, new, heads, dim, page_size, topk = [3000, 5000], [40, 3], 32, 128, 64, 2048
     else:

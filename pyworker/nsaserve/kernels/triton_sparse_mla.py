@@ -136,7 +136,8 @@ def sparse_mla_decode(
     kv_slots: torch.Tensor | None = None,
     num_splits: int | None = None,
     block_h: int = 64,
-    block_n: int = 32,
+    # Fastest of the H200 sweep in bench/kernels/bench_sparse_mla.py (batch 64, 64 heads).
+    block_n: int = 64,
     num_warps: int = 8,
     num_stages: int = 2,
 ) -> torch.Tensor:
@@ -162,8 +163,9 @@ def sparse_mla_decode(
     block_h = min(block_h, max(16, triton.next_power_of_2(heads)))
     head_blocks = triton.cdiv(heads, block_h)
     if num_splits is None:
-        # Enough programs for about two per multiprocessor, each with at least a few row blocks.
-        num_splits = max(1, min(triton.cdiv(2 * _num_sms(q_lat.device), tokens * head_blocks), topk // (2 * block_n)))
+        # One full wave: a program holds a multiprocessor (its shared memory), so tokens x head
+        # blocks x splits up to the multiprocessor count, and no split shorter than a few blocks.
+        num_splits = max(1, min(_num_sms(q_lat.device) // (tokens * head_blocks), topk // (2 * block_n)))
     split_len = triton.cdiv(triton.cdiv(topk, num_splits), block_n) * block_n
     num_splits = max(1, triton.cdiv(topk, split_len))
     split = num_splits > 1
