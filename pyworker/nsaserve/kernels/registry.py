@@ -57,12 +57,19 @@ def _lazy(target: str) -> Callable:
     return call
 
 
+def _have(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # ValueError: sys.modules[module] is None (import blocked)
+        return False
+
+
 def _load_builtins() -> None:
     global _builtins_loaded
     if not _builtins_loaded:
         for mod in _BUILTIN_MODULES:
             importlib.import_module(f"{__package__}.{mod}")
-        if importlib.util.find_spec("triton") is not None:
+        if _have("triton"):
             for (kind, name), target in _TRITON_BACKENDS.items():
                 register(kind, name)(_lazy(target))
         _builtins_loaded = True
