@@ -8,6 +8,7 @@ become selectable by name without the model changing.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from collections.abc import Callable
 
 # Kinds used by the model:
@@ -22,6 +23,14 @@ _BACKENDS: dict[tuple[str, str], Callable] = {}
 _BUILTIN_MODULES = ("sparse_mla", "indexer", "moe")
 _builtins_loaded = False
 
+# Triton backends: (kind, name) -> "module:function". Registered only where Triton is installed,
+# and imported on first call, so that importing the registry (or the model) never imports Triton
+# and tests can still choose Triton's CPU interpreter before the kernels are built.
+_TRITON_BACKENDS = {
+    ("indexer", "triton"): "triton_indexer:indexer_topk_triton",
+    ("attention", "triton"): "triton_sparse_mla:sparse_mla_triton",
+}
+
 
 def register(kind: str, name: str) -> Callable[[Callable], Callable]:
     def deco(fn: Callable) -> Callable:
@@ -34,11 +43,35 @@ def register(kind: str, name: str) -> Callable[[Callable], Callable]:
     return deco
 
 
+def _lazy(target: str) -> Callable:
+    mod_name, fn_name = target.split(":")
+    fn: Callable | None = None
+
+    def call(*args, **kwargs):
+        nonlocal fn
+        if fn is None:
+            fn = getattr(importlib.import_module(f"{__package__}.{mod_name}"), fn_name)
+        return fn(*args, **kwargs)
+
+    call.__name__ = fn_name
+    return call
+
+
+def _have(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # ValueError: sys.modules[module] is None (import blocked)
+        return False
+
+
 def _load_builtins() -> None:
     global _builtins_loaded
     if not _builtins_loaded:
         for mod in _BUILTIN_MODULES:
             importlib.import_module(f"{__package__}.{mod}")
+        if _have("triton"):
+            for (kind, name), target in _TRITON_BACKENDS.items():
+                register(kind, name)(_lazy(target))
         _builtins_loaded = True
 
 

@@ -1,0 +1,194 @@
+"""Triton sparse MLA decode over the paged latent cache (absorbed form, one latent KV head).
+
+Same math as sparse_mla.sparse_mla_torch:
+    s[t, h, j] = scale * (q_lat[t, h] . c[slot_tj] + q_pe[t, h] . k_pe[slot_tj]),  o = softmax(s) @ c
+
+Shape of the work: every head of a token reads the same selected rows, so one program takes
+BLOCK_H heads of one token (the MMA's M side), streams BLOCK_N selected rows at a time (gathered by
+slot, so no page-table walk is needed beyond the slot itself), and keeps an online softmax.
+The top-k list is split across programs (flash-decoding) when tokens x head blocks alone would
+leave multiprocessors idle; a second small kernel merges the partial results by their
+log-sum-exp.
+
+Caches: the model dtype [slots, R + P] (c | k_pe), or the fp8 row (R e4m3 codes | R/G fp32 scales
+| P bf16 k_pe; FlashMLA's 656 bytes for R = 512, P = 64). FP8 codes are dequantised to bf16 in
+registers (code x group scale, in fp32, then rounded) before both products.
+
+Indices are either physical slots (the registry's interface), or, with the slot transform fused,
+logical top-k positions p that the kernel maps to kv_slots[token_kv_base[t] + p] itself.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _mma_operand(x, INTERPRET: tl.constexpr):
+    """x rounded to bf16, the MMA's operand type. Triton's CPU interpreter (3.6) computes bf16 dots
+    wrongly, so there the rounded values are carried in fp32: the same products and fp32 sums."""
+    if INTERPRET:
+        return x.to(tl.bfloat16).to(tl.float32)
+    return x.to(tl.bfloat16)
+
+
+@triton.jit
+def _sparse_mla_kernel(
+    q_lat_ptr, q_pe_ptr, cache_ptr, cache_f32_ptr, cache_bf16_ptr,
+    idx_ptr, kv_base_ptr, kv_slots_ptr, o_ptr, lse_ptr,
+    heads, topk, num_splits, scale_log2,
+    SPLIT_LEN: tl.constexpr, R: tl.constexpr, P: tl.constexpr, G: tl.constexpr, ROW_BYTES: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+    FP8: tl.constexpr, LOGICAL: tl.constexpr, SPLIT: tl.constexpr, INTERPRET: tl.constexpr,
+):  # fmt: skip
+    t = tl.program_id(0)
+    sp = tl.program_id(1)
+    h0 = tl.program_id(2) * BLOCK_H
+    offs_h = h0 + tl.arange(0, BLOCK_H)
+    hmask = offs_h < heads
+    offs_r = tl.arange(0, R)
+    offs_p = tl.arange(0, P)
+    q_rows = (t * heads + offs_h).to(tl.int64)
+    q_lat = tl.load(q_lat_ptr + q_rows[:, None] * R + offs_r[None, :], mask=hmask[:, None], other=0.0)
+    q_pe = tl.load(q_pe_ptr + q_rows[:, None] * P + offs_p[None, :], mask=hmask[:, None], other=0.0)
+    q_lat = _mma_operand(q_lat, INTERPRET)
+    q_pe = _mma_operand(q_pe, INTERPRET)
+    if LOGICAL:
+        kv_base = tl.load(kv_base_ptr + t)
+
+    m_i = tl.full([BLOCK_H], -1.0e30, dtype=tl.float32)  # finite, so an all-masked block adds 0
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, R], dtype=tl.float32)
+    j0 = sp * SPLIT_LEN
+    j1 = tl.minimum(j0 + SPLIT_LEN, topk)
+    for n in range(0, SPLIT_LEN, BLOCK_N):  # constexpr trip count: the interpreter needs one
+        offs_n = j0 + n + tl.arange(0, BLOCK_N)
+        idx = tl.load(idx_ptr + t.to(tl.int64) * topk + offs_n, mask=offs_n < j1, other=-1)
+        valid = idx >= 0
+        if LOGICAL:
+            slot = tl.load(kv_slots_ptr + kv_base + idx, mask=valid, other=0)
+        else:
+            slot = idx
+        slot = tl.where(valid, slot, 0).to(tl.int64)
+        if FP8:
+            codes = tl.load(cache_ptr + slot[:, None] * ROW_BYTES + offs_r[None, :], mask=valid[:, None], other=0)
+            offs_g = tl.arange(0, R // G)
+            sc = tl.load(cache_f32_ptr + slot[:, None] * (ROW_BYTES // 4) + R // 4 + offs_g[None, :])
+            vals = codes.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+            vals = tl.reshape(vals, [BLOCK_N, R // G, G]) * sc[:, :, None]
+            c = _mma_operand(tl.reshape(vals, [BLOCK_N, R]), INTERPRET)
+            pe_at = (R + 4 * (R // G)) // 2
+            k_pe = tl.load(cache_bf16_ptr + slot[:, None] * (ROW_BYTES // 2) + pe_at + offs_p[None, :])
+        else:
+            row = slot[:, None] * (R + P)
+            c = _mma_operand(tl.load(cache_ptr + row + offs_r[None, :], mask=valid[:, None], other=0.0), INTERPRET)
+            k_pe = tl.load(cache_ptr + row + R + offs_p[None, :])
+        s = tl.dot(q_lat, tl.trans(c)) + tl.dot(q_pe, tl.trans(_mma_operand(k_pe, INTERPRET)))  # [BLOCK_H, BLOCK_N]
+        s = tl.where(valid[None, :], s * scale_log2, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(_mma_operand(p, INTERPRET), c)
+        m_i = m_new
+
+    has = l_i > 0.0
+    out = acc / tl.where(has, l_i, 1.0)[:, None]
+    if SPLIT:
+        part = (t * num_splits + sp).to(tl.int64) * heads + offs_h
+        tl.store(o_ptr + part[:, None] * R + offs_r[None, :], out, mask=hmask[:, None])
+        tl.store(lse_ptr + part, tl.where(has, m_i + tl.log2(l_i), float("-inf")), mask=hmask)
+    else:
+        tl.store(o_ptr + q_rows[:, None] * R + offs_r[None, :], out, mask=hmask[:, None])
+
+
+@triton.jit
+def _combine_kernel(o_part_ptr, lse_ptr, out_ptr, heads, num_splits, R: tl.constexpr, BLOCK_S: tl.constexpr):
+    """out[t, h] = sum_s 2^(lse_s - lse) o_s over the splits of (t, h)."""
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    smask = offs_s < num_splits
+    part = (t * num_splits + offs_s).to(tl.int64) * heads + h
+    lse = tl.load(lse_ptr + part, mask=smask, other=float("-inf"))
+    w = tl.exp2(lse - tl.max(lse, axis=0))
+    w = w / tl.sum(w, axis=0)
+    offs_r = tl.arange(0, R)
+    o = tl.load(o_part_ptr + part[:, None] * R + offs_r[None, :], mask=smask[:, None], other=0.0)
+    tl.store(out_ptr + (t * heads + h).to(tl.int64) * R + offs_r, tl.sum(o * w[:, None], axis=0))
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4
+
+
+def sparse_mla_decode(
+    q_lat: torch.Tensor,  # [T, H, R]
+    q_pe: torch.Tensor,  # [T, H, P]
+    latent_cache: torch.Tensor,  # [slots, R + P] model dtype, or uint8 [..., R + 4 R/G + 2 P]
+    indices: torch.Tensor,  # int [T, K]: physical slots, or logical positions with token_kv_base
+    softmax_scale: float,
+    token_kv_base: torch.Tensor | None = None,  # int [T]: fuses slot = kv_slots[base[t] + index]
+    kv_slots: torch.Tensor | None = None,
+    num_splits: int | None = None,
+    block_h: int = 64,
+    # Fastest of the H200 sweep in bench/kernels/bench_sparse_mla.py (batch 64, 64 heads).
+    block_n: int = 64,
+    num_warps: int = 8,
+    num_stages: int = 2,
+) -> torch.Tensor:
+    """-> o_lat float32 [T, H, R]. Device-only (no host sync): CUDA-graph capturable."""
+    tokens, heads, rank = q_lat.shape
+    rope = q_pe.shape[2]
+    topk = indices.shape[1]
+    out = torch.empty(tokens, heads, rank, dtype=torch.float32, device=q_lat.device)
+    if tokens == 0:
+        return out
+    fp8 = latent_cache.dtype == torch.uint8
+    group = min(128, rank)
+    cache = latent_cache.contiguous()
+    row_bytes = cache.shape[-1]
+    if fp8:
+        cache = cache.view(-1, row_bytes)
+        f32_view, bf16_view = cache.view(torch.float32), cache.view(torch.bfloat16)
+    else:
+        f32_view = bf16_view = cache
+    logical = token_kv_base is not None
+    if logical and kv_slots is None:
+        raise ValueError("logical indices need kv_slots")
+    block_h = min(block_h, max(16, triton.next_power_of_2(heads)))
+    head_blocks = triton.cdiv(heads, block_h)
+    if num_splits is None:
+        # One full wave: a program holds a multiprocessor (its shared memory), so tokens x head
+        # blocks x splits up to the multiprocessor count, and no split shorter than a few blocks.
+        num_splits = max(1, min(_num_sms(q_lat.device) // (tokens * head_blocks), topk // (2 * block_n)))
+    split_len = triton.cdiv(triton.cdiv(topk, num_splits), block_n) * block_n
+    num_splits = max(1, triton.cdiv(topk, split_len))
+    split = num_splits > 1
+    if split:
+        o_part = torch.empty(tokens, num_splits, heads, rank, dtype=torch.float32, device=q_lat.device)
+        lse = torch.empty(tokens, num_splits, heads, dtype=torch.float32, device=q_lat.device)
+    else:
+        o_part, lse = out, out
+    idx = indices.contiguous()
+    _sparse_mla_kernel[(tokens, num_splits, head_blocks)](
+        q_lat.contiguous(), q_pe.contiguous(), cache, f32_view, bf16_view,
+        idx, token_kv_base if logical else idx, kv_slots if logical else idx, o_part, lse,
+        heads, topk, num_splits, softmax_scale * 1.4426950408889634,
+        SPLIT_LEN=split_len, R=rank, P=rope, G=group, ROW_BYTES=row_bytes, BLOCK_H=block_h, BLOCK_N=block_n,
+        FP8=fp8, LOGICAL=logical, SPLIT=split, INTERPRET=q_lat.device.type != "cuda", num_warps=num_warps, num_stages=num_stages,
+    )  # fmt: skip
+    if split:
+        _combine_kernel[(tokens, heads)](
+            o_part, lse, out, heads, num_splits, R=rank, BLOCK_S=triton.next_power_of_2(num_splits), num_warps=4
+        )
+    return out
+
+
+def sparse_mla_triton(q_lat, q_pe, latent_cache, slots, softmax_scale) -> torch.Tensor:
+    """The registry's ("attention", "triton") backend: same arguments as sparse_mla_torch."""
+    return sparse_mla_decode(q_lat, q_pe, latent_cache, slots, softmax_scale)
