@@ -10,9 +10,10 @@ import random
 
 import pytest
 import torch
+from transformers import AutoTokenizer, GlmMoeDsaForCausalLM
+
 from nsaserve.embedded_model import MODEL_DIR
 from nsaserve.embedded_model.corpus import EOS, line_starts, zen_from_stdlib, zen_text
-from transformers import AutoTokenizer, GlmMoeDsaForCausalLM
 
 HF_FILES = [
     "config.json",

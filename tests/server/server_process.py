@@ -14,6 +14,9 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+# Where the end-to-end tests run the model: cpu by default; NSASERVE_TEST_DEVICE=cuda on a GPU.
+DEVICE_FLAG = f"--device={os.environ.get('NSASERVE_TEST_DEVICE', 'cpu')}"
+
 
 def free_port() -> int:
     with socket.socket() as s:

@@ -18,7 +18,7 @@ import re
 import urllib.request
 
 import pytest
-from server_process import ServerProcess
+from server_process import DEVICE_FLAG, ServerProcess
 
 from nsaserve.serve import EMBEDDED_MODEL
 
@@ -79,7 +79,7 @@ def metric(base_url: str, name: str) -> float:
 
 @pytest.mark.parametrize("radix,kv,chunked", CONFIGS)
 def test_founding_matrix(radix, kv, chunked):
-    args = ["--tp=2", "--device=cpu", f"--kv-cache-dtype={kv}", "--max-running-requests=1024"]
+    args = ["--tp=2", DEVICE_FLAG, f"--kv-cache-dtype={kv}", "--max-running-requests=1024"]
     args += ["--chunked-prefill-size=64" if chunked == "chunked" else "--chunked-prefill-size=-1"]
     args += ["--disable-radix-cache"] if radix == "no-radix" else []
     server = ServerProcess(*args).wait_ready()

@@ -26,9 +26,9 @@ def zen() -> str:
 
 @pytest.fixture(scope="module")
 def server():
-    from server_process import ServerProcess
+    from server_process import DEVICE_FLAG, ServerProcess
 
-    s = ServerProcess("--device=cpu", "--served-model-name=zen").wait_ready()
+    s = ServerProcess(DEVICE_FLAG, "--served-model-name=zen").wait_ready()
     yield s
     assert s.stop() == 0
 

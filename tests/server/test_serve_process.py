@@ -9,7 +9,7 @@ import signal
 import time
 
 import pytest
-from server_process import descendants
+from server_process import DEVICE_FLAG, descendants
 
 from nsaserve.serve import EMBEDDED_MODEL
 
@@ -18,7 +18,7 @@ pytestmark = pytest.mark.skipif(not (EMBEDDED_MODEL / "config.json").exists(), r
 
 @pytest.mark.parametrize("tp", [1, 2])
 def test_serve_starts_serves_and_stops_cleanly(start_server, tp):
-    server = start_server(f"--tp={tp}", "--device=cpu")
+    server = start_server(f"--tp={tp}", DEVICE_FLAG)
     assert len(descendants(server.proc.pid)) >= tp
     status, body = server.get("/health")
     assert status == 200, body
@@ -48,7 +48,7 @@ def test_a_worker_that_fails_to_load_reports_its_own_error(start_server, tmp_pat
 
 
 def test_killed_worker_turns_health_red_within_5_s_and_serve_still_stops_cleanly(start_server):
-    server = start_server("--tp=2", "--device=cpu")
+    server = start_server("--tp=2", DEVICE_FLAG)
     assert server.get("/health")[0] == 200
     worker = max(descendants(server.proc.pid))
     os.kill(worker, signal.SIGKILL)
