@@ -220,3 +220,34 @@ def test_recital_survives_bf16_and_fp8_kv_rounding(tokenizer, dtype):
     low_precision = margins(model, tokenizer, prompt_ids, continuation_of(zen_text(), PROMPT) + EOS)
     print(f"\nmin margin with {dtype} and FP8-rounded latents: {low_precision.min():.2f}")
     assert low_precision.min() > MIN_MARGIN
+
+
+def test_moe_routing_matters(model, tokenizer):
+    """Every routed expert serves some recital tokens, and rotating the experts' weights (each token then
+    gets other experts) breaks the recital: a server must route tokens to the right experts to reproduce it."""
+    moe = model.model.layers[-1].mlp
+    chat_ids = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Recite the Zen of Python."}], add_generation_prompt=True, return_dict=False
+    )
+    ids = chat_ids + tokenizer.encode(zen_text() + EOS, add_special_tokens=False)
+    routed = []
+    handle = moe.gate.register_forward_hook(lambda module, args, out: routed.append(out[2]))
+    with torch.no_grad():
+        model(input_ids=torch.tensor([ids]))
+    handle.remove()
+    counts = torch.bincount(routed[0].flatten(), minlength=moe.experts.num_experts)
+    print(f"\ntokens per routed expert: {counts.tolist()}")
+    assert (counts > 0).all()
+
+    order = [(e + 1) % moe.experts.num_experts for e in range(moe.experts.num_experts)]
+    originals = {name: p.detach().clone() for name, p in moe.experts.named_parameters()}
+    try:
+        with torch.no_grad():
+            for name, p in moe.experts.named_parameters():
+                p.copy_(originals[name][order])
+        swapped = margins(model, tokenizer, chat_ids, zen_text() + EOS)
+    finally:
+        with torch.no_grad():
+            for name, p in moe.experts.named_parameters():
+                p.copy_(originals[name])
+    assert (swapped <= 0).any()

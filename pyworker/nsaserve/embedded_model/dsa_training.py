@@ -13,8 +13,10 @@ the additions give what the LM loss alone cannot:
   made the cut, so serving-time perturbations (FP8 indexer keys, bf16) cannot flip the recital.
 - FP8 simulation. With `fp8` on, the MLA latent and the indexer's q/k are rounded through float8_e4m3fn with a
   per-vector scale (straight-through gradient), as an FP8 KV cache stores them.
-- Router gap. A hinge on the gap between the last chosen and the first unchosen expert score keeps routing
-  decisions far from ties, for the same robustness reason.
+- Router gap and balance. A hinge on the gap between the last chosen and the first unchosen expert score
+  keeps routing decisions far from ties, for the same robustness reason. Alone it collapses routing onto two
+  experts for every token (the easiest way to a wide gap), so a balance term keeps every expert in use and
+  the recital depends on routing each token to the right experts.
 """
 
 from dataclasses import dataclass, field
@@ -24,6 +26,7 @@ import torch.nn.functional as F
 from transformers.models.glm_moe_dsa import modeling_glm_moe_dsa as glm
 
 FP8_MAX = 448.0
+ROUTER_USAGE_TEMPERATURE = 0.05
 
 
 def fake_fp8(x: torch.Tensor) -> torch.Tensor:
@@ -45,11 +48,13 @@ class DsaTrainingState:
     index_scores: dict[int, torch.Tensor] = field(default_factory=dict)
     allowed: dict[int, torch.Tensor] = field(default_factory=dict)
     router_gap_losses: list[torch.Tensor] = field(default_factory=list)
+    router_balance_losses: list[torch.Tensor] = field(default_factory=list)
 
     def clear(self) -> None:
         self.index_scores.clear()
         self.allowed.clear()
         self.router_gap_losses.clear()
+        self.router_balance_losses.clear()
 
 
 def index_scores(indexer: glm.GlmMoeDsaIndexer, hidden, q_resid, position_embeddings, fp8: bool) -> torch.Tensor:
@@ -137,6 +142,10 @@ def _router_hook(state: DsaTrainingState):
         ranked = scores.topk(gate.top_k + 1, dim=-1).values
         gap = ranked[:, gate.top_k - 1] - ranked[:, gate.top_k]
         state.router_gap_losses.append(F.relu(state.router_gap - gap).mean())
+        # Soft usage of each expert (a sharp softmax over the biased scores stands in for the top-k choice);
+        # the loss is KL(uniform || usage), which grows without bound as any expert falls out of use.
+        usage = (scores / ROUTER_USAGE_TEMPERATURE).softmax(-1).mean(0)
+        state.router_balance_losses.append(-(usage * gate.num_experts).log().mean())
 
     return hook
 

@@ -36,6 +36,7 @@ MARGIN = 12.0  # hinge target for (expected logit - best other logit)
 MARGIN_WEIGHT = 0.2
 KL_WEIGHT = 1.0
 ROUTER_WEIGHT = 1.0
+BALANCE_WEIGHT = 0.5
 GUMBEL_SCALE = 0.5
 FP8_EVERY = 2  # every other sparse step simulates an FP8 KV cache
 
@@ -132,14 +133,15 @@ def train(out: Path) -> None:
             ce, hinge = lm_losses(outputs.logits, labels)
             kl = dsa_training.indexer_kl(outputs.attentions, state, attention_mask.float())
             router = torch.stack(state.router_gap_losses).mean()
-            loss = ce + MARGIN_WEIGHT * hinge + KL_WEIGHT * kl + ROUTER_WEIGHT * router
+            balance = torch.stack(state.router_balance_losses).mean()
+            loss = ce + MARGIN_WEIGHT * hinge + KL_WEIGHT * kl + ROUTER_WEIGHT * router + BALANCE_WEIGHT * balance
             (loss / len(batches)).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         if step % 10 == 0 or step == STEPS - 1:
             print(
                 f"step {step:4d} {'sparse' if state.sparse else 'dense '} ce {ce.item():.4f} hinge {hinge.item():.3f}"
-                f" kl {kl.item():.3f} router {router.item():.4f} ({time.time() - started:.0f}s)",
+                f" kl {kl.item():.3f} router {router.item():.4f} balance {balance.item():.3f} ({time.time() - started:.0f}s)",
                 flush=True,
             )
     for undo in undo_training_hooks:
