@@ -121,6 +121,13 @@ class Supervisor:
 
         if not os.path.exists(os.path.join(self.model_path, "config.json")):
             raise ServeError(f"model path {self.model_path} has no config.json")
+        if self.device == "cuda" and self.args.model_executor == "model":
+            import torch
+
+            found = torch.cuda.device_count()
+            if found < self.args.tp:
+                # NCCL refuses two ranks on one GPU with an opaque error; say it plainly first.
+                raise ServeError(f"--tp {self.args.tp} needs {self.args.tp} GPUs, this machine has {found}")
         if self.args.worker_transport == "ipc":
             # mkdtemp makes the directory 0700: only this user can reach the worker sockets.
             self.runtime_dir = tempfile.mkdtemp(prefix="nsaserve-")
