@@ -12,7 +12,7 @@ python3 -m pytest -q -p no:cacheprovider tests/model/test_cuda_matches_cpu.py te
   > "$out/pytest_cuda.txt" 2>&1
 echo "cuda tests: $(tail -1 "$out/pytest_cuda.txt")"
 
-NSASERVE_TEST_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider tests/server/test_openai_api.py tests/server/test_serve_process.py -k "not tp" \
+NSASERVE_TEST_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider tests/server/test_openai_api.py tests/server/test_serve_process.py \
   > "$out/pytest_e2e_cuda.txt" 2>&1
 echo "e2e on cuda: $(tail -1 "$out/pytest_e2e_cuda.txt")"
 

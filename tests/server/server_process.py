@@ -18,6 +18,15 @@ from pathlib import Path
 DEVICE_FLAG = f"--device={os.environ.get('NSASERVE_TEST_DEVICE', 'cpu')}"
 
 
+def gpus_short_of(tp: int) -> bool:
+    """True when the tests run on CUDA and this machine has fewer than `tp` GPUs."""
+    if "cuda" not in DEVICE_FLAG:
+        return False
+    import torch
+
+    return torch.cuda.device_count() < tp
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

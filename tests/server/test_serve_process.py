@@ -9,7 +9,7 @@ import signal
 import time
 
 import pytest
-from server_process import DEVICE_FLAG, descendants
+from server_process import DEVICE_FLAG, descendants, gpus_short_of
 
 from nsaserve.serve import EMBEDDED_MODEL
 
@@ -18,6 +18,8 @@ pytestmark = pytest.mark.skipif(not (EMBEDDED_MODEL / "config.json").exists(), r
 
 @pytest.mark.parametrize("tp", [1, 2])
 def test_serve_starts_serves_and_stops_cleanly(start_server, tp):
+    if gpus_short_of(tp):
+        pytest.skip(f"needs {tp} GPUs")
     server = start_server(f"--tp={tp}", DEVICE_FLAG)
     assert len(descendants(server.proc.pid)) >= tp
     status, body = server.get("/health")
@@ -48,6 +50,8 @@ def test_a_worker_that_fails_to_load_reports_its_own_error(start_server, tmp_pat
 
 
 def test_killed_worker_turns_health_red_within_5_s_and_serve_still_stops_cleanly(start_server):
+    if gpus_short_of(2):
+        pytest.skip("needs 2 GPUs")
     server = start_server("--tp=2", DEVICE_FLAG)
     assert server.get("/health")[0] == 200
     worker = max(descendants(server.proc.pid))
