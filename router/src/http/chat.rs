@@ -1,7 +1,6 @@
 //! POST /v1/chat/completions: messages rendered through the model's chat template, `n`
 //! samples, chat logprobs, streaming or not.
 
-use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -234,17 +233,7 @@ async fn handle(app: AppState, request: Request) -> Result<Response, ApiError> {
     );
     let streams = generation::submit_all(app.engine.as_ref(), requests)?;
 
-    let mut silent_ids: HashSet<i32> = v.stop_token_ids.iter().copied().collect();
-    if !v.ignore_eos {
-        silent_ids.extend(app.tokenizer.eos_token_ids());
-    }
-    let ctx = Arc::new(GenerationContext {
-        tokenizer: Arc::clone(&app.tokenizer),
-        metrics: Arc::clone(&app.metrics),
-        stops: v.stops.clone(),
-        silent_ids,
-        arrived,
-    });
+    let ctx = GenerationContext::for_request(&app.tokenizer, &app.metrics, &v, arrived);
     let choices = streams
         .into_iter()
         .enumerate()

@@ -27,6 +27,29 @@ pub struct GenerationContext {
     pub arrived: Instant,
 }
 
+impl GenerationContext {
+    /// The context every choice of one request shares: stop strings, and the token ids (EOS
+    /// unless `ignore_eos`, plus `stop_token_ids`) that end generation without showing text.
+    pub fn for_request(
+        tokenizer: &Arc<TokenizerBundle>,
+        metrics: &Arc<Metrics>,
+        v: &super::validation::Validated,
+        arrived: Instant,
+    ) -> Arc<GenerationContext> {
+        let mut silent_ids: HashSet<i32> = v.stop_token_ids.iter().copied().collect();
+        if !v.ignore_eos {
+            silent_ids.extend(tokenizer.eos_token_ids());
+        }
+        Arc::new(GenerationContext {
+            tokenizer: Arc::clone(tokenizer),
+            metrics: Arc::clone(metrics),
+            stops: v.stops.clone(),
+            silent_ids,
+            arrived,
+        })
+    }
+}
+
 #[derive(Debug, Clone)]
 pub struct GeneratedToken {
     pub id: i32,
