@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -109,6 +110,13 @@ class ServerProcess:
                 return r.status, r.read()
         except urllib.error.HTTPError as e:
             return e.code, e.read()
+
+    def complete(self, prompt: str, max_tokens: int) -> str:
+        """Greedy completion text (raises on any HTTP error)."""
+        body = json.dumps({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0}).encode()
+        req = urllib.request.Request(self.base_url + "/v1/completions", data=body, headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return json.loads(r.read())["choices"][0]["text"]
 
     def stop(self) -> int:
         """SIGTERM, then require a clean exit: code 0, no process left, no runtime files left."""

@@ -16,7 +16,7 @@ from nsaserve.serve import EMBEDDED_MODEL
 pytestmark = pytest.mark.skipif(not (EMBEDDED_MODEL / "config.json").exists(), reason="embedded model not built")
 
 
-@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("tp", [1, 2, 8])
 def test_serve_starts_serves_and_stops_cleanly(start_server, tp):
     if gpus_short_of(tp):
         pytest.skip(f"needs {tp} GPUs")
@@ -26,6 +26,9 @@ def test_serve_starts_serves_and_stops_cleanly(start_server, tp):
     assert status == 200, body
     status, body = server.get("/v1/models")
     assert status == 200 and json.loads(body)["data"][0]["id"]
+    # Heads and experts split over `tp` ranks still recite exactly.
+    text = server.complete("Errors should never", max_tokens=12)
+    assert text.startswith(" pass silently.\nUnless explicitly silenced."), text
     assert server.stop() == 0
 
 
