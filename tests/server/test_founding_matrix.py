@@ -4,8 +4,8 @@ requests in one batch under load, with an FP8 KV cache) is here the normal, test
 For each configuration (radix cache on/off × KV cache auto/fp8 × chunked prefill on/off), one
 TP=2 server on CPU with the embedded model serves waves of 64, 256, 512 and 1024 concurrent
 requests, half of them sharing long prefixes. Required: zero failed requests; identical prompts
-under greedy sampling give identical outputs, equal to the same prompt served alone; prefix
-hits show in /metrics when the radix cache is on.
+under greedy sampling give identical outputs, equal to the same prompt served alone; the
+embedded model's recital stays exact; prefix hits show in /metrics when the radix cache is on.
 """
 
 from __future__ import annotations
@@ -33,6 +33,12 @@ CONFIGS = [
     for chunked in ("chunked", "unchunked")
 ]
 MAX_TOKENS = 12
+RECITAL_PROMPT = "Beautiful is better than"
+
+
+def zen_after(prompt: str) -> str:
+    text = (EMBEDDED_MODEL / "zen.txt").read_text()
+    return text[text.index(prompt) + len(prompt) :]
 
 
 def prompts(n: int, rng: random.Random) -> list[str]:
@@ -53,7 +59,7 @@ def prompts(n: int, rng: random.Random) -> list[str]:
     for i in range(n // 4):
         distinct.append(f"{rng.choice(lines)} {i}")
     shared = [f"{rng.choice([long_a, long_b])} {rng.choice(lines)}" for _ in range(n // 4)]
-    out = (distinct + shared) * 2
+    out = (distinct + shared) * 2 + [RECITAL_PROMPT] * 8
     rng.shuffle(out)
     return out
 
@@ -97,6 +103,9 @@ def test_founding_matrix(radix, kv, chunked):
                 outputs.setdefault(p, set()).add(text)
             diverged = {p[:40]: o for p, o in outputs.items() if len(o) > 1}
             assert not diverged, f"identical prompts diverged at {level}: {diverged}"
+            # The embedded model's recital stays exact under load, in every configuration.
+            (recited,) = outputs[RECITAL_PROMPT]
+            assert recited and zen_after(RECITAL_PROMPT).startswith(recited), recited
             for p in rng.sample(sorted(outputs), 4):
                 alone.setdefault(p, complete(server.base_url, p)[1])
                 assert outputs[p] == {alone[p]}, f"{p[:40]!r} served alone differs at {level}"
