@@ -50,16 +50,22 @@ def request_body(opts: ApiOptions, turn: Turn) -> dict:
     return body
 
 
-def chunk_text(obj: dict) -> str:
-    """The generated text of a streamed chunk (completions' text, chat's content or reasoning)."""
+def _choice_text(obj: dict, part: str) -> str:
+    """The first choice's generated text: completions' `text`, or chat's content and reasoning
+    under `part` ("delta" in a streamed chunk, "message" in a whole response)."""
     choices = obj.get("choices") or []
     if not choices:
         return ""
     c = choices[0]
     if "text" in c:
         return c.get("text") or ""
-    delta = c.get("delta") or {}
-    return (delta.get("content") or "") + (delta.get("reasoning_content") or "")
+    inner = c.get(part) or {}
+    return (inner.get("content") or "") + (inner.get("reasoning_content") or "")
+
+
+def chunk_text(obj: dict) -> str:
+    """The generated text of a streamed chunk."""
+    return _choice_text(obj, "delta")
 
 
 def finished(obj: dict) -> bool:
@@ -68,14 +74,8 @@ def finished(obj: dict) -> bool:
 
 
 def response_text(obj: dict) -> str:
-    choices = obj.get("choices") or []
-    if not choices:
-        return ""
-    c = choices[0]
-    if "text" in c:
-        return c.get("text") or ""
-    message = c.get("message") or {}
-    return (message.get("content") or "") + (message.get("reasoning_content") or "")
+    """The generated text of a whole (non-streamed) response."""
+    return _choice_text(obj, "message")
 
 
 class StreamFailed(Exception):

@@ -21,19 +21,12 @@ import torch
 import triton
 import triton.language as tl
 
+from .triton_common import mma_operand
+
 # Largest row the top-k kernel keeps in registers; longer rows are re-read in chunks of this size.
 _TOPK_CHUNK = 8192
 # Logits programs to aim for (about two per multiprocessor of an H100/H200).
 _PROGRAMS_WANTED = 264
-
-
-@triton.jit
-def _mma_part(x, INTERPRET: tl.constexpr):
-    """x rounded to bf16 for the MMA. Triton's CPU interpreter (3.6) computes bf16 dots wrongly, so
-    there the rounded values are carried in fp32 (same products, same fp32 sums)."""
-    if INTERPRET:
-        return x.to(tl.bfloat16).to(tl.float32)
-    return x.to(tl.bfloat16)
 
 
 @triton.jit
@@ -58,10 +51,10 @@ def _logits_kernel(
     if SPLIT_Q:
         # fp8 and bf16 keys are exact in bf16, and q = q1 + q2 + q3 exactly with bf16 parts: three
         # bf16 MMAs give float32-exact products (only the summation order differs from fp32).
-        q1 = _mma_part(q, INTERPRET)
+        q1 = mma_operand(q, INTERPRET)
         r = q - q1.to(tl.float32)
-        q2 = _mma_part(r, INTERPRET)
-        q3 = _mma_part(r - q2.to(tl.float32), INTERPRET)
+        q2 = mma_operand(r, INTERPRET)
+        q3 = mma_operand(r - q2.to(tl.float32), INTERPRET)
     for b in range(SPAN_BLOCKS):
         offs_n = n_start + b * BLOCK_N + tl.arange(0, BLOCK_N)
         valid = offs_n <= pos
@@ -78,7 +71,7 @@ def _logits_kernel(
             keys = tl.load(k_ptr + slot[:, None] * D + offs_d[None, :], mask=valid[:, None], other=0.0)
         # Keys on the MMA's M side (BLOCK_N rows), heads on N: no padding of a 32-head query to 64.
         if SPLIT_Q:
-            kb = _mma_part(keys, INTERPRET)
+            kb = mma_operand(keys, INTERPRET)
             s = tl.dot(kb, tl.trans(q1)) + tl.dot(kb, tl.trans(q2)) + tl.dot(kb, tl.trans(q3))
         else:
             s = tl.dot(keys.to(tl.float32), tl.trans(q), input_precision=PRECISION)  # [BLOCK_N, BLOCK_H]

@@ -24,14 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-
-@triton.jit
-def _mma_operand(x, INTERPRET: tl.constexpr):
-    """x rounded to bf16, the MMA's operand type. Triton's CPU interpreter (3.6) computes bf16 dots
-    wrongly, so there the rounded values are carried in fp32: the same products and fp32 sums."""
-    if INTERPRET:
-        return x.to(tl.bfloat16).to(tl.float32)
-    return x.to(tl.bfloat16)
+from .triton_common import mma_operand
 
 
 @triton.jit
@@ -53,8 +46,8 @@ def _sparse_mla_kernel(
     q_rows = (t * heads + offs_h).to(tl.int64)
     q_lat = tl.load(q_lat_ptr + q_rows[:, None] * R + offs_r[None, :], mask=hmask[:, None], other=0.0)
     q_pe = tl.load(q_pe_ptr + q_rows[:, None] * P + offs_p[None, :], mask=hmask[:, None], other=0.0)
-    q_lat = _mma_operand(q_lat, INTERPRET)
-    q_pe = _mma_operand(q_pe, INTERPRET)
+    q_lat = mma_operand(q_lat, INTERPRET)
+    q_pe = mma_operand(q_pe, INTERPRET)
     if LOGICAL:
         kv_base = tl.load(kv_base_ptr + t)
 
@@ -78,20 +71,20 @@ def _sparse_mla_kernel(
             sc = tl.load(cache_f32_ptr + slot[:, None] * (ROW_BYTES // 4) + R // 4 + offs_g[None, :])
             vals = codes.to(tl.float8e4nv, bitcast=True).to(tl.float32)
             vals = tl.reshape(vals, [BLOCK_N, R // G, G]) * sc[:, :, None]
-            c = _mma_operand(tl.reshape(vals, [BLOCK_N, R]), INTERPRET)
+            c = mma_operand(tl.reshape(vals, [BLOCK_N, R]), INTERPRET)
             pe_at = (R + 4 * (R // G)) // 2
             k_pe = tl.load(cache_bf16_ptr + slot[:, None] * (ROW_BYTES // 2) + pe_at + offs_p[None, :])
         else:
             row = slot[:, None] * (R + P)
-            c = _mma_operand(tl.load(cache_ptr + row + offs_r[None, :], mask=valid[:, None], other=0.0), INTERPRET)
+            c = mma_operand(tl.load(cache_ptr + row + offs_r[None, :], mask=valid[:, None], other=0.0), INTERPRET)
             k_pe = tl.load(cache_ptr + row + R + offs_p[None, :])
-        s = tl.dot(q_lat, tl.trans(c)) + tl.dot(q_pe, tl.trans(_mma_operand(k_pe, INTERPRET)))  # [BLOCK_H, BLOCK_N]
+        s = tl.dot(q_lat, tl.trans(c)) + tl.dot(q_pe, tl.trans(mma_operand(k_pe, INTERPRET)))  # [BLOCK_H, BLOCK_N]
         s = tl.where(valid[None, :], s * scale_log2, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(_mma_operand(p, INTERPRET), c)
+        acc = acc * alpha[:, None] + tl.dot(mma_operand(p, INTERPRET), c)
         m_i = m_new
 
     has = l_i > 0.0
