@@ -55,6 +55,10 @@ def die_with_parent() -> None:
 
 def build_executor(args: argparse.Namespace) -> StepExecutor:
     if args.model_executor == "null":
+        if os.environ.get("NSASERVE_TEST_SCRIPT"):  # tests only: output forced by a script
+            from .scripted_executor import scripted_executor
+
+            return scripted_executor(args)
         return NullExecutor(
             vocab_size=model_vocab_size(args.model_path),
             num_pages=args.num_pages or 4096,
