@@ -89,7 +89,7 @@ def run_plan(data: bytes, executor: StepExecutor, is_rank0: bool) -> tuple[StepR
         if msg["kind"] == "shutdown":
             return None, -1
         plan = plan_from_msg(msg)
-        runnable, errors = validate_plan(plan, executor.num_pages)
+        runnable, errors = validate_plan(plan, executor.num_pages, executor.vocab_size)
     except (ProtocolError, KeyError, ValueError, TypeError) as e:
         # Unreadable plan: answer anyway, and the router fails every request of the step it has
         # in flight (it knows them; we could not read them).
