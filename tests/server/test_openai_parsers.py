@@ -11,6 +11,7 @@ template), and malformed markup returned as content and counted in /metrics.
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import re
 
@@ -168,11 +169,12 @@ def test_thinking_disabled_by_template_kwargs(client, script, glm_dir):
 
 
 def test_max_tokens_cuts_inside_the_thinking(client, script):
-    marker = script.reply("Let me think about this for a long while before answering anything.</think>Done.")
+    thinking = "Let me think about this for a long while before answering anything."
+    marker = script.reply(f"{thinking}</think>Done.")
     out = client.chat.completions.create(model="glm", messages=user(f"long {marker}"), temperature=0, max_tokens=5)
     msg = out.choices[0].message
     assert out.choices[0].finish_reason == "length" and out.usage.completion_tokens == 5
-    assert reasoning_of(msg) and "Let me think about this".startswith(reasoning_of(msg).strip()[:10])
+    assert len(reasoning_of(msg)) > 3 and thinking.startswith(reasoning_of(msg)) and reasoning_of(msg) != thinking
     assert not msg.content
 
 
@@ -202,7 +204,8 @@ def test_completions_endpoint_returns_the_raw_markup(client, script):
 
 
 def test_tool_call_with_typed_arguments(client, script, glm_dir):
-    marker = script.reply(f"Need the forecast.</think>Checking.{WEATHER_CALL}<|observation|>")
+    # GLM ends a turn that calls tools with <|observation|>, a stop token: nothing after it is generated.
+    marker = script.reply(f"Need the forecast.</think>Checking.{WEATHER_CALL}<|observation|>never generated")
     messages = user(f"weather in Paris? {marker}")
     out = client.chat.completions.create(model="glm", messages=messages, tools=TOOLS, temperature=0)
     choice = out.choices[0]
@@ -332,6 +335,31 @@ def test_malformed_markup_degrades_to_content_and_is_counted(client, script, ser
     chunks, final = streamed(client, model="glm", messages=user(f"bad {marker}"), tools=TOOLS, temperature=0)
     assert final.choices[0].message.content == f"Let me see. {broken}" and not final.choices[0].message.tool_calls
     assert fallbacks(server) == before + 2
+
+
+def test_concurrent_conversations_each_get_their_own_output(client, script):
+    """Batched steps: replies of different shapes, streamed and not, in flight together."""
+    cases = []
+    for i in range(8):
+        if i % 2:
+            text = f"Case {i} thinks.</think><tool_call>get_time<arg_key>tz</arg_key><arg_value>UTC+{i}</arg_value></tool_call>"
+            want = (f"Case {i} thinks.", None, [("get_time", {"tz": f"UTC+{i}"})])
+        else:
+            text = f"Case {i} thinks{' hard' * i}.</think>Answer {i}."
+            want = (f"Case {i} thinks{' hard' * i}.", f"Answer {i}.", [])
+        cases.append((script.reply(text), i % 4 < 2, want))
+
+    def run(case):
+        marker, stream, want = case
+        kwargs = dict(model="glm", messages=user(f"go {marker}"), tools=TOOLS, temperature=0)
+        out = streamed(client, **kwargs)[1] if stream else client.chat.completions.create(**kwargs)
+        msg = out.choices[0].message
+        calls = [(c.function.name, json.loads(c.function.arguments)) for c in msg.tool_calls or []]
+        return (reasoning_of(msg), msg.content or None, calls), want
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        for got, want in pool.map(run, cases):
+            assert got == want
 
 
 # ------------------------------------------------------------------ DeepSeek-V3.2 markup
