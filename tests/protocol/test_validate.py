@@ -150,3 +150,21 @@ def test_fuzzed_plans_never_crash_the_decoder():
         batch = build_forward_batch(plan, torch.device("cpu"))
         assert batch.kv_slots.numel() == 0 or int(batch.kv_slots.max()) < POOL * PS
     assert outcomes["rejected"] > 100 and outcomes["partial"] + outcomes["ok"] > 100, outcomes
+
+
+def test_token_ids_outside_the_vocabulary_fail_only_their_request():
+    plan = build_plan(
+        1,
+        PS,
+        [
+            RequestSpec(1, [1, 700, 3], 0, [0]),  # prompt token beyond a 640-token vocabulary
+            RequestSpec(2, [5], 2, [1], history=[4, -1], history_prompt_len=1),  # history token below 0
+            RequestSpec(3, [1, 2], 0, [2], next_prompt_token=640),  # the next chunk's first token
+            RequestSpec(4, [7], 6, [4, 5]),
+        ],
+    )
+    runnable, errors = validate_plan(plan, POOL, vocab_size=640)
+    assert [e[0] for e in errors] == [1, 2, 3] and all("vocabulary" in m for _, m in errors)
+    assert list(runnable.req_ids) == [4]
+    # Without a vocabulary size (the router's own check) token ids are not looked at.
+    assert validate_plan(plan, POOL)[1] == []

@@ -67,8 +67,9 @@ def check_structure(plan: Plan) -> None:
         raise ProtocolError(f"mode {plan.mode!r} contradicts the requests, which make it {mode!r}")
 
 
-def request_faults(plan: Plan, num_pages: int) -> dict[int, str]:
-    """Index of each faulty request -> why. Assumes `check_structure` passed."""
+def request_faults(plan: Plan, num_pages: int, vocab_size: int | None = None) -> dict[int, str]:
+    """Index of each faulty request -> why. Assumes `check_structure` passed. With `vocab_size`,
+    token ids are checked too (one outside the embedding table would fail the whole step)."""
     n, ps = plan.num_reqs, plan.page_size
     faults: dict[int, str] = {}
     if n == 0:
@@ -95,6 +96,14 @@ def request_faults(plan: Plan, num_pages: int) -> dict[int, str]:
     flag(np.bincount(page_req[bad_page], minlength=n) > 0, f"page id outside the pool of {num_pages} pages")
 
     tok_req = np.repeat(np.arange(n), qlen)
+    if vocab_size is not None:
+        outside = (plan.input_ids < 0) | (plan.input_ids >= vocab_size)
+        flag(np.bincount(tok_req[outside], minlength=n) > 0, f"token id outside the vocabulary of {vocab_size}")
+        hist_req = np.repeat(np.arange(n), np.diff(plan.history_start))
+        outside = (plan.history < 0) | (plan.history >= vocab_size)
+        flag(np.bincount(hist_req[outside], minlength=n) > 0, "history token id outside the vocabulary")
+        nxt = plan.next_prompt_token
+        flag((nxt < -1) | (nxt >= vocab_size), "next_prompt_token outside the vocabulary")
     pos = plan.positions.astype(np.int64)
     expect_pos = cached[tok_req] + (np.arange(plan.num_tokens) - plan.query_start[tok_req])
     flag(np.bincount(tok_req[pos != expect_pos], minlength=n) > 0, "positions do not follow cached_len")
@@ -141,13 +150,13 @@ def select(plan: Plan, keep: np.ndarray) -> Plan:
     return new
 
 
-def validate_plan(plan: Plan, num_pages: int) -> tuple[Plan, list[tuple[int, str]]]:
+def validate_plan(plan: Plan, num_pages: int, vocab_size: int | None = None) -> tuple[Plan, list[tuple[int, str]]]:
     """Returns the runnable sub-plan and `(request id, reason)` for every request it dropped.
 
     Raises `ProtocolError` when the plan is structurally broken (then every request fails).
     """
     check_structure(plan)
-    faults = request_faults(plan, num_pages)
+    faults = request_faults(plan, num_pages, vocab_size)
     if not faults:
         return plan, []
     keep = np.ones(plan.num_reqs, dtype=bool)

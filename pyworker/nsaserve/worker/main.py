@@ -55,6 +55,10 @@ def die_with_parent() -> None:
 
 def build_executor(args: argparse.Namespace) -> StepExecutor:
     if args.model_executor == "null":
+        if os.environ.get("NSASERVE_TEST_SCRIPT"):  # tests only: output forced by a script
+            from .scripted_executor import scripted_executor
+
+            return scripted_executor(args)
         return NullExecutor(
             vocab_size=model_vocab_size(args.model_path),
             num_pages=args.num_pages or 4096,
@@ -85,7 +89,7 @@ def run_plan(data: bytes, executor: StepExecutor, is_rank0: bool) -> tuple[StepR
         if msg["kind"] == "shutdown":
             return None, -1
         plan = plan_from_msg(msg)
-        runnable, errors = validate_plan(plan, executor.num_pages)
+        runnable, errors = validate_plan(plan, executor.num_pages, executor.vocab_size)
     except (ProtocolError, KeyError, ValueError, TypeError) as e:
         # Unreadable plan: answer anyway, and the router fails every request of the step it has
         # in flight (it knows them; we could not read them).
