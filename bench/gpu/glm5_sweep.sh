@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# GLM-5-shaped NVFP4 checkpoint on one GPU: generate (or reuse) -> serve (FP8 KV, radix cache on)
+# -> bench at each concurrency level + shared prefix -> decode step vs memory roofline -> the same
+# weights at a smaller depth against transformers. Everything inside GLM5_BUDGET_S seconds.
+#   OUT=DIR bash bench/gpu/glm5_sweep.sh [flags of bench/gpu/glm5_sweep.py]
+# Writes OUT/glm5/{log.txt,results.json}; needs nsaserve importable (PYTHONPATH=pyworker).
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+out=${OUT:?set OUT to the output directory}/glm5
+mkdir -p "$out"
+budget=${GLM5_BUDGET_S:-530}
+{
+  date -u
+  nvidia-smi --query-gpu=name,memory.total,memory.used,clocks.max.sm --format=csv 2>&1
+  df -h / /tmp /dev/shm 2>&1
+  free -g 2>&1
+  python3 -c 'import transformers as t; print("transformers", t.__version__, "GlmMoeDsa:", hasattr(t, "GlmMoeDsaForCausalLM"), "DeepseekV32:", hasattr(t, "DeepseekV32ForCausalLM"))' 2>&1
+} >> "$out/log.txt"
+timeout -k 10 $((${budget%.*} + 10)) python3 bench/gpu/glm5_sweep.py --out "$out" --budget-s "$budget" "$@"
+rc=$?
+echo "glm5_sweep exit $rc"
+exit $rc
