@@ -205,6 +205,14 @@ class Server:
         self.run.log_file.write(f"--- serve-{self.tag}.log (last 60 lines) ---\n" + "\n".join(tail[-60:]) + "\n")
 
 
+def gpu_memory() -> str | None:
+    try:
+        q = ["nvidia-smi", "--query-gpu=memory.used,memory.total", "--format=csv,noheader"]
+        return subprocess.run(q, capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
 def _own_group_dies_with_us() -> None:
     """In the server's child process: its own process group (so it can be killed as one), and a
     SIGTERM from the kernel if this driver dies first (no server outlives a killed run)."""
@@ -263,8 +271,9 @@ def phase_serving(run: Run, model_path: str, roofline: DecodeRoofline, bandwidth
     run.doc["serve_command"] = server.command
     try:
         ready = server.wait_ready()
-        run.say(f"server ready in {ready:.1f} s")
-        run.doc["phases"]["serve"] = {"ready_s": round(ready, 1)}
+        ready_line = next(x for x in server.log_path.read_text().splitlines() if "nsaserve ready" in x)
+        run.say(f"server ready in {ready:.1f} s: {ready_line}")
+        run.doc["phases"]["serve"] = {"ready_s": round(ready, 1), "ready_line": ready_line, "gpu_memory": gpu_memory()}
         probe = None
         if a.prefill_probes > 0:
             # One extra request first (--warmup-requests 1) so the probes see a warm server.
