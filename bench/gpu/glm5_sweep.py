@@ -374,6 +374,30 @@ def phase_compare(run: Run, model_path: str) -> None:
     run.say(f"compare: ours {ours:.1f} out tok/s, transformers {theirs:.1f} -> {ours / theirs:.1f}x")
 
 
+def targets(doc: dict) -> dict:
+    """The issue's targets, each with the measured value and whether it is met (None: not measured)."""
+    p = doc["phases"]
+    by_level = {e["concurrency"]: e for e in p.get("sweep", [])}
+    out = {}
+    d256 = by_level.get(256, {}).get("decode", {})
+    r = d256.get("ratio_median")
+    out["decode_256_within_1.5x_roofline"] = {"ratio": r, "met": None if r is None else r <= 1.5}
+    c = p.get("compare", {}).get("ratio_output_throughput")
+    out["20x_transformers"] = {"ratio": c, "met": None if c is None else c >= 20}
+    alone = p.get("prefill_alone", {}).get("ttft_p50_ms")
+    t64 = by_level.get(64, {}).get("bench", {}).get("summary", {}).get("ttft", {}).get("p50_ms")
+    r = None if not (alone and t64) else t64 / alone
+    out["ttft_p50_64_within_2x_prefill_alone"] = {"ratio": r, "met": None if r is None else r <= 2}
+    failed = sum(e["bench"]["summary"]["failed"] for e in p.get("sweep", []))
+    failed += p.get("shared_prefix", {}).get("summary", {}).get("failed", 0)
+    out["zero_failed"] = {"failed": failed, "met": failed == 0}
+    tput = [e["bench"]["summary"]["output_throughput"] for e in p.get("sweep", [])]
+    out["throughput_rises_with_concurrency"] = {
+        "met": all(b > a for a, b in zip(tput, tput[1:])) if len(tput) > 1 else None
+    }
+    return out
+
+
 def summary_table(doc: dict) -> str:
     rows = ["| concurrency | prompts | ok | failed | out tok/s | total tok/s | TTFT p50 ms | TPOT p50 ms | decode batch | step ms | roofline ms | ratio |",
             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
@@ -398,6 +422,10 @@ def summary_table(doc: dict) -> str:
         c = p["compare"]
         lines.append(f"vs transformers ({c['moe_layers']} MoE layers, batch {c['batch']}): ours {f(c['ours']['output_throughput'])} / "
                      f"theirs {f(c['transformers']['output_throughput'])} out tok/s = {c['ratio_output_throughput']:.1f}x")  # fmt: skip
+    for name, t in doc.get("targets", {}).items():
+        lines.append(
+            f"target {name}: " + ", ".join(f"{k}={f(v, 2) if isinstance(v, float) else v}" for k, v in t.items())
+        )
     lines.append(f"bandwidth {doc.get('bandwidth_tb_s')} TB/s; skipped: {doc['skipped'] or 'nothing'}")
     return "\n".join(lines)
 
@@ -435,6 +463,7 @@ def main(argv=None) -> int:
         run.log_file.write(traceback.format_exc())
         rc = 1
     finally:
+        run.doc["targets"] = targets(run.doc)
         run.doc["elapsed_s"] = round(time.monotonic() - run.t0, 1)
         run.save()
         if model_path and not args.keep_model and not args.model_path:
