@@ -137,3 +137,30 @@ def test_sweep_driver_serves_and_benches_on_cpu(ckpt, tmp_path):
     assert level["decode"]["decode_steps"] >= 1 and level["decode"]["roofline_ms_median"] > 0
     assert "| 5 | 5 | 5 | 0 |" in proc.stdout  # the summary table
     assert os.path.exists(os.path.join(ckpt, "config.json")), "a given --model-path is never deleted"
+
+
+def test_background_shard_writer_matches_the_reference_writer(tmp_path):
+    """The generator's threaded raw-safetensors writer against checkpoint_io's save_file one."""
+    from nsaserve.kernels.quant.checkpoint_io import CheckpointReader, ShardedWriter
+    from nsaserve.kernels.quant.make_glm5_shaped import _BackgroundShardWriter
+
+    g = torch.Generator().manual_seed(0)
+    tensors = {
+        "a.weight": torch.randn(33, 17, generator=g).to(torch.bfloat16),
+        "a.weight_scale": torch.rand(33, 2, generator=g).to(torch.float8_e4m3fn),
+        "a.weight_scale_2": torch.tensor(0.25),
+        "b.weight": torch.randint(0, 256, (40, 8), generator=g, dtype=torch.uint8),
+        "c.bias": torch.randn(5, generator=g),
+    }
+    for cls, name in ((ShardedWriter, "ref"), (_BackgroundShardWriter, "fast")):
+        w = cls(str(tmp_path / name), max_shard_bytes=1500)
+        for k, t in tensors.items():
+            w.add(k, t)
+        w.close()
+    assert sorted(os.listdir(tmp_path / "ref")) == sorted(os.listdir(tmp_path / "fast"))
+    with CheckpointReader(str(tmp_path / "ref")) as ref, CheckpointReader(str(tmp_path / "fast")) as fast:
+        assert ref.file_of == fast.file_of and len(set(ref.file_of.values())) > 1
+        for k, t in tensors.items():
+            got = fast.get(k)
+            assert got.dtype == t.dtype and got.shape == t.shape
+            assert torch.equal(got.view(torch.uint8), t.view(torch.uint8)) if t.dim() else got == t

@@ -109,6 +109,59 @@ TINY_OVERRIDES = {
     "max_position_embeddings": 4096,
 }
 
+_SAFETENSORS_DTYPES = {torch.bfloat16: "BF16", torch.float32: "F32", torch.uint8: "U8", torch.float8_e4m3fn: "F8_E4M3"}
+
+
+class _BackgroundShardWriter(ShardedWriter):
+    """ShardedWriter whose shards are written by one background thread, in the safetensors format
+    written directly (8-byte header length, JSON header, raw bytes): file writes release the GIL,
+    so drawing and quantising the next tensors on the GPU overlaps the disk. At most one shard
+    waits while another is written."""
+
+    def __init__(self, directory: str, max_shard_bytes: int):
+        super().__init__(directory, max_shard_bytes)
+        from concurrent.futures import ThreadPoolExecutor
+
+        self._pool = ThreadPoolExecutor(max_workers=1)
+        self._job = None
+
+    def _flush(self) -> None:
+        if self._job is not None:
+            self._job.result()  # one shard in flight at a time bounds host memory
+        temp_name = f"partial-{len(self._shards):05d}.safetensors"
+        self._shards.append((temp_name, list(self._pending)))
+        self._job = self._pool.submit(_write_safetensors, os.path.join(self.directory, temp_name), self._pending)
+        self._pending, self._pending_bytes = {}, 0
+
+    def close(self) -> list[str]:
+        if self._pending or not self._shards:
+            self._flush()
+        self._job.result()
+        self._pool.shutdown()
+        self._pending = {}
+        return super().close()
+
+
+def _write_safetensors(path: str, tensors: dict[str, torch.Tensor]) -> None:
+    header, offset = {}, 0
+    for name, t in tensors.items():
+        n = t.numel() * t.element_size()
+        header[name] = {
+            "dtype": _SAFETENSORS_DTYPES[t.dtype],
+            "shape": list(t.shape),
+            "data_offsets": [offset, offset + n],
+        }
+        offset += n
+    header["__metadata__"] = {"format": "pt"}
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
+    with open(path, "wb") as f:
+        f.write(len(raw).to_bytes(8, "little"))
+        f.write(raw)
+        for t in tensors.values():
+            f.write(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+
+
 EXPERT_PARTS = ("gate_proj", "up_proj", "down_proj")
 
 
@@ -266,7 +319,7 @@ def make_glm5_shaped(
     if need > free:
         raise OSError(f"{dst}: the checkpoint needs {need / 1e9:.1f} GB, {free / 1e9:.1f} GB free")
     gen = torch.Generator(device=device).manual_seed(seed)
-    writer = ShardedWriter(dst, max_shard_bytes)
+    writer = _BackgroundShardWriter(dst, max_shard_bytes)
     t0 = time.perf_counter()
     with torch.no_grad():
         for name, shape, kind in dense_tensor_shapes(cfg):
