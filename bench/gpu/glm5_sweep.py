@@ -147,6 +147,12 @@ def ensure_checkpoint(run: Run) -> str:
         info["generate_s"] = round(time.monotonic() - t, 1)
         run.say(f"generated in {info['generate_s']} s")
     info["disk_free_gb"] = round(shutil.disk_usage(path).free / 1e9, 1)
+    # What is actually there (a reused checkpoint may differ from the flags).
+    with open(os.path.join(path, "config.json")) as f:
+        types = json.load(f)["mlp_layer_types"]
+    info["dense_layers"], info["moe_layers"] = types.count("dense"), types.count("sparse")
+    files = [os.path.join(path, n) for n in os.listdir(path) if n.endswith(".safetensors")]
+    info["size_gb"] = round(sum(os.path.getsize(f) for f in files) / 1e9, 2)
     run.doc["checkpoint"] = info
     return path
 

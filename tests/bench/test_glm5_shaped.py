@@ -137,6 +137,10 @@ def test_sweep_driver_serves_and_benches_on_cpu(ckpt, tmp_path):
     assert level["decode"]["decode_steps"] >= 1 and level["decode"]["roofline_ms_median"] > 0
     assert "| 5 | 5 | 5 | 0 |" in proc.stdout  # the summary table
     assert os.path.exists(os.path.join(ckpt, "config.json")), "a given --model-path is never deleted"
+    assert doc["checkpoint"]["moe_layers"] == 2 and doc["targets"]["zero_failed"]["met"]
+    from glm5_report import report
+
+    assert "| 5 | 5 | 5 | 0 |" in report(doc, "title")
 
 
 def test_background_shard_writer_matches_the_reference_writer(tmp_path):
