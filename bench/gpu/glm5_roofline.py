@@ -52,6 +52,7 @@ class DecodeRoofline:
         self.experts = int(cfg["n_routed_experts"])
         self.top_k = int(cfg["num_experts_per_tok"])
         self.hidden = int(cfg["hidden_size"])
+        self.vocab = int(cfg["vocab_size"])
         self.moe_layers = sum(t == "sparse" for t in cfg["mlp_layer_types"][: self.layers])
         fixed = expert_bytes = 0
         for name, size in _tensor_sizes(model_path).items():

@@ -219,6 +219,29 @@ def gpu_memory() -> str | None:
         return None
 
 
+def finite_logits_check(port: int, vocab: int, prompt_len: int = 256) -> dict:
+    """Greedy 4 tokens with echo + logprobs: every prompt position's and every generated token's
+    logprobs come back from the full stack; random weights must keep them finite (no NaN/inf)."""
+    import math
+    import random
+    import urllib.request
+
+    base = f"http://127.0.0.1:{port}"
+    with urllib.request.urlopen(base + "/v1/models", timeout=30) as r:
+        model = json.load(r)["data"][0]["id"]
+    prompt = [random.Random(0).randrange(vocab) for _ in range(prompt_len)]
+    body = {"model": model, "prompt": prompt, "max_tokens": 4, "temperature": 0, "logprobs": 5, "echo": True}
+    req = urllib.request.Request(
+        base + "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(req, timeout=300) as r:
+        lp = json.load(r)["choices"][0]["logprobs"]
+    values = [v for v in lp["token_logprobs"] if v is not None]
+    values += [v for top in lp["top_logprobs"] if top for v in top.values()]
+    finite = all(isinstance(v, (int, float)) and math.isfinite(v) for v in values)
+    return {"values": len(values), "finite": finite, "min": min(values), "max": max(values)}
+
+
 def _own_group_dies_with_us() -> None:
     """In the server's child process: its own process group (so it can be killed as one), and a
     SIGTERM from the kernel if this driver dies first (no server outlives a killed run)."""
@@ -280,6 +303,12 @@ def phase_serving(run: Run, model_path: str, roofline: DecodeRoofline, bandwidth
         ready_line = next(x for x in server.log_path.read_text().splitlines() if "nsaserve ready" in x)
         run.say(f"server ready in {ready:.1f} s: {ready_line}")
         run.doc["phases"]["serve"] = {"ready_s": round(ready, 1), "ready_line": ready_line, "gpu_memory": gpu_memory()}
+        try:
+            check = finite_logits_check(server.port, roofline.vocab)
+        except Exception as e:  # a NaN the server cannot even serialise shows up here
+            check = {"finite": False, "error": f"{type(e).__name__}: {e}"}
+        run.doc["phases"]["finite_logits"] = check
+        run.say(f"finite logits check: {check}")
         probe = None
         if a.prefill_probes > 0:
             # One extra request first (--warmup-requests 1) so the probes see a warm server.
@@ -397,6 +426,7 @@ def targets(doc: dict) -> dict:
     failed = sum(e["bench"]["summary"]["failed"] for e in p.get("sweep", []))
     failed += p.get("shared_prefix", {}).get("summary", {}).get("failed", 0)
     out["zero_failed"] = {"failed": failed, "met": failed == 0}
+    out["finite_logits"] = {"met": p.get("finite_logits", {}).get("finite")}
     tput = [e["bench"]["summary"]["output_throughput"] for e in p.get("sweep", [])]
     out["throughput_rises_with_concurrency"] = {
         "met": all(b > a for a, b in zip(tput, tput[1:])) if len(tput) > 1 else None

@@ -138,6 +138,7 @@ def test_sweep_driver_serves_and_benches_on_cpu(ckpt, tmp_path):
     assert "| 5 | 5 | 5 | 0 |" in proc.stdout  # the summary table
     assert os.path.exists(os.path.join(ckpt, "config.json")), "a given --model-path is never deleted"
     assert doc["checkpoint"]["moe_layers"] == 2 and doc["targets"]["zero_failed"]["met"]
+    assert doc["phases"]["finite_logits"]["finite"] and doc["phases"]["finite_logits"]["values"] > 256
     from glm5_report import report
 
     assert "| 5 | 5 | 5 | 0 |" in report(doc, "title")
