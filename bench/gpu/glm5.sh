@@ -4,7 +4,7 @@
 # transformers side by side at 3 dense + 1 MoE layers. Results in OUT/glm5/.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-GLM5_BUDGET_S=${GLM5_BUDGET_S:-205} bash bench/gpu/glm5_sweep.sh \
+GLM5_BUDGET_S=${GLM5_BUDGET_S:-180} bash bench/gpu/glm5_sweep.sh \
   --moe-layers 2 --levels 64 --input-len 1024 --output-len 16 --range-ratio 0.8 --prefill-probes 3 \
   --shared-conversations 8 --shared-concurrency 8 --shared-system-len 2048 --shared-question-len 128 \
   --shared-output-len 8 --shared-turns 2 \
