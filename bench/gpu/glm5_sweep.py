@@ -134,7 +134,7 @@ def ensure_checkpoint(run: Run) -> str:
         usage = shutil.disk_usage(os.path.dirname(path))
         run.say(f"generating {need / 1e9:.1f} GB at {path} ({usage.free / 1e9:.0f} GB free there)")
         cmd = [sys.executable, "-m", "nsaserve.kernels.quant.make_glm5_shaped", "--dst", path,
-               "--moe-layers", str(a.moe_layers), "--device", a.device, "--quiet"]  # fmt: skip
+               "--moe-layers", str(a.moe_layers), "--device", a.device]  # fmt: skip
         if a.tiny:
             cmd.append("--tiny")
         for item in a.gen_set:

@@ -50,10 +50,22 @@ def transformers_config(model_path: str):
     cfg.pop("quantization_config", None)
     cfg.pop("architectures", None)
     model_type = cfg.pop("model_type")
+    # Per-layer type lists are derivable (every layer indexed, the first first_k_dense_replace
+    # dense) and their vocabulary changes between transformers versions (5.17 rejects the
+    # "indexed_attention" that later versions write): leave them to the installed version.
+    n, k = cfg["num_hidden_layers"], cfg.get("first_k_dense_replace", 3)
+    derivable = {
+        "layer_types": None,
+        "indexer_types": ["full"] * n,
+        "mlp_layer_types": ["dense"] * k + ["sparse"] * (n - k),
+    }
+    for key, default in derivable.items():
+        if key in cfg and (default is None or cfg[key] == default):
+            del cfg[key]
     if hasattr(transformers, "GlmMoeDsaForCausalLM"):
         return AutoConfig.for_model(model_type, **cfg), "GlmMoeDsaForCausalLM"
     if hasattr(transformers, "DeepseekV32ForCausalLM"):
-        for key in ("layer_types", "indexer_types", "rope_interleave", "indexer_rope_interleave"):
+        for key in ("rope_interleave", "indexer_rope_interleave"):
             cfg.pop(key, None)
         return AutoConfig.for_model("deepseek_v32", **cfg), "DeepseekV32ForCausalLM"
     raise RuntimeError(f"transformers {transformers.__version__} has neither GlmMoeDsa nor DeepseekV32")
