@@ -21,7 +21,6 @@ import re
 import time
 
 _EXPERT = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.")
-_SAFETENSORS_BYTES = {"BF16": 2, "F16": 2, "F32": 4, "U8": 1, "I8": 1, "F8_E4M3": 1, "I32": 4, "I64": 8, "F64": 8}
 
 
 def _tensor_sizes(model_path: str) -> dict[str, int]:
