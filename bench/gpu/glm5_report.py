@@ -11,7 +11,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from glm5_sweep import summary_table  # noqa: E402
+from glm5_summary import summary_table  # noqa: E402
 
 
 def report(doc: dict, title: str) -> str:

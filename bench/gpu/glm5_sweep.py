@@ -21,7 +21,6 @@ import datetime
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -32,6 +31,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from glm5_roofline import DecodeRoofline, decode_step_report, measure_copy_bandwidth  # noqa: E402
+from glm5_serving import Server, finite_logits_check, gpu_memory, random_flags  # noqa: E402
+from glm5_summary import summary_table, targets  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -157,107 +158,14 @@ def ensure_checkpoint(run: Run) -> str:
     return path
 
 
-class Server:
-    """`nsaserve serve` in its own process group, output to a file, worker step log on."""
-
-    def __init__(self, run: Run, model_path: str, tag: str, max_running: int):
-        a = run.args
-        self.run, self.tag = run, tag
-        self.port = _free_port()
-        self.log_path = run.work / f"serve-{tag}.log"
-        self.step_log = run.work / f"steps-{tag}.jsonl"
-        cmd = [sys.executable, "-m", "nsaserve", "serve", "--model-path", model_path, "--device", a.device,
-               "--kv-cache-dtype", a.kv_cache_dtype, "--port", str(self.port),
-               "--max-running-requests", str(max_running)]  # fmt: skip
-        for flag, value in (("--attention-backend", a.attention_backend), ("--indexer-backend", a.indexer_backend),
-                            ("--moe-backend", a.moe_backend)):  # fmt: skip
-            if value:
-                cmd += [flag, value]
-        cmd += a.serve_arg
-        self.command = " ".join(cmd)
-        env = dict(os.environ, NSASERVE_STEP_LOG=str(self.step_log), PYTHONUNBUFFERED="1")
-        self.log = open(self.log_path, "w")
-        self.t0 = time.monotonic()
-        self.proc = subprocess.Popen(
-            cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env, preexec_fn=_own_group_dies_with_us
-        )
-
-    def wait_ready(self) -> float:
-        while True:
-            text = self.log_path.read_text(errors="replace")
-            if "nsaserve ready" in text:
-                return time.monotonic() - self.t0
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited {self.proc.returncode}: {text[-3000:]}")
-            if self.run.left() < 5:
-                raise TimeoutError("server not ready within the budget")
-            time.sleep(0.5)
-
-    def steps(self) -> list[dict]:
-        if not self.step_log.exists():
-            return []
-        return [json.loads(line) for line in self.step_log.read_text().splitlines() if line.strip()]
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)  # the group this driver created for it
-                self.proc.wait()
-        self.log.close()
-        tail = self.log_path.read_text(errors="replace").splitlines()
-        self.run.log_file.write(f"--- serve-{self.tag}.log (last 60 lines) ---\n" + "\n".join(tail[-60:]) + "\n")
-
-
-def gpu_memory() -> str | None:
-    try:
-        q = ["nvidia-smi", "--query-gpu=memory.used,memory.total", "--format=csv,noheader"]
-        return subprocess.run(q, capture_output=True, text=True, timeout=10).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return None
-
-
-def finite_logits_check(port: int, vocab: int, prompt_len: int = 256) -> dict:
-    """Greedy 4 tokens with echo + logprobs: every prompt position's and every generated token's
-    logprobs come back from the full stack; random weights must keep them finite (no NaN/inf)."""
-    import math
-    import random
-    import urllib.request
-
-    base = f"http://127.0.0.1:{port}"
-    with urllib.request.urlopen(base + "/v1/models", timeout=30) as r:
-        model = json.load(r)["data"][0]["id"]
-    prompt = [random.Random(0).randrange(vocab) for _ in range(prompt_len)]
-    body = {"model": model, "prompt": prompt, "max_tokens": 4, "temperature": 0, "logprobs": 5, "echo": True}
-    req = urllib.request.Request(
-        base + "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
-    )
-    with urllib.request.urlopen(req, timeout=300) as r:
-        lp = json.load(r)["choices"][0]["logprobs"]
-    values = [v for v in lp["token_logprobs"] if v is not None]
-    values += [v for top in lp["top_logprobs"] if top for v in top.values()]
-    finite = all(isinstance(v, (int, float)) and math.isfinite(v) for v in values)
-    return {"values": len(values), "finite": finite, "min": min(values), "max": max(values)}
-
-
-def _own_group_dies_with_us() -> None:
-    """In the server's child process: its own process group (so it can be killed as one), and a
-    SIGTERM from the kernel if this driver dies first (no server outlives a killed run)."""
-    import ctypes
-
-    os.setsid()
-    pr_set_pdeathsig = 1
-    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def start_server(run: Run, model_path: str, tag: str, max_running: int) -> Server:
+    a = run.args
+    flags = ["--device", a.device, "--kv-cache-dtype", a.kv_cache_dtype, "--max-running-requests", str(max_running)]
+    for flag, value in (("--attention-backend", a.attention_backend), ("--indexer-backend", a.indexer_backend),
+                        ("--moe-backend", a.moe_backend)):  # fmt: skip
+        if value:
+            flags += [flag, value]
+    return Server(model_path, run.work, tag, flags + a.serve_arg, run.log_file, run.left)
 
 
 def bench(run: Run, server: Server, name: str, flags: list[str], model_path: str) -> dict | None:
@@ -288,15 +196,10 @@ def bench(run: Run, server: Server, name: str, flags: list[str], model_path: str
     return doc
 
 
-def random_flags(concurrency: int, prompts: int, in_len: int, out_len: int, ratio: float) -> list[str]:
-    return ["--random-input-len", str(in_len), "--random-output-len", str(out_len), "--random-range-ratio", str(ratio),
-            "--max-concurrency", str(concurrency), "--num-prompts", str(prompts)]  # fmt: skip
-
-
 def phase_serving(run: Run, model_path: str, roofline: DecodeRoofline, bandwidth: float, phases: list[str]) -> None:
     a = run.args
     levels = [int(x) for x in a.levels.split(",") if x]
-    server = Server(run, model_path, "main", max(levels + [a.shared_concurrency, 1]))
+    server = start_server(run, model_path, "main", max(levels + [a.shared_concurrency, 1]))
     run.doc["serve_command"] = server.command
     try:
         ready = server.wait_ready()
@@ -379,7 +282,7 @@ def phase_compare(run: Run, model_path: str) -> None:
                                                      "batch": a.compare_batch, "input_len": a.compare_input_len,
                                                      "output_len": a.compare_output_len})  # fmt: skip
     flags = random_flags(a.compare_batch, a.compare_batch, a.compare_input_len, a.compare_output_len, 1.0)
-    server = Server(run, view, "compare", a.compare_batch)
+    server = start_server(run, view, "compare", a.compare_batch)
     try:
         server.wait_ready()
         doc = bench(run, server, "compare-ours", flags, view)
@@ -407,63 +310,6 @@ def phase_compare(run: Run, model_path: str) -> None:
     ours, theirs = entry["ours"]["output_throughput"], entry["transformers"]["output_throughput"]
     entry["ratio_output_throughput"] = ours / theirs
     run.say(f"compare: ours {ours:.1f} out tok/s, transformers {theirs:.1f} -> {ours / theirs:.1f}x")
-
-
-def targets(doc: dict) -> dict:
-    """The issue's targets, each with the measured value and whether it is met (None: not measured)."""
-    p = doc["phases"]
-    by_level = {e["concurrency"]: e for e in p.get("sweep", [])}
-    out = {}
-    d256 = by_level.get(256, {}).get("decode", {})
-    r = d256.get("ratio_median")
-    out["decode_256_within_1.5x_roofline"] = {"ratio": r, "met": None if r is None else r <= 1.5}
-    c = p.get("compare", {}).get("ratio_output_throughput")
-    out["20x_transformers"] = {"ratio": c, "met": None if c is None else c >= 20}
-    alone = p.get("prefill_alone", {}).get("ttft_p50_ms")
-    t64 = by_level.get(64, {}).get("bench", {}).get("summary", {}).get("ttft", {}).get("p50_ms")
-    r = None if not (alone and t64) else t64 / alone
-    out["ttft_p50_64_within_2x_prefill_alone"] = {"ratio": r, "met": None if r is None else r <= 2}
-    failed = sum(e["bench"]["summary"]["failed"] for e in p.get("sweep", []))
-    failed += p.get("shared_prefix", {}).get("summary", {}).get("failed", 0)
-    out["zero_failed"] = {"failed": failed, "met": failed == 0}
-    out["finite_logits"] = {"met": p.get("finite_logits", {}).get("finite")}
-    tput = [e["bench"]["summary"]["output_throughput"] for e in p.get("sweep", [])]
-    out["throughput_rises_with_concurrency"] = {
-        "met": all(b > a for a, b in zip(tput, tput[1:])) if len(tput) > 1 else None
-    }
-    return out
-
-
-def summary_table(doc: dict) -> str:
-    rows = ["| concurrency | prompts | ok | failed | out tok/s | total tok/s | TTFT p50 ms | TPOT p50 ms | decode batch | step ms | roofline ms | ratio |",
-            "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
-
-    def f(v, d=1):
-        return "n/a" if v is None else f"{v:,.{d}f}"
-
-    for e in doc["phases"].get("sweep", []):
-        s, d = e["bench"]["summary"], e["decode"]
-        rows.append(f"| {e['concurrency']} | {e['num_prompts']} | {s['completed']} | {s['failed']} | {f(s['output_throughput'])} | "
-                    f"{f(s['total_throughput'])} | {f(s['ttft']['p50_ms'])} | {f(s['tpot']['p50_ms'])} | {d.get('batch_median', 'n/a')} | "
-                    f"{f(d.get('step_ms_median'))} | {f(d.get('roofline_ms_median'), 2)} | {f(d.get('ratio_median'))} |")  # fmt: skip
-    p = doc["phases"]
-    lines = ["\n".join(rows)]
-    if "prefill_alone" in p:
-        lines.append(f"single-request prefill (TTFT p50): {f(p['prefill_alone']['ttft_p50_ms'])} ms")
-    if "shared_prefix" in p:
-        s = p["shared_prefix"]["summary"]
-        lines.append(f"shared prefix: {s['completed']} ok, {s['failed']} failed, out {f(s['output_throughput'])} tok/s, "
-                     f"prefix hit rate {p['shared_prefix'].get('prefix_hit_rate')}")  # fmt: skip
-    if "compare" in p and "ratio_output_throughput" in p["compare"]:
-        c = p["compare"]
-        lines.append(f"vs transformers ({c['moe_layers']} MoE layers, batch {c['batch']}): ours {f(c['ours']['output_throughput'])} / "
-                     f"theirs {f(c['transformers']['output_throughput'])} out tok/s = {c['ratio_output_throughput']:.1f}x")  # fmt: skip
-    for name, t in doc.get("targets", {}).items():
-        lines.append(
-            f"target {name}: " + ", ".join(f"{k}={f(v, 2) if isinstance(v, float) else v}" for k, v in t.items())
-        )
-    lines.append(f"bandwidth {doc.get('bandwidth_tb_s')} TB/s; skipped: {doc['skipped'] or 'nothing'}")
-    return "\n".join(lines)
 
 
 def main(argv=None) -> int:
