@@ -113,32 +113,34 @@ _SAFETENSORS_DTYPES = {torch.bfloat16: "BF16", torch.float32: "F32", torch.uint8
 
 
 class _BackgroundShardWriter(ShardedWriter):
-    """ShardedWriter whose shards are written by one background thread, in the safetensors format
+    """ShardedWriter whose shards are written by background threads, in the safetensors format
     written directly (8-byte header length, JSON header, raw bytes): file writes release the GIL,
-    so drawing and quantising the next tensors on the GPU overlaps the disk. At most one shard
-    waits while another is written."""
+    so drawing and quantising the next tensors on the GPU overlaps the disk, and several shards
+    are copied into the page cache at once. At most `in_flight` shards wait in host memory."""
 
-    def __init__(self, directory: str, max_shard_bytes: int):
+    def __init__(self, directory: str, max_shard_bytes: int, in_flight: int = 3):
         super().__init__(directory, max_shard_bytes)
         from concurrent.futures import ThreadPoolExecutor
 
-        self._pool = ThreadPoolExecutor(max_workers=1)
-        self._job = None
+        self._pool = ThreadPoolExecutor(max_workers=in_flight)
+        self._in_flight = in_flight
+        self._jobs = []
 
     def _flush(self) -> None:
-        if self._job is not None:
-            self._job.result()  # one shard in flight at a time bounds host memory
+        while len(self._jobs) >= self._in_flight:
+            self._jobs.pop(0).result()
         temp_name = f"partial-{len(self._shards):05d}.safetensors"
         self._shards.append((temp_name, list(self._pending)))
-        self._job = self._pool.submit(_write_safetensors, os.path.join(self.directory, temp_name), self._pending)
+        self._jobs.append(self._pool.submit(_write_safetensors, os.path.join(self.directory, temp_name), self._pending))
         self._pending, self._pending_bytes = {}, 0
 
     def close(self) -> list[str]:
         if self._pending or not self._shards:
             self._flush()
-        self._job.result()
+        for job in self._jobs:
+            job.result()
         self._pool.shutdown()
-        self._pending = {}
+        self._jobs, self._pending = [], {}
         return super().close()
 
 
