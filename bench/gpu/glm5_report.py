@@ -50,8 +50,18 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("results")
     ap.add_argument("--title", default="GLM-5-shaped NVFP4 checkpoint, one H200: serving sweep")
+    ap.add_argument("--png", default=None, help="also write the sweep plot here")
     a = ap.parse_args()
-    print(report(json.loads(Path(a.results).read_text()), a.title))
+    doc = json.loads(Path(a.results).read_text())
+    print(report(doc, a.title))
+    runs = [e["bench"] for e in doc["phases"].get("sweep", [])]
+    if a.png and runs:
+        from nsaserve.bench.plot import matplotlib_available, plot_sweep
+
+        if matplotlib_available():
+            plot_sweep(runs, a.png, doc["command"])
+        else:
+            print("matplotlib is not installed: no plot", file=sys.stderr)
 
 
 if __name__ == "__main__":
