@@ -39,7 +39,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, help="directory for results.json and log.txt")
     p.add_argument("--budget-s", type=float, default=530, help="wall-clock budget for everything")
-    p.add_argument("--phases", default="sweep,shared,compare", help="comma-separated, run in this order")
+    p.add_argument("--phases", default="sweep,shared,compare", help="comma-separated, run in this order "
+                   "(sweep and shared share one server)")  # fmt: skip
     p.add_argument("--model-path", default=None, help="checkpoint directory (generated there when absent); default: "
                    "/dev/shm/glm5-shaped-<N>moe when /dev/shm has room, else $TMPDIR")  # fmt: skip
     p.add_argument("--moe-layers", type=int, default=6, help="MoE layers after the 3 dense ones")
@@ -316,6 +317,10 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     run = Run(args)
     phases = [p for p in args.phases.split(",") if p]
+    unknown = set(phases) - {"sweep", "shared", "compare"}
+    if unknown:
+        print(f"unknown phases {sorted(unknown)}: choose from sweep, shared, compare", file=sys.stderr)
+        return 2
     rc = 0
     model_path = None
     try:
@@ -332,11 +337,15 @@ def main(argv=None) -> int:
                                      "expert_mb": round(roofline.expert_bytes / 1e6, 3), "moe_layers": roofline.moe_layers,
                                      "latent_row_bytes": roofline.latent_row, "index_row_bytes": roofline.index_row}  # fmt: skip
         run.save()
-        if "sweep" in phases or "shared" in phases:
-            phase_serving(run, model_path, roofline, bw, phases)
+        # In the order given: sweep and shared share one server, started where the first of them is.
+        served = False
+        for phase in phases:
+            if phase in ("sweep", "shared") and not served:
+                phase_serving(run, model_path, roofline, bw, phases)
+                served = True
+            elif phase == "compare":
+                phase_compare(run, model_path)
             run.save()
-        if "compare" in phases:
-            phase_compare(run, model_path)
     except Exception as e:  # report what ran; the failure goes into the results too
         import traceback
 
