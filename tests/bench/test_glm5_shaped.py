@@ -169,3 +169,37 @@ def test_background_shard_writer_matches_the_reference_writer(tmp_path):
             got = fast.get(k)
             assert got.dtype == t.dtype and got.shape == t.shape
             assert torch.equal(got.view(torch.uint8), t.view(torch.uint8)) if t.dim() else got == t
+
+
+def test_decode_report_uses_full_decode_steps_and_targets_read_it(ckpt):
+    from glm5_roofline import DecodeRoofline, decode_step_report
+    from glm5_summary import targets
+
+    roof = DecodeRoofline(ckpt, "fp8_e4m3")
+    bw = 1e12
+    steps = [
+        {"mode": "prefill", "reqs": 256, "tokens": 9000, "ctx": 9000, "sel": 9000, "ms": 900.0},
+        {"mode": "mixed", "reqs": 256, "tokens": 300, "ctx": 9000, "sel": 9000, "ms": 500.0},
+        {"mode": "decode", "reqs": 100, "tokens": 100, "ctx": 5000, "sel": 3000, "ms": 1.0},  # a tail step
+    ] + [
+        {"mode": "decode", "reqs": 256, "tokens": 256, "ctx": 256 * 40, "sel": 256 * 32, "ms": m}
+        for m in (3.0, 5.0, 4.0)
+    ]
+    r = decode_step_report(steps, roof, bw, 256)
+    assert (r["decode_steps"], r["full_steps"], r["batch_median"], r["step_ms_median"]) == (4, 3, 256, 4.0)
+    roofline_ms = 1e3 * roof.step_bytes(256, 256 * 40, 256 * 32)["total"] / bw
+    assert r["roofline_ms_median"] == pytest.approx(roofline_ms)
+    assert r["ratio_median"] == pytest.approx(4.0 / roofline_ms)
+    assert decode_step_report(steps[:2], roof, bw, 256) == {"decode_steps": 0}
+
+    def level(c, out_tps, ttft, failed=0, decode=None):
+        summary = {"failed": failed, "output_throughput": out_tps, "ttft": {"p50_ms": ttft}}
+        return {"concurrency": c, "bench": {"summary": summary}, "decode": decode or {}}
+
+    doc = {"phases": {"sweep": [level(64, 100.0, 50.0), level(256, 300.0, 80.0, decode={"ratio_median": 1.2})],
+                      "prefill_alone": {"ttft_p50_ms": 20.0}, "compare": {"ratio_output_throughput": 25.0},
+                      "finite_logits": {"finite": True}}}  # fmt: skip
+    t = targets(doc)
+    assert t["decode_256_within_1.5x_roofline"]["met"] and t["20x_transformers"]["met"]
+    assert t["ttft_p50_64_within_2x_prefill_alone"] == {"ratio": 2.5, "met": False}
+    assert t["zero_failed"]["met"] and t["throughput_rises_with_concurrency"]["met"] and t["finite_logits"]["met"]
