@@ -12,6 +12,7 @@ from ..protocol.messages import Plan, PromptLogprobs, StepResult
 from .batch import build_forward_batch, prompt_logprob_rows, sample_rows
 from .sampler import SamplingBatch, prompt_logprobs, sample
 from .sampling_results import prompt_entries, sampled_entries
+from .step_log import StepLog
 
 
 def resolve_model_path(path: str | None) -> str:
@@ -33,6 +34,7 @@ class ModelExecutor:
         self.page_size = runner.page_size
         self.max_context = runner.max_context
         self.vocab_size = runner.vocab_size
+        self.step_log = StepLog.from_env(runner.config.index_topk)  # benchmarks only
 
     @classmethod
     def from_args(cls, args) -> ModelExecutor:
@@ -74,6 +76,8 @@ class ModelExecutor:
             result.prompt_logprobs.append(self._prompt_logprobs(plan, i, logits[row : row + len(token_rows)]))
             row += len(token_rows)
         result.forward_ms = (time.perf_counter() - t0) * 1e3
+        if self.step_log is not None:
+            self.step_log.record(plan, result.forward_ms)
         return result
 
     def _prompt_logprobs(self, plan: Plan, i: int, rows: torch.Tensor) -> PromptLogprobs:

@@ -1,0 +1,144 @@
+"""Memory roofline of one decode step of a GLM-5-shaped checkpoint, and the copy bandwidth it is
+divided by (measured in the same run).
+
+A decode step of B requests must read at least:
+  - every weight each token passes through once: attention and indexer projections, dense MLPs,
+    shared experts, routers, norms, lm_head (all layers), plus B embedding rows;
+  - per MoE layer, the routed experts that at least one of the B tokens chose: with uniform
+    routing of k of E experts per token that is E * (1 - (1 - k/E)^B) experts in expectation;
+  - per layer, the KV the step touches: `sel` latent rows for sparse attention (each request's
+    min(context, index_topk) selected tokens) and `ctx` indexer keys (the indexer scores every
+    cached token), in the cache's storage format.
+Activations, the KV written for the new token and the sampler are left out (each is under 1% of
+the weights at GLM-5 shapes), so the bound is a slight underestimate: steps can only be slower.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+
+_EXPERT = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.")
+
+
+def _tensor_sizes(model_path: str) -> dict[str, int]:
+    """name -> bytes, from the safetensors headers only (no tensor data is read)."""
+    import struct
+
+    sizes = {}
+    for name in sorted(os.listdir(model_path)):
+        if not name.endswith(".safetensors"):
+            continue
+        with open(os.path.join(model_path, name), "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(n))
+        for key, meta in header.items():
+            if key != "__metadata__":
+                begin, end = meta["data_offsets"]
+                sizes[key] = end - begin
+    return sizes
+
+
+class DecodeRoofline:
+    """Bytes a decode step must read, from a checkpoint's tensors and config."""
+
+    def __init__(self, model_path: str, kv_cache_dtype: str = "fp8_e4m3"):
+        with open(os.path.join(model_path, "config.json")) as f:
+            cfg = json.load(f)
+        self.layers = int(cfg["num_hidden_layers"])
+        self.experts = int(cfg["n_routed_experts"])
+        self.top_k = int(cfg["num_experts_per_tok"])
+        self.hidden = int(cfg["hidden_size"])
+        self.vocab = int(cfg["vocab_size"])
+        self.moe_layers = sum(t == "sparse" for t in cfg["mlp_layer_types"][: self.layers])
+        fixed = expert_bytes = 0
+        for name, size in _tensor_sizes(model_path).items():
+            m = re.match(r"^model\.layers\.(\d+)\.", name)
+            if (m and int(m.group(1)) >= self.layers) or name.endswith(".input_scale"):
+                continue  # layers past the served depth; W4A4-only activation scales
+            if name == "model.embed_tokens.weight":
+                continue  # only B rows are read: counted per step
+            if _EXPERT.match(name):
+                expert_bytes += size
+            else:
+                fixed += size
+        self.fixed_bytes = fixed
+        # Average bytes of one routed expert (all experts of all MoE layers have the same shapes).
+        self.expert_bytes = expert_bytes / max(1, self.moe_layers * self.experts)
+        r, p, d = int(cfg["kv_lora_rank"]), int(cfg["qk_rope_head_dim"]), int(cfg["index_head_dim"])
+        if kv_cache_dtype == "fp8_e4m3":
+            group = min(128, r)
+            self.latent_row = r + 4 * (r // group) + 2 * p  # FlashMLA's 656-byte row at GLM-5 dims
+            self.index_row = d + 4  # e4m3 key + float32 scale
+        else:
+            self.latent_row, self.index_row = 2 * (r + p), 2 * d
+        n_full = sum(t == "full" for t in cfg.get("indexer_types", ["full"] * self.layers)[: self.layers])
+        self.index_layers = n_full
+
+    def distinct_experts(self, batch: int) -> float:
+        return self.experts * (1.0 - (1.0 - self.top_k / self.experts) ** batch)
+
+    def step_bytes(self, batch: int, ctx: int, sel: int) -> dict[str, float]:
+        """Bytes of one decode step of `batch` requests whose contexts sum to `ctx` tokens and
+        whose selected tokens sum to `sel`; split by what they are."""
+        weights = self.fixed_bytes + 2 * batch * self.hidden
+        experts = self.moe_layers * self.distinct_experts(batch) * self.expert_bytes
+        kv = self.layers * sel * self.latent_row + self.index_layers * ctx * self.index_row
+        return {"weights": weights, "experts": experts, "kv": kv, "total": weights + experts + kv}
+
+
+def measure_copy_bandwidth(device: str = "cuda", nbytes: int = 4 << 30, iters: int = 20) -> float:
+    """Device-to-device copy bandwidth in bytes/s, counting bytes read plus bytes written."""
+    import torch
+
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda *_: None)
+    for _ in range(3):
+        dst.copy_(src)
+    sync(device)
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        dst.copy_(src)
+    sync(device)
+    seconds = time.perf_counter() - t0
+    del src, dst
+    if torch.device(device).type == "cuda":
+        torch.cuda.empty_cache()
+    return 2 * nbytes * iters / seconds
+
+
+def decode_step_report(steps: list[dict], roofline: DecodeRoofline, bandwidth: float, level: int) -> dict:
+    """Decode-only steps of one load level (lines of the worker's step log) against their rooflines.
+
+    `full` are the steps running at least 90% of the level's concurrency (the steady state the
+    level is named after); medians are over those when there are any, else over all decode steps."""
+    decode = [s for s in steps if s["mode"] == "decode"]
+    if not decode:
+        return {"decode_steps": 0}
+    full = [s for s in decode if s["reqs"] >= 0.9 * level]
+    use = full or decode
+
+    def median(xs):
+        xs = sorted(xs)
+        return xs[len(xs) // 2] if xs else None
+
+    rows = []
+    for s in use:
+        b = roofline.step_bytes(s["reqs"], s["ctx"], s["sel"])
+        rows.append((s["ms"], 1e3 * b["total"] / bandwidth, b, s))
+    ms = median([r[0] for r in rows])
+    roof = median([r[1] for r in rows])
+    mid = sorted(rows, key=lambda r: r[1])[len(rows) // 2]
+    return {
+        "decode_steps": len(decode),
+        "full_steps": len(full),
+        "batch_median": median([r[3]["reqs"] for r in rows]),
+        "context_median": median([r[3]["ctx"] / r[3]["reqs"] for r in rows]),
+        "step_ms_median": ms,
+        "roofline_ms_median": roof,
+        "ratio_median": median([r[0] / r[1] for r in rows]),
+        "bytes_at_median_gb": {k: round(v / 1e9, 3) for k, v in mid[2].items()},
+    }

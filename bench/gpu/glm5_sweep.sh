@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# GLM-5-shaped NVFP4 checkpoint on one GPU: generate (or reuse) -> serve (FP8 KV, radix cache on)
+# -> bench at each concurrency level + shared prefix -> decode step vs memory roofline -> the same
+# weights at a smaller depth against transformers. Everything inside GLM5_BUDGET_S seconds.
+#   OUT=DIR bash bench/gpu/glm5_sweep.sh [flags of bench/gpu/glm5_sweep.py]
+# Writes OUT/glm5/{log.txt,results.json}; needs nsaserve importable (PYTHONPATH=pyworker).
+# The issue's sweep (1K/1K, 64..1024; ~41 GB checkpoint made in ~30 s, server ready in ~17 s):
+#   OUT=DIR GLM5_BUDGET_S=530 bash bench/gpu/glm5_sweep.sh --moe-backend triton --keep-model \
+#     --phases compare,sweep,shared --moe-layers 6 --levels 64,256,512,1024 --input-len 1024 \
+#     --output-len 1024 --range-ratio 0.8 --shared-conversations 64 --shared-concurrency 64 \
+#     --shared-output-len 256 --compare-moe-layers 1 --compare-batch 64 --compare-input-len 1024 \
+#     --compare-output-len 64
+# What does not fit the budget is listed under "skipped"; a second call with --levels set to those
+# reuses the kept checkpoint. With the torch reference kernels only, shorten: --input-len 256
+# --output-len 8 --shared-output-len 8 --compare-batch 16 --compare-input-len 256 --compare-output-len 16.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+out=${OUT:?set OUT to the output directory}/glm5
+mkdir -p "$out"
+budget=${GLM5_BUDGET_S:-530}
+{
+  date -u
+  nvidia-smi --query-gpu=name,memory.total,memory.used,clocks.max.sm --format=csv 2>&1
+  df -h / /tmp /dev/shm 2>&1
+  free -g 2>&1
+  python3 -c 'import transformers as t; print("transformers", t.__version__, "GlmMoeDsa:", hasattr(t, "GlmMoeDsaForCausalLM"), "DeepseekV32:", hasattr(t, "DeepseekV32ForCausalLM"))' 2>&1
+} >> "$out/log.txt"
+timeout -k 10 $((${budget%.*} + 10)) python3 bench/gpu/glm5_sweep.py --out "$out" --budget-s "$budget" "$@"
+rc=$?
+echo "glm5_sweep exit $rc"
+exit $rc

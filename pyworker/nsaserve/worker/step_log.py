@@ -1,0 +1,45 @@
+"""Optional per-step timing log for benchmarks: with NSASERVE_STEP_LOG=PATH in the environment,
+rank 0 appends one JSON line per executed step to PATH.
+
+A line: {"t": unix time at the end of the step, "mode": "prefill" | "decode" | "mixed",
+"reqs": requests, "tokens": tokens run, "ctx": sum of the requests' context lengths after the
+step, "sel": sum of min(context, index_topk), "ms": the worker's step time (batch build, forward,
+sampling; the sampled tokens reach the host, so the GPU work is included)}.
+
+ctx and sel are what a decode step's memory roofline needs (the indexer reads every cached key,
+sparse attention reads `sel` latent rows); bench/gpu/glm5_roofline.py turns them into bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import numpy as np
+
+ENV = "NSASERVE_STEP_LOG"
+
+
+class StepLog:
+    def __init__(self, path: str, index_topk: int):
+        self.index_topk = index_topk
+        self._file = open(path, "a", buffering=1)  # line-buffered: readable while the server runs
+
+    @classmethod
+    def from_env(cls, index_topk: int) -> StepLog | None:
+        path = os.environ.get(ENV)
+        return cls(path, index_topk) if path else None
+
+    def record(self, plan, step_ms: float) -> None:
+        ctx = plan.cached_lens.astype(np.int64) + np.diff(plan.query_start.astype(np.int64))
+        line = {
+            "t": round(time.time(), 4),
+            "mode": plan.mode,
+            "reqs": int(plan.num_reqs),
+            "tokens": int(plan.num_tokens),
+            "ctx": int(ctx.sum()),
+            "sel": int(np.minimum(ctx, self.index_topk).sum()),
+            "ms": round(step_ms, 3),
+        }
+        self._file.write(json.dumps(line) + "\n")

@@ -1,0 +1,205 @@
+"""The GLM-5-shaped checkpoint generator and the sweep harness around it, at a tiny scale on CPU:
+the checkpoint goes through the normal loader, transformers (our side-by-side peer) computes the
+same logits from it, the roofline counts the checkpoint's bytes, and the sweep driver serves it
+and benches 5 requests end to end."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from nsaserve.kernels.quant import BF16, NVFP4, load_quant_scheme
+from nsaserve.kernels.quant.make_glm5_shaped import GLM5_CONFIG, TINY_OVERRIDES, glm5_config, make_glm5_shaped
+from nsaserve.model.runner import ModelRunner
+
+ROOT = Path(__file__).resolve().parents[2]
+GPU_BENCH = ROOT / "bench" / "gpu"
+sys.path.insert(0, str(ROOT / "tests" / "model"))
+sys.path.insert(0, str(GPU_BENCH))
+
+from model_helpers import Session, rel_err  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory) -> str:
+    path = str(tmp_path_factory.mktemp("glm5_tiny"))
+    make_glm5_shaped(path, moe_layers=2, dense_layers=3, overrides=TINY_OVERRIDES, seed=3)
+    return path
+
+
+def test_full_config_has_glm5_shapes():
+    cfg = glm5_config(moe_layers=6)
+    assert cfg["num_hidden_layers"] == 9 and cfg["mlp_layer_types"] == ["dense"] * 3 + ["sparse"] * 6
+    for key, value in dict(hidden_size=6144, num_attention_heads=64, q_lora_rank=2048, kv_lora_rank=512,
+                           qk_rope_head_dim=64, index_n_heads=32, index_head_dim=128, index_topk=2048,
+                           n_routed_experts=256, num_experts_per_tok=8, moe_intermediate_size=2048,
+                           n_shared_experts=1, vocab_size=154880).items():  # fmt: skip
+        assert cfg[key] == value == GLM5_CONFIG[key], key
+
+
+def test_checkpoint_loads_with_nvfp4_experts_and_finite_logits(ckpt):
+    scheme = load_quant_scheme(ckpt)
+    assert scheme.precision_of("model.layers.3.mlp.experts.0.gate_proj") == NVFP4
+    for bf16_module in ("model.layers.3.self_attn.q_b_proj", "model.layers.0.mlp.down_proj",
+                        "model.layers.4.mlp.shared_experts.up_proj", "model.layers.4.mlp.gate", "lm_head"):  # fmt: skip
+        assert scheme.precision_of(bf16_module) == BF16, bf16_module
+    assert os.path.exists(os.path.join(ckpt, "hf_quant_config.json"))
+    runner = ModelRunner(ckpt, device=torch.device("cpu"), dtype=None, num_pages=32, page_size=16, show_progress=False)
+    assert runner.model.model.layers[3].mlp.w13.precision == NVFP4
+    session = Session(runner)
+    tokens = torch.randint(0, TINY_OVERRIDES["vocab_size"], (80,), generator=torch.Generator().manual_seed(0)).tolist()
+    logits = session.step([(0, tokens)])[0]
+    for _ in range(3):
+        logits = session.step([(0, [int(logits.argmax())])])[0]
+        assert torch.isfinite(logits).all()
+    # Random weights, yet not degenerate: logits spread, so sampling is not a constant.
+    assert 0.1 < float(logits.std()) < 100
+
+
+def test_tokenizer_covers_the_vocabulary(ckpt):
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(os.path.join(ckpt, "tokenizer.json"))
+    vocab = TINY_OVERRIDES["vocab_size"]
+    assert tok.get_vocab_size() == vocab
+    assert tok.decode([vocab - 1, vocab - 2]) == f" w{vocab - 1} w{vocab - 2}"
+
+
+@pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="transformers is not installed")
+def test_transformers_peer_computes_our_logits(ckpt):
+    """The side-by-side peer runs the same weights: in float32 its logits equal ours."""
+    from glm5_transformers import load_transformers_model, truncated_view
+
+    view = truncated_view(ckpt, ckpt + "-view", 4)  # 3 dense + 1 MoE layer
+    hf, cls = load_transformers_model(view, "cpu", torch.float32)
+    if cls != "GlmMoeDsaForCausalLM":
+        pytest.skip(f"this transformers only has {cls}")
+    assert hf.config.num_hidden_layers == 4
+    runner = ModelRunner(
+        view, device=torch.device("cpu"), dtype=torch.float32, num_pages=32, page_size=16, show_progress=False
+    )
+    assert len(runner.model.model.layers) == 4
+    tokens = torch.randint(0, TINY_OVERRIDES["vocab_size"], (50,), generator=torch.Generator().manual_seed(1)).tolist()
+    ours = Session(runner).step([(0, tokens)], all_logits=True)[0]
+    with torch.no_grad():
+        theirs = hf(torch.tensor([tokens])).logits[0].float()
+    assert rel_err(ours, theirs) < 1e-4
+
+
+def test_roofline_counts_the_checkpoint_bytes(ckpt):
+    from glm5_roofline import DecodeRoofline
+
+    from nsaserve.kernels.quant.checkpoint_io import CheckpointReader
+
+    roof = DecodeRoofline(ckpt, "fp8_e4m3")
+    fixed = experts = 0
+    with CheckpointReader(ckpt) as reader:
+        for name in reader.names():
+            t = reader.get(name)
+            size = t.numel() * t.element_size()
+            if ".experts." in name:
+                experts += 0 if name.endswith("input_scale") else size
+            elif name != "model.embed_tokens.weight":
+                fixed += size
+    cfg = TINY_OVERRIDES
+    assert roof.fixed_bytes == fixed and roof.moe_layers == 2
+    assert roof.expert_bytes * 2 * cfg["n_routed_experts"] == pytest.approx(experts)
+    assert roof.distinct_experts(1) == pytest.approx(cfg["num_experts_per_tok"])
+    assert roof.distinct_experts(10**6) == pytest.approx(cfg["n_routed_experts"])
+    b = roof.step_bytes(batch=4, ctx=400, sel=128)
+    latent_row = cfg["kv_lora_rank"] + 4 * (cfg["kv_lora_rank"] // 64) + 2 * cfg["qk_rope_head_dim"]
+    assert b["kv"] == 5 * (128 * latent_row + 400 * (cfg["index_head_dim"] + 4))
+    assert b["total"] == b["weights"] + b["experts"] + b["kv"]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("nsaserve._router") is None, reason="router extension not built")
+def test_sweep_driver_serves_and_benches_on_cpu(ckpt, tmp_path):
+    """The whole harness on CPU: serve the tiny checkpoint, 5 requests at concurrency 5, decode
+    steps read from the worker's step log and set against the roofline."""
+    out = tmp_path / "out"
+    cmd = [sys.executable, str(GPU_BENCH / "glm5_sweep.py"), "--out", str(out), "--device", "cpu", "--model-path", ckpt,
+           "--phases", "sweep", "--levels", "5", "--input-len", "40", "--output-len", "4", "--prefill-probes", "0",
+           "--budget-s", "100", "--serve-arg=--max-total-tokens=4096"]  # fmt: skip
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "pyworker"), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=150, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    doc = json.loads((out / "results.json").read_text())
+    (level,) = doc["phases"]["sweep"]
+    s = level["bench"]["summary"]
+    assert (s["completed"], s["failed"]) == (5, 0)
+    assert level["decode"]["decode_steps"] >= 1 and level["decode"]["roofline_ms_median"] > 0
+    assert "| 5 | 5 | 5 | 0 |" in proc.stdout  # the summary table
+    assert os.path.exists(os.path.join(ckpt, "config.json")), "a given --model-path is never deleted"
+    assert doc["checkpoint"]["moe_layers"] == 2 and doc["targets"]["zero_failed"]["met"]
+    assert doc["phases"]["finite_logits"]["finite"] and doc["phases"]["finite_logits"]["values"] > 256
+    from glm5_report import report
+
+    assert "| 5 | 5 | 5 | 0 |" in report(doc, "title")
+
+
+def test_background_shard_writer_matches_the_reference_writer(tmp_path):
+    """The generator's threaded raw-safetensors writer against checkpoint_io's save_file one."""
+    from nsaserve.kernels.quant.checkpoint_io import CheckpointReader, ShardedWriter
+    from nsaserve.kernels.quant.make_glm5_shaped import _BackgroundShardWriter
+
+    g = torch.Generator().manual_seed(0)
+    tensors = {
+        "a.weight": torch.randn(33, 17, generator=g).to(torch.bfloat16),
+        "a.weight_scale": torch.rand(33, 2, generator=g).to(torch.float8_e4m3fn),
+        "a.weight_scale_2": torch.tensor(0.25),
+        "b.weight": torch.randint(0, 256, (40, 8), generator=g, dtype=torch.uint8),
+        "c.bias": torch.randn(5, generator=g),
+    }
+    for cls, name in ((ShardedWriter, "ref"), (_BackgroundShardWriter, "fast")):
+        w = cls(str(tmp_path / name), max_shard_bytes=1500)
+        for k, t in tensors.items():
+            w.add(k, t)
+        w.close()
+    assert sorted(os.listdir(tmp_path / "ref")) == sorted(os.listdir(tmp_path / "fast"))
+    with CheckpointReader(str(tmp_path / "ref")) as ref, CheckpointReader(str(tmp_path / "fast")) as fast:
+        assert ref.file_of == fast.file_of and len(set(ref.file_of.values())) > 1
+        for k, t in tensors.items():
+            got = fast.get(k)
+            assert got.dtype == t.dtype and got.shape == t.shape
+            assert torch.equal(got.view(torch.uint8), t.view(torch.uint8)) if t.dim() else got == t
+
+
+def test_decode_report_uses_full_decode_steps_and_targets_read_it(ckpt):
+    from glm5_roofline import DecodeRoofline, decode_step_report
+    from glm5_summary import targets
+
+    roof = DecodeRoofline(ckpt, "fp8_e4m3")
+    bw = 1e12
+    steps = [
+        {"mode": "prefill", "reqs": 256, "tokens": 9000, "ctx": 9000, "sel": 9000, "ms": 900.0},
+        {"mode": "mixed", "reqs": 256, "tokens": 300, "ctx": 9000, "sel": 9000, "ms": 500.0},
+        {"mode": "decode", "reqs": 100, "tokens": 100, "ctx": 5000, "sel": 3000, "ms": 1.0},  # a tail step
+    ] + [
+        {"mode": "decode", "reqs": 256, "tokens": 256, "ctx": 256 * 40, "sel": 256 * 32, "ms": m}
+        for m in (3.0, 5.0, 4.0)
+    ]
+    r = decode_step_report(steps, roof, bw, 256)
+    assert (r["decode_steps"], r["full_steps"], r["batch_median"], r["step_ms_median"]) == (4, 3, 256, 4.0)
+    roofline_ms = 1e3 * roof.step_bytes(256, 256 * 40, 256 * 32)["total"] / bw
+    assert r["roofline_ms_median"] == pytest.approx(roofline_ms)
+    assert r["ratio_median"] == pytest.approx(4.0 / roofline_ms)
+    assert decode_step_report(steps[:2], roof, bw, 256) == {"decode_steps": 0}
+
+    def level(c, out_tps, ttft, failed=0, decode=None):
+        summary = {"failed": failed, "output_throughput": out_tps, "ttft": {"p50_ms": ttft}}
+        return {"concurrency": c, "bench": {"summary": summary}, "decode": decode or {}}
+
+    doc = {"phases": {"sweep": [level(64, 100.0, 50.0), level(256, 300.0, 80.0, decode={"ratio_median": 1.2})],
+                      "prefill_alone": {"ttft_p50_ms": 20.0}, "compare": {"ratio_output_throughput": 25.0},
+                      "finite_logits": {"finite": True}}}  # fmt: skip
+    t = targets(doc)
+    assert t["decode_256_within_1.5x_roofline"]["met"] and t["20x_transformers"]["met"]
+    assert t["ttft_p50_64_within_2x_prefill_alone"] == {"ratio": 2.5, "met": False}
+    assert t["zero_failed"]["met"] and t["throughput_rises_with_concurrency"]["met"] and t["finite_logits"]["met"]
