@@ -56,6 +56,7 @@ class ModelExecutor:
             tp_rank=args.rank,
             tp_size=args.tp_size,
         )
+        runner.set_backend("moe_experts", args.moe_backend)
         return cls(runner, device)
 
     def run(self, plan: Plan, is_rank0: bool) -> StepResult:

@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Triton NVFP4 MoE on one CUDA GPU: its CUDA tests (GLM-5 shapes, CUDA-graph replay), the model-level
+# backend comparison, then bench/kernels/bench_moe.py. Writes $OUT/moe/{log.txt,results.json}.
+# Usage (from the repository root, nsaserve importable): OUT=dir bash bench/gpu/moe.sh
+set -uo pipefail
+out="${OUT:?set OUT}/moe"
+mkdir -p "$out"
+log="$out/log.txt"
+tmp=$(mktemp -d)
+{
+  nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,power.draw --format=csv 2>&1
+  timeout 65 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_triton_moe.py tests/model/test_triton_moe_model.py 2>&1 | tail -30
+  echo "tests exit: ${PIPESTATUS[0]}"
+  PYTHONPATH="$PYTHONPATH:bench/kernels" timeout 75 python3 bench/kernels/bench_moe.py --out "$tmp" \
+    --batches 1,64,256,1024 --sweep 1,256 --torch-batches 1,64 --partial "$out/results.json" 2>&1
+  echo "bench exit: $?"
+} > "$log" 2>&1
+cp "$tmp"/*.json "$out/results.json" 2>/dev/null
+rm -rf "$tmp"
+tail -40 "$log"

@@ -1,0 +1,412 @@
+"""Triton NVFP4 mixture of experts as W4A16: 4-bit weights dequantised in registers, bf16 tensor-core
+math, float32 accumulation. For Hopper, which has no FP4 tensor cores.
+
+Same function as moe.moe_experts_torch on the dequantised weights (nvfp4.dequantize_nvfp4), read
+straight from the checkpoint layout of model/expert_stack.py (no repacking):
+
+    w13 uint8 [E, 2I, H/2] (gate rows, then up rows), e4m3 scales [E, 2I, H/16], fp32 globals [E, 2]
+    w2  uint8 [E, H, I/2],                             e4m3 scales [E, H, I/16],  fp32 globals [E, 1]
+
+Four launches, no host synchronisation, every buffer sized by the worst case for the token count
+(so a CUDA graph captured for T tokens replays for any routing):
+
+1. _align_kernel (one program): counts the (token, k) slots per local expert, pads each expert's
+   run to a multiple of BLOCK_M, and writes the sorted slot list (-1 = padding) and the expert of
+   every BLOCK_M block (-1 = unused block; those programs exit at once). Slot order inside an
+   expert is the input order, so the layout is deterministic.
+2. _gate_up_kernel, grid (I / BLOCK_N, blocks): for one expert block and BLOCK_N columns of gate
+   and of up, C^T = W · X^T with the dequantised weight tile as the MMA's A operand (weights on the
+   M side: a handful of tokens only pad the N side to 16), then h = silu(a_g·gate) · (a_u·up) in
+   bf16, per sorted row.
+3. _down_kernel, grid (H / BLOCK_N, blocks): y = (a_2·W2 · h^T)^T · routing weight, float32, one
+   row per (token, k) slot.
+4. _sum_kernel: out[t] = sum over k of y[t, k] in a fixed order (deterministic; slots whose expert
+   lives on another rank count as 0).
+
+Packed bytes hold element 2j in the low nibble and 2j+1 in the high one; the kernels read them as
+32-bit words (word j of a row = inputs 8j..8j+7) and dequantise one byte position of every word at
+a time: byte b gives inputs 8j + 2b and 8j + 2b + 1 of all words as two [BLOCK_N, BLOCK_K/8] tiles,
+each multiplied into the accumulator by its own MMA. Instead of interleaving them in registers, the
+activations are permuted once per K block (input 8j + r to position r·BLOCK_K/8 + j) so that each
+of the 8 partial dots reads a contiguous slice. The gate/up kernel writes h in the permutation the
+down kernel reads.
+
+Dequantisation (the inline-assembly path on the GPU): a code c = s·e1·e0·m becomes the bf16 bits
+(s << 15) | (e1 e0 m << 6), which is exactly e2m1(c) · 2^-126 (0.5 lands on the smallest
+subnormal), two values per 32-bit register with a byte permute, two shifts and two masks; one packed bf16 multiply
+by (block scale · 2^119) then gives e2m1 · scale · 2^-7 exactly (both have few enough mantissa
+bits), and the epilogue multiplies by the expert's global scale · 2^7. The portable path (Triton's
+CPU interpreter, or ASM=False) builds the same values with ordinary arithmetic.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from .triton_common import mma_operand
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+# Exponent the inline-assembly dequantisation leaves out of the weights (restored in the epilogue).
+_ASM_SHIFT = tl.constexpr(7)
+
+
+def _dequant_asm(byte: int) -> str:
+    """PTX for one byte position of two 32-bit code words A ($2) and B ($3): the low and high
+    nibbles of A's and B's byte `byte` become two bf16x2 registers ($0: low nibbles, $1: high;
+    A in the low half), multiplied by the bf16x2 scales in $4. prmt puts A's byte at bits 0-7 and
+    B's at 16-23 (bytes 1 and 3 are don't-cares the masks drop); then sign bit 3 -> 15 and
+    magnitude bits 0-2 -> 6-8 (low nibble), or bit 7 -> 15 and bits 4-6 -> 6-8 (high nibble)."""
+    sel = (4 + byte) << 12 | (4 + byte) << 8 | byte << 4 | byte
+    return f"""
+{{
+.reg .b32 t, a, b;
+prmt.b32 t, $2, $3, {sel:#06x};
+shl.b32 a, t, 12; shl.b32 b, t, 6; and.b32 a, a, 0x80008000; and.b32 b, b, 0x01C001C0; or.b32 a, a, b;
+mul.rn.bf16x2 $0, a, $4;
+shl.b32 a, t, 8; shl.b32 b, t, 2; and.b32 a, a, 0x80008000; and.b32 b, b, 0x01C001C0; or.b32 a, a, b;
+mul.rn.bf16x2 $1, a, $4;
+}}
+"""
+
+
+_ASM_BYTE0 = tl.constexpr(_dequant_asm(0))
+_ASM_BYTE1 = tl.constexpr(_dequant_asm(1))
+_ASM_BYTE2 = tl.constexpr(_dequant_asm(2))
+_ASM_BYTE3 = tl.constexpr(_dequant_asm(3))
+
+
+@triton.jit
+def _e2m1_value(c):
+    """Code (int32, 0..15) -> its e2m1 value in float32, by arithmetic (the portable path)."""
+    mag = c & 7
+    # 2..7 are normal: exponent (mag >> 1) - 1 and one mantissa bit; 0 and 1 are 0 and 0.5.
+    normal = ((mag + 252) << 22).to(tl.float32, bitcast=True)
+    v = tl.where(mag < 2, mag.to(tl.float32) * 0.5, normal)
+    return tl.where(c >= 8, -v, v)
+
+
+@triton.jit
+def _load_tile(
+    w_ptr, s_ptr, rows, i,
+    KW: tl.constexpr, KS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ASM: tl.constexpr,
+):  # fmt: skip
+    """K block i of rows `rows` (int64 [BLOCK_N] into the stacked weight): the code words
+    (int32 [BLOCK_N, BLOCK_K / 8], word j = inputs 8j..8j+7) and each word's block scale, as the
+    dequantisation multiplies by it (one scale per 16 inputs = per 2 words)."""
+    W: tl.constexpr = BLOCK_K // 8
+    words = tl.load(w_ptr + rows[:, None] * KW + i * W + tl.arange(0, W)[None, :])
+    offs_s = i * (BLOCK_K // 16) + tl.arange(0, BLOCK_K // 16)
+    scale = tl.load(s_ptr + rows[:, None] * KS + offs_s[None, :]).to(tl.float32)
+    if ASM:
+        scale = (scale * (2.0**119)).to(tl.bfloat16)
+    scale = tl.reshape(tl.broadcast_to(scale[:, :, None], [BLOCK_N, W // 2, 2]), [BLOCK_N, W])
+    return words, scale
+
+
+@triton.jit
+def _dequant_byte(words, scale, BYTE: tl.constexpr, ASM: tl.constexpr, INTERPRET: tl.constexpr):
+    """Byte BYTE of every code word -> (inputs 8j + 2·BYTE, inputs 8j + 2·BYTE + 1), each
+    [BLOCK_N, BLOCK_K / 8] in the MMA operand type (times 2^-7 on the inline-assembly path)."""
+    if ASM:
+        if BYTE == 0:
+            asm: tl.constexpr = _ASM_BYTE0
+        elif BYTE == 1:
+            asm: tl.constexpr = _ASM_BYTE1
+        elif BYTE == 2:
+            asm: tl.constexpr = _ASM_BYTE2
+        else:
+            asm: tl.constexpr = _ASM_BYTE3
+        lo, hi = tl.inline_asm_elementwise(
+            asm, "=r,=r,r,r,r", [words, scale], dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=2
+        )
+    else:
+        b = words >> (8 * BYTE)
+        lo = mma_operand(_e2m1_value(b & 15) * scale, INTERPRET)
+        hi = mma_operand(_e2m1_value((b >> 4) & 15) * scale, INTERPRET)
+    return lo, hi
+
+
+@triton.jit
+def _align_kernel(
+    ids_ptr, sorted_slot_ptr, block_expert_ptr,
+    n_slots, first_expert, num_local, max_rows, max_blocks,
+    E_P2: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr,
+    SLOT_CHUNKS: tl.constexpr, ROW_CHUNKS: tl.constexpr, BLOCK_CHUNKS: tl.constexpr,
+):  # fmt: skip
+    # Loop counts are constexpr powers of two (bounded recompiles; the tails are masked).
+    offs_e = tl.arange(0, E_P2)
+    offs_c = tl.arange(0, CHUNK)
+    # Padding rows read as slot -1.
+    for rc in range(ROW_CHUNKS):
+        r = rc * CHUNK
+        tl.store(sorted_slot_ptr + r + offs_c, tl.full([CHUNK], -1, tl.int32), mask=r + offs_c < max_rows)
+    # Slots per local expert; the last bin (E_P2 > num_local) collects slots of other ranks.
+    counts = tl.zeros([E_P2], dtype=tl.int32)
+    for sc in range(SLOT_CHUNKS):
+        s0 = sc * CHUNK
+        inb = s0 + offs_c < n_slots
+        loc = (tl.load(ids_ptr + s0 + offs_c, mask=inb, other=-1) - first_expert).to(tl.int32)
+        mine = inb & (loc >= 0) & (loc < num_local)
+        counts += tl.histogram(tl.where(mine, loc, E_P2 - 1), E_P2)
+    counts = tl.where(offs_e < num_local, counts, 0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    end = tl.cumsum(padded, 0)
+    start = end - padded
+    end_block = end // BLOCK_M
+    total_blocks = tl.sum(padded, 0) // BLOCK_M
+    # Expert of block b: the number of experts whose run ends at or before it.
+    for bc in range(BLOCK_CHUNKS):
+        b = bc * CHUNK + offs_c
+        e = tl.sum((end_block[None, :] <= b[:, None]).to(tl.int32), 1)
+        tl.store(block_expert_ptr + b, tl.where(b < total_blocks, e, -1), mask=b < max_blocks)
+    tl.debug_barrier()  # the -1 fill above must land before the slots below overwrite it
+    # Position of each slot: its expert's start + slots of that expert before it (input order).
+    seen = tl.zeros([E_P2], dtype=tl.int32)
+    for sc in range(SLOT_CHUNKS):
+        s0 = sc * CHUNK
+        inb = s0 + offs_c < n_slots
+        loc = (tl.load(ids_ptr + s0 + offs_c, mask=inb, other=-1) - first_expert).to(tl.int32)
+        mine = inb & (loc >= 0) & (loc < num_local)
+        loc = tl.where(mine, loc, -1)
+        onehot = (loc[:, None] == offs_e[None, :]).to(tl.int32)  # [CHUNK, E_P2]
+        base = tl.sum(onehot * (start + seen)[None, :], 1)
+        earlier = (loc[:, None] == loc[None, :]) & (offs_c[None, :] < offs_c[:, None])
+        rank = tl.sum(earlier.to(tl.int32), 1)
+        tl.store(sorted_slot_ptr + base + rank, s0 + offs_c, mask=mine)
+        seen += tl.sum(onehot, 0)
+
+
+@triton.jit
+def _gate_up_kernel(
+    x_ptr, w_ptr, s_ptr, s2_ptr, sorted_slot_ptr, block_expert_ptr, h_ptr,
+    top_k,
+    K: tl.constexpr, INTER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, H_BLOCK_K: tl.constexpr, ASM: tl.constexpr, INTERPRET: tl.constexpr,
+):  # fmt: skip
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    e = tl.load(block_expert_ptr + pid_m)
+    if e < 0:
+        return
+    W: tl.constexpr = BLOCK_K // 8  # code words per row of a K block; MMA K of each partial dot
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    slot = tl.load(sorted_slot_ptr + offs_m)
+    valid = slot >= 0
+    tok = tl.where(valid, slot // top_k, 0).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows_g = e.to(tl.int64) * (2 * INTER) + offs_n
+    rows_u = rows_g + INTER
+    offs_w = tl.arange(0, W)
+    acc_g = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    for i in range(K // BLOCK_K):
+        wg, sg = _load_tile(w_ptr, s_ptr, rows_g, i, K // 8, K // 16, BLOCK_N, BLOCK_K, ASM)
+        wu, su = _load_tile(w_ptr, s_ptr, rows_u, i, K // 8, K // 16, BLOCK_N, BLOCK_K, ASM)
+        for byte in tl.static_range(4):
+            # x is permuted per K block so that inputs 8j + r sit at r * W + j (see _permute_blocks).
+            xp = x_ptr + tok[None, :] * K + i * BLOCK_K + 2 * byte * W + offs_w[:, None]
+            x_lo = mma_operand(tl.load(xp, mask=valid[None, :], other=0.0), INTERPRET)  # [W, BLOCK_M]
+            x_hi = mma_operand(tl.load(xp + W, mask=valid[None, :], other=0.0), INTERPRET)
+            lo, hi = _dequant_byte(wg, sg, byte, ASM, INTERPRET)
+            acc_g = tl.dot(lo, x_lo, acc_g)
+            acc_g = tl.dot(hi, x_hi, acc_g)
+            lo, hi = _dequant_byte(wu, su, byte, ASM, INTERPRET)
+            acc_u = tl.dot(lo, x_lo, acc_u)
+            acc_u = tl.dot(hi, x_hi, acc_u)
+    fix = 2.0**_ASM_SHIFT if ASM else 1.0
+    g = acc_g * (tl.load(s2_ptr + 2 * e) * fix)
+    u = acc_u * (tl.load(s2_ptr + 2 * e + 1) * fix)
+    h = g * tl.sigmoid(g) * u  # [BLOCK_N, BLOCK_M]
+    # Column n goes where the down kernel's H_BLOCK_K permutation wants it.
+    within = offs_n % H_BLOCK_K
+    col = offs_n - within + (within % 8) * (H_BLOCK_K // 8) + within // 8
+    tl.store(h_ptr + offs_m[None, :].to(tl.int64) * INTER + col[:, None], h.to(tl.bfloat16))
+
+
+@triton.jit
+def _down_kernel(
+    h_ptr, w_ptr, s_ptr, s2_ptr, sorted_slot_ptr, block_expert_ptr, topk_w_ptr, y_ptr,
+    HIDDEN: tl.constexpr, INTER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, ASM: tl.constexpr, INTERPRET: tl.constexpr,
+):  # fmt: skip
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    e = tl.load(block_expert_ptr + pid_m)
+    if e < 0:
+        return
+    W: tl.constexpr = BLOCK_K // 8
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    slot = tl.load(sorted_slot_ptr + offs_m)
+    valid = slot >= 0
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = e.to(tl.int64) * HIDDEN + offs_n
+    offs_w = tl.arange(0, W)
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    for i in range(INTER // BLOCK_K):
+        wt, st = _load_tile(w_ptr, s_ptr, rows, i, INTER // 8, INTER // 16, BLOCK_N, BLOCK_K, ASM)
+        for byte in tl.static_range(4):
+            # h rows were written in this kernel's K-block permutation by the gate/up kernel.
+            hp = h_ptr + offs_m[None, :].to(tl.int64) * INTER + i * BLOCK_K + 2 * byte * W + offs_w[:, None]
+            h_lo = mma_operand(tl.load(hp), INTERPRET)  # [W, BLOCK_M]
+            h_hi = mma_operand(tl.load(hp + W), INTERPRET)
+            lo, hi = _dequant_byte(wt, st, byte, ASM, INTERPRET)
+            acc = tl.dot(lo, h_lo, acc)
+            acc = tl.dot(hi, h_hi, acc)
+    fix = 2.0**_ASM_SHIFT if ASM else 1.0
+    route_w = tl.load(topk_w_ptr + slot, mask=valid, other=0.0)
+    y = acc * (tl.load(s2_ptr + e) * fix) * route_w[None, :]
+    tl.store(y_ptr + slot[None, :].to(tl.int64) * HIDDEN + offs_n[:, None], y, mask=valid[None, :])
+
+
+@triton.jit
+def _sum_kernel(
+    y_ptr, ids_ptr, out_ptr, first_expert, num_local,
+    HIDDEN: tl.constexpr, TOP_K: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for j in range(TOP_K):
+        loc = tl.load(ids_ptr + t * TOP_K + j) - first_expert
+        if (loc >= 0) & (loc < num_local):
+            acc += tl.load(y_ptr + (t * TOP_K + j) * HIDDEN + offs, mask=offs < HIDDEN)
+    tl.store(out_ptr + t * HIDDEN + offs, acc, mask=offs < HIDDEN)
+
+
+def _permute_blocks(x: torch.Tensor, block_k: int) -> torch.Tensor:
+    """[T, K] -> [T, K] with input 8j + r of each block_k block moved to r * (block_k / 8) + j: the
+    order in which the kernels consume a K block (byte r // 2 of code word j, nibble r % 2)."""
+    t, k = x.shape
+    return x.view(t, k // block_k, block_k // 8, 8).transpose(-1, -2).reshape(t, k)
+
+
+def _fit(block: int, dim: int, least: int) -> int:
+    """The largest power of two <= block that divides dim; at least `least` (the MMA's smallest
+    operand side, and 16-input scale groups on both halves of a K block)."""
+    while block > least and dim % block:
+        block //= 2
+    if dim % block:
+        raise ValueError(f"dimension {dim} is not a multiple of {least}, which the NVFP4 MoE kernels need")
+    return block
+
+
+def _pow2_chunks(n: int, chunk: int) -> int:
+    return triton.next_power_of_2(triton.cdiv(n, chunk))
+
+
+def pick_block_m(num_slots: int, num_local: int) -> int:
+    """Tokens per expert block: small blocks when experts see few tokens (each block re-reads its
+    expert's weights, so larger blocks pay off only once experts have that many tokens)."""
+    per_expert = num_slots / max(1, num_local)
+    if per_expert <= 16:
+        return 16
+    if per_expert <= 48:
+        return 32
+    return 64
+
+
+def max_blocks(num_slots: int, num_local: int, block_m: int) -> int:
+    """Most BLOCK_M blocks any routing of num_slots slots over num_local experts can need."""
+    return triton.cdiv(num_slots, block_m) + min(num_local, num_slots)
+
+
+DEFAULT_CONFIG = {
+    "gate_up": {"BLOCK_N": 64, "BLOCK_K": 256, "num_warps": 4, "num_stages": 3},
+    "down": {"BLOCK_N": 64, "BLOCK_K": 256, "num_warps": 4, "num_stages": 3},
+}
+
+
+def moe_experts_nvfp4_triton(
+    x: torch.Tensor,  # bf16 [T, H]
+    expert_ids: torch.Tensor,  # int [T, k], global expert ids
+    expert_weights: torch.Tensor,  # float32 [T, k]
+    w13: torch.Tensor,  # uint8 [E, 2I, H/2]
+    w13_scale: torch.Tensor,  # float8_e4m3fn [E, 2I, H/16]
+    w13_scale_2: torch.Tensor,  # float32 [E, 2]
+    w2: torch.Tensor,  # uint8 [E, H, I/2]
+    w2_scale: torch.Tensor,  # float8_e4m3fn [E, H, I/16]
+    w2_scale_2: torch.Tensor,  # float32 [E, 1]
+    first_expert: int = 0,
+    *,
+    block_m: int | None = None,
+    config: dict | None = None,
+    asm: bool | None = None,
+) -> torch.Tensor:
+    """Sum over the token's chosen experts that live on this rank -> float32 [T, H]."""
+    num_tokens, hidden = x.shape
+    top_k = expert_ids.shape[1]
+    num_local, two_inter, _ = w13.shape
+    inter = two_inter // 2
+    if w2.shape != (num_local, hidden, inter // 2):
+        raise ValueError(f"w2 shape {tuple(w2.shape)} does not match w13 {tuple(w13.shape)} and hidden {hidden}")
+    cfg = {**DEFAULT_CONFIG, **(config or {})}
+    # K blocks of at least 128: each of the 8 partial dots of a block needs K >= 16.
+    gu = {
+        **cfg["gate_up"],
+        "BLOCK_N": _fit(cfg["gate_up"]["BLOCK_N"], inter, 16),
+        "BLOCK_K": _fit(cfg["gate_up"]["BLOCK_K"], hidden, 128),
+    }
+    dn = {
+        **cfg["down"],
+        "BLOCK_N": _fit(cfg["down"]["BLOCK_N"], hidden, 16),
+        "BLOCK_K": _fit(cfg["down"]["BLOCK_K"], inter, 128),
+    }
+    if asm is None:
+        asm = x.is_cuda and not _INTERPRET
+    n_slots = num_tokens * top_k
+    bm = block_m or pick_block_m(n_slots, num_local)
+    nblocks = max_blocks(n_slots, num_local, bm)
+    rows = nblocks * bm
+    dev = x.device
+    ids = expert_ids.contiguous()
+    routing_w = expert_weights.float().contiguous()
+
+    sorted_slot = torch.empty(rows, dtype=torch.int32, device=dev)
+    block_expert = torch.empty(nblocks, dtype=torch.int32, device=dev)
+    e_p2 = triton.next_power_of_2(num_local + 1)
+    chunk = 64
+    _align_kernel[(1,)](
+        ids, sorted_slot, block_expert, n_slots, first_expert, num_local, rows, nblocks,
+        E_P2=e_p2, BLOCK_M=bm, CHUNK=chunk, SLOT_CHUNKS=_pow2_chunks(n_slots, chunk),
+        ROW_CHUNKS=_pow2_chunks(rows, chunk), BLOCK_CHUNKS=_pow2_chunks(nblocks, chunk), num_warps=4,
+    )  # fmt: skip
+
+    xp = _permute_blocks(x.to(torch.bfloat16), gu["BLOCK_K"]).contiguous()
+    h = torch.empty(rows, inter, dtype=torch.bfloat16, device=dev)
+    _gate_up_kernel[(inter // gu["BLOCK_N"], nblocks)](
+        xp, w13.view(torch.int32), w13_scale, w13_scale_2, sorted_slot, block_expert, h, top_k,
+        K=hidden, INTER=inter, BLOCK_M=bm, BLOCK_N=gu["BLOCK_N"], BLOCK_K=gu["BLOCK_K"], H_BLOCK_K=dn["BLOCK_K"],
+        ASM=asm, INTERPRET=_INTERPRET, num_warps=gu["num_warps"], num_stages=gu["num_stages"],
+    )  # fmt: skip
+
+    y = torch.empty(n_slots, hidden, dtype=torch.float32, device=dev)
+    _down_kernel[(hidden // dn["BLOCK_N"], nblocks)](
+        h, w2.view(torch.int32), w2_scale, w2_scale_2, sorted_slot, block_expert, routing_w, y,
+        HIDDEN=hidden, INTER=inter, BLOCK_M=bm, BLOCK_N=dn["BLOCK_N"], BLOCK_K=dn["BLOCK_K"],
+        ASM=asm, INTERPRET=_INTERPRET, num_warps=dn["num_warps"], num_stages=dn["num_stages"],
+    )  # fmt: skip
+
+    out = torch.empty(num_tokens, hidden, dtype=torch.float32, device=dev)
+    block = min(1024, triton.next_power_of_2(hidden))
+    _sum_kernel[(num_tokens, triton.cdiv(hidden, block))](
+        y, ids, out, first_expert, num_local, HIDDEN=hidden, TOP_K=top_k, BLOCK=block, num_warps=4
+    )
+    return out
+
+
+def moe_experts_triton(x, expert_ids, expert_weights, w13, w2, first_expert: int) -> torch.Tensor:
+    """The registry's ("moe_experts", "triton") backend: like moe_experts_torch, but w13 / w2 are
+    the model's NVFP4 ExpertStacks (model/expert_stack.py), read in their quantised layout."""
+    if w13.precision != "nvfp4" or w2.precision != "nvfp4":
+        raise ValueError(f"the triton MoE backend runs NVFP4 experts, got {w13.precision}/{w2.precision}")
+    return moe_experts_nvfp4_triton(
+        x, expert_ids, expert_weights,
+        w13.weight, w13.weight_scale, w13.weight_scale_2,
+        w2.weight, w2.weight_scale, w2.weight_scale_2,
+        first_expert,
+    )  # fmt: skip
