@@ -185,3 +185,22 @@ def test_cuda_graph_replays_new_routing(glm5_stacks):
         out.fill_(float("nan"))
         g.replay()
         assert rel_err(out, reference(x, ids, weights, w13, w2, 0)) < TOL
+
+
+@pytest.mark.parametrize(
+    "num_experts,top_k,n_group,topk_group,norm",
+    [(8, 2, 1, 1, True), (16, 4, 4, 2, True), (256, 8, 1, 1, True), (256, 8, 8, 4, True), (64, 6, 1, 1, False)],
+)
+def test_routing_matches_reference(num_experts, top_k, n_group, topk_group, norm):
+    """Sigmoid + bias + group top-k (GLM-5: 1 group; DeepSeek-V3.2: 8 groups keep 4)."""
+    from nsaserve.kernels.moe import route_noaux_tc
+    from nsaserve.kernels.triton_moe_route import route_noaux_tc_triton
+
+    gen = torch.Generator().manual_seed(num_experts + top_k)
+    logits = (torch.randn(9, num_experts, generator=gen) * 2).to(DEV)
+    bias = (torch.randn(num_experts, generator=gen) * 0.1).to(DEV)
+    args = (logits, bias, top_k, n_group, topk_group, norm, 2.5)
+    w, ids = route_noaux_tc_triton(*args)
+    ref_w, ref_ids = route_noaux_tc(*args)
+    assert ids.dtype == ref_ids.dtype and torch.equal(ids, ref_ids)
+    assert torch.allclose(w, ref_w, rtol=1e-5, atol=1e-6)

@@ -1,5 +1,5 @@
 """The tiny GLM-5 model with NVFP4 routed experts gives the same logits with the triton MoE
-backend (fused W4A16 kernels on the quantised stacks) as with the torch one (dequantise, then
+backends (fused routing; fused W4A16 kernels on the quantised stacks) as with the torch ones (dequantise, then
 per-expert matmuls). The triton kernels round activations and the intermediate to bf16, hence the
 tolerance; a wrong expert, scale or routing weight moves the logits by far more."""
 
@@ -25,6 +25,7 @@ def test_triton_moe_backend_matches_torch(tmp_path):
     tokens = torch.randint(0, VOCAB, (8,), generator=torch.Generator().manual_seed(4)).tolist()
     logits = {}
     for backend in ("torch", "triton"):
+        runner.set_backend("moe_route", backend)
         runner.set_backend("moe_experts", backend)
         session = Session(runner, seed=1)
         prefill = session.step([(0, tokens)], all_logits=True)[0]

@@ -33,6 +33,7 @@ _TRITON_BACKENDS = {
     ("indexer", "triton"): "triton_indexer:indexer_topk_triton",
     ("attention", "triton"): "triton_sparse_mla:sparse_mla_triton",
     ("moe_experts", "triton"): "triton_moe_w4a16:moe_experts_triton",
+    ("moe_route", "triton"): "triton_moe_route:route_noaux_tc_triton",
 }
 
 

@@ -56,7 +56,8 @@ class ModelExecutor:
             tp_rank=args.rank,
             tp_size=args.tp_size,
         )
-        runner.set_backend("moe_experts", args.moe_backend)
+        for kind in ("moe_route", "moe_experts"):  # --moe-backend picks both MoE kernels
+            runner.set_backend(kind, args.moe_backend)
         return cls(runner, device)
 
     def run(self, plan: Plan, is_rank0: bool) -> StepResult:
