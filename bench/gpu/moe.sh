@@ -16,5 +16,6 @@ tmp=$(mktemp -d)
   echo "bench exit: $?"
 } > "$log" 2>&1
 cp "$tmp"/*.json "$out/results.json" 2>/dev/null
+cat "$tmp"/*.md >> "$log" 2>/dev/null
 rm -rf "$tmp"
 tail -40 "$log"
