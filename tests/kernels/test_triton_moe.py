@@ -83,7 +83,7 @@ def route(num_tokens, num_experts, top_k, gen, device=DEV, skew=False):
     return ids.to(device), weights.to(device)
 
 
-TINY = dict(num_experts=6, hidden=256, inter=128, top_k=2)
+TINY = dict(num_experts=6, hidden=128, inter=128, top_k=2)
 TINY_CFG = {
     "gate_up": {"BLOCK_N": 32, "BLOCK_K": 128, "num_warps": 4, "num_stages": 2},
     "down": {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 2},

@@ -132,6 +132,14 @@ def _dequant_byte(words, scale, BYTE: tl.constexpr, ASM: tl.constexpr, INTERPRET
 
 
 @triton.jit
+def _local_expert(ids_ptr, slots, n_slots, first_expert, num_local):
+    """Local expert of each slot (int32), or -1 past the end or for an expert of another rank."""
+    inb = slots < n_slots
+    loc = (tl.load(ids_ptr + slots, mask=inb, other=-1) - first_expert).to(tl.int32)
+    return tl.where(inb & (loc >= 0) & (loc < num_local), loc, -1)
+
+
+@triton.jit
 def _align_kernel(
     ids_ptr, sorted_slot_ptr, block_expert_ptr,
     n_slots, first_expert, num_local, max_rows, max_blocks,
@@ -148,11 +156,8 @@ def _align_kernel(
     # Slots per local expert; the last bin (E_P2 > num_local) collects slots of other ranks.
     counts = tl.zeros([E_P2], dtype=tl.int32)
     for sc in range(SLOT_CHUNKS):
-        s0 = sc * CHUNK
-        inb = s0 + offs_c < n_slots
-        loc = (tl.load(ids_ptr + s0 + offs_c, mask=inb, other=-1) - first_expert).to(tl.int32)
-        mine = inb & (loc >= 0) & (loc < num_local)
-        counts += tl.histogram(tl.where(mine, loc, E_P2 - 1), E_P2)
+        loc = _local_expert(ids_ptr, sc * CHUNK + offs_c, n_slots, first_expert, num_local)
+        counts += tl.histogram(tl.where(loc >= 0, loc, E_P2 - 1), E_P2)
     counts = tl.where(offs_e < num_local, counts, 0)
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     end = tl.cumsum(padded, 0)
@@ -169,10 +174,8 @@ def _align_kernel(
     seen = tl.zeros([E_P2], dtype=tl.int32)
     for sc in range(SLOT_CHUNKS):
         s0 = sc * CHUNK
-        inb = s0 + offs_c < n_slots
-        loc = (tl.load(ids_ptr + s0 + offs_c, mask=inb, other=-1) - first_expert).to(tl.int32)
-        mine = inb & (loc >= 0) & (loc < num_local)
-        loc = tl.where(mine, loc, -1)
+        loc = _local_expert(ids_ptr, s0 + offs_c, n_slots, first_expert, num_local)
+        mine = loc >= 0
         onehot = (loc[:, None] == offs_e[None, :]).to(tl.int32)  # [CHUNK, E_P2]
         base = tl.sum(onehot * (start + seen)[None, :], 1)
         earlier = (loc[:, None] == loc[None, :]) & (offs_c[None, :] < offs_c[:, None])
