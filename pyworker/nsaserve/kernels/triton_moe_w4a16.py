@@ -10,10 +10,11 @@ straight from the checkpoint layout of model/expert_stack.py (no repacking):
 Four launches, no host synchronisation, every buffer sized by the worst case for the token count
 (so a CUDA graph captured for T tokens replays for any routing):
 
-1. _align_kernel (one program): counts the (token, k) slots per local expert, pads each expert's
+1. _align_kernel (program 0): counts the (token, k) slots per local expert, pads each expert's
    run to a multiple of BLOCK_M, and writes the sorted slot list (-1 = padding) and the expert of
    every BLOCK_M block (-1 = unused block; those programs exit at once). Slot order inside an
-   expert is the input order, so the layout is deterministic.
+   expert is the input order, so the layout is deterministic. Programs 1..T permute the
+   activations (below) in the same launch.
 2. _gate_up_kernel, grid (I / BLOCK_N, blocks): for one expert block and BLOCK_N columns of gate
    and of up, C^T = W · X^T with the dequantised weight tile as the MMA's A operand (weights on the
    M side: a handful of tokens only pad the N side to 16), then h = silu(a_g·gate) · (a_u·up) in
@@ -140,12 +141,31 @@ def _local_expert(ids_ptr, slots, n_slots, first_expert, num_local):
 
 
 @triton.jit
+def _permute_row(x_ptr, xp_ptr, row, HIDDEN: tl.constexpr, BLOCK_K: tl.constexpr, CHUNK: tl.constexpr):
+    """xp[row] = x[row] in bf16 with input 8j + r of each BLOCK_K block at r * BLOCK_K / 8 + j."""
+    for c in tl.static_range((HIDDEN + CHUNK - 1) // CHUNK):
+        col = c * CHUNK + tl.arange(0, CHUNK)
+        inb = col < HIDDEN
+        v = tl.load(x_ptr + row * HIDDEN + col, mask=inb)
+        within = col % BLOCK_K
+        dst = col - within + (within % 8) * (BLOCK_K // 8) + within // 8
+        tl.store(xp_ptr + row * HIDDEN + dst, v.to(tl.bfloat16), mask=inb)
+
+
+@triton.jit
 def _align_kernel(
-    ids_ptr, sorted_slot_ptr, block_expert_ptr,
+    ids_ptr, sorted_slot_ptr, block_expert_ptr, x_ptr, xp_ptr,
     n_slots, first_expert, num_local, max_rows, max_blocks,
     E_P2: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr,
     SLOT_CHUNKS: tl.constexpr, ROW_CHUNKS: tl.constexpr, BLOCK_CHUNKS: tl.constexpr,
+    HIDDEN: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
+    """Program 0 lays out the expert blocks; program 1 + t permutes token t's activations for the
+    gate/up kernel (one launch for both)."""
+    pid = tl.program_id(0)
+    if pid > 0:
+        _permute_row(x_ptr, xp_ptr, (pid - 1).to(tl.int64), HIDDEN, BLOCK_K, 1024)
+        return
     # Loop counts are constexpr powers of two (bounded recompiles; the tails are masked).
     offs_e = tl.arange(0, E_P2)
     offs_c = tl.arange(0, CHUNK)
@@ -211,7 +231,7 @@ def _gate_up_kernel(
         wg, sg = _load_tile(w_ptr, s_ptr, rows_g, i, K // 8, K // 16, BLOCK_N, BLOCK_K, ASM)
         wu, su = _load_tile(w_ptr, s_ptr, rows_u, i, K // 8, K // 16, BLOCK_N, BLOCK_K, ASM)
         for byte in tl.static_range(4):
-            # x is permuted per K block so that inputs 8j + r sit at r * W + j (see _permute_blocks).
+            # x is permuted per K block so that inputs 8j + r sit at r * W + j (see _permute_row).
             xp = x_ptr + tok[None, :] * K + i * BLOCK_K + 2 * byte * W + offs_w[:, None]
             x_lo = mma_operand(tl.load(xp, mask=valid[None, :], other=0.0), INTERPRET)  # [W, BLOCK_M]
             x_hi = mma_operand(tl.load(xp + W, mask=valid[None, :], other=0.0), INTERPRET)
@@ -279,13 +299,6 @@ def _sum_kernel(
         if (loc >= 0) & (loc < num_local):
             acc += tl.load(y_ptr + (t * TOP_K + j) * HIDDEN + offs, mask=offs < HIDDEN)
     tl.store(out_ptr + t * HIDDEN + offs, acc, mask=offs < HIDDEN)
-
-
-def _permute_blocks(x: torch.Tensor, block_k: int) -> torch.Tensor:
-    """[T, K] -> [T, K] with input 8j + r of each block_k block moved to r * (block_k / 8) + j: the
-    order in which the kernels consume a K block (byte r // 2 of code word j, nibble r % 2)."""
-    t, k = x.shape
-    return x.view(t, k // block_k, block_k // 8, 8).transpose(-1, -2).reshape(t, k)
 
 
 def _fit(block: int, dim: int, least: int) -> int:
@@ -374,13 +387,14 @@ def moe_experts_nvfp4_triton(
     block_expert = torch.empty(nblocks, dtype=torch.int32, device=dev)
     e_p2 = triton.next_power_of_2(num_local + 1)
     chunk = 64
-    _align_kernel[(1,)](
-        ids, sorted_slot, block_expert, n_slots, first_expert, num_local, rows, nblocks,
+    xp = torch.empty(num_tokens, hidden, dtype=torch.bfloat16, device=dev)
+    _align_kernel[(1 + num_tokens,)](
+        ids, sorted_slot, block_expert, x.contiguous(), xp, n_slots, first_expert, num_local, rows, nblocks,
         E_P2=e_p2, BLOCK_M=bm, CHUNK=chunk, SLOT_CHUNKS=_pow2_chunks(n_slots, chunk),
-        ROW_CHUNKS=_pow2_chunks(rows, chunk), BLOCK_CHUNKS=_pow2_chunks(nblocks, chunk), num_warps=4,
+        ROW_CHUNKS=_pow2_chunks(rows, chunk), BLOCK_CHUNKS=_pow2_chunks(nblocks, chunk),
+        HIDDEN=hidden, BLOCK_K=gu["BLOCK_K"], num_warps=4,
     )  # fmt: skip
 
-    xp = _permute_blocks(x.to(torch.bfloat16), gu["BLOCK_K"]).contiguous()
     h = torch.empty(rows, inter, dtype=torch.bfloat16, device=dev)
     _gate_up_kernel[(inter // gu["BLOCK_N"], nblocks)](
         xp, w13.view(torch.int32), w13_scale, w13_scale_2, sorted_slot, block_expert, h, top_k,
