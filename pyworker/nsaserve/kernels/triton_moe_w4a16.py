@@ -34,7 +34,8 @@ down kernel reads.
 
 Dequantisation (the inline-assembly path on the GPU): a code c = s·e1·e0·m becomes the bf16 bits
 (s << 15) | (e1 e0 m << 6), which is exactly e2m1(c) · 2^-126 (0.5 lands on the smallest
-subnormal), two values per 32-bit register with a byte permute, two shifts and two masks; one packed bf16 multiply
+subnormal), two values per 32-bit register with a byte permute (which also replicates the sign),
+a shift and a mask; one packed bf16 multiply
 by (block scale · 2^119) then gives e2m1 · scale · 2^-7 exactly (both have few enough mantissa
 bits), and the epilogue multiplies by the expert's global scale · 2^7. The portable path (Triton's
 CPU interpreter, or ASM=False) builds the same values with ordinary arithmetic.
@@ -57,20 +58,24 @@ _ASM_SHIFT = tl.constexpr(7)
 
 
 def _dequant_asm(byte: int) -> str:
-    """PTX for one byte position of two 32-bit code words A ($2) and B ($3): the low and high
-    nibbles of A's and B's byte `byte` become two bf16x2 registers ($0: low nibbles, $1: high;
-    A in the low half), multiplied by the bf16x2 scales in $4. prmt puts A's byte at bits 0-7 and
-    B's at 16-23 (bytes 1 and 3 are don't-cares the masks drop); then sign bit 3 -> 15 and
-    magnitude bits 0-2 -> 6-8 (low nibble), or bit 7 -> 15 and bits 4-6 -> 6-8 (high nibble)."""
-    sel = (4 + byte) << 12 | (4 + byte) << 8 | byte << 4 | byte
+    """PTX for one byte position of two 32-bit code words A ($2) and B ($3), given also A << 4
+    ($4) and B << 4 ($5): the low and high nibbles of A's and B's byte `byte` become two bf16x2
+    registers ($0: low nibbles, $1: high; A in the low half), multiplied by the bf16x2 scales in
+    $6. prmt puts the byte at bits 0-7 (A) and 16-23 (B) and its sign bit replicated over bits
+    8-15 and 24-31; one shift by 2 then brings the magnitude (bits 4-6) to 6-8 and a copy of the
+    sign to 15 and 31, and one mask keeps those. The low nibble is the high nibble of A << 4."""
+    sel = (0xC + byte) << 12 | (4 + byte) << 8 | (8 + byte) << 4 | byte
     return f"""
 {{
-.reg .b32 t, a, b;
+.reg .b32 t, u;
 prmt.b32 t, $2, $3, {sel:#06x};
-shl.b32 a, t, 12; shl.b32 b, t, 6; and.b32 a, a, 0x80008000; and.b32 b, b, 0x01C001C0; or.b32 a, a, b;
-mul.rn.bf16x2 $0, a, $4;
-shl.b32 a, t, 8; shl.b32 b, t, 2; and.b32 a, a, 0x80008000; and.b32 b, b, 0x01C001C0; or.b32 a, a, b;
-mul.rn.bf16x2 $1, a, $4;
+shl.b32 t, t, 2;
+and.b32 t, t, 0x81C081C0;
+mul.rn.bf16x2 $1, t, $6;
+prmt.b32 u, $4, $5, {sel:#06x};
+shl.b32 u, u, 2;
+and.b32 u, u, 0x81C081C0;
+mul.rn.bf16x2 $0, u, $6;
 }}
 """
 
@@ -106,13 +111,17 @@ def _load_tile(
     if ASM:
         scale = (scale * (2.0**119)).to(tl.bfloat16)
     scale = tl.reshape(tl.broadcast_to(scale[:, :, None], [BLOCK_N, W // 2, 2]), [BLOCK_N, W])
-    return words, scale
+    # The low nibbles, one place up, are what the dequantisation reads for them (shared by the
+    # four byte positions of a word).
+    return (words, words << 4), scale
 
 
 @triton.jit
 def _dequant_byte(words, scale, BYTE: tl.constexpr, ASM: tl.constexpr, INTERPRET: tl.constexpr):
     """Byte BYTE of every code word -> (inputs 8j + 2·BYTE, inputs 8j + 2·BYTE + 1), each
-    [BLOCK_N, BLOCK_K / 8] in the MMA operand type (times 2^-7 on the inline-assembly path)."""
+    [BLOCK_N, BLOCK_K / 8] in the MMA operand type (times 2^-7 on the inline-assembly path).
+    `words` is the (words, words << 4) pair from _load_tile."""
+    w, w4 = words
     if ASM:
         if BYTE == 0:
             asm: tl.constexpr = _ASM_BYTE0
@@ -123,10 +132,10 @@ def _dequant_byte(words, scale, BYTE: tl.constexpr, ASM: tl.constexpr, INTERPRET
         else:
             asm: tl.constexpr = _ASM_BYTE3
         lo, hi = tl.inline_asm_elementwise(
-            asm, "=r,=r,r,r,r", [words, scale], dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=2
+            asm, "=r,=r,r,r,r,r,r", [w, w4, scale], dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=2
         )
     else:
-        b = words >> (8 * BYTE)
+        b = w >> (8 * BYTE)
         lo = mma_operand(_e2m1_value(b & 15) * scale, INTERPRET)
         hi = mma_operand(_e2m1_value((b >> 4) & 15) * scale, INTERPRET)
     return lo, hi
