@@ -19,9 +19,9 @@ Four launches, no host synchronisation, every buffer sized by the worst case for
    and of up, C^T = W · X^T with the dequantised weight tile as the MMA's A operand (weights on the
    M side: a handful of tokens only pad the N side to 16), then h = silu(a_g·gate) · (a_u·up) in
    bf16, per sorted row.
-3. _down_kernel, grid (H / BLOCK_N, blocks): y = (a_2·W2 · h^T)^T · routing weight, float32, one
+3. _down_kernel, grid (H / BLOCK_N, blocks): y = (a_2·W2 · h^T)^T · routing weight, bf16, one
    row per (token, k) slot.
-4. _sum_kernel: out[t] = sum over k of y[t, k] in a fixed order (deterministic; slots whose expert
+4. _sum_kernel: out[t] = sum over k of y[t, k] in float32, in a fixed order (deterministic; slots whose expert
    lives on another rank count as 0).
 
 Packed bytes hold element 2j in the low nibble and 2j+1 in the high one; the kernels read them as
@@ -292,7 +292,7 @@ def _down_kernel(
     fix = 2.0**_ASM_SHIFT if ASM else 1.0
     route_w = tl.load(topk_w_ptr + slot, mask=valid, other=0.0)
     y = acc * (tl.load(s2_ptr + e) * fix) * route_w[None, :]
-    tl.store(y_ptr + slot[None, :].to(tl.int64) * HIDDEN + offs_n[:, None], y, mask=valid[None, :])
+    tl.store(y_ptr + slot[None, :].to(tl.int64) * HIDDEN + offs_n[:, None], y.to(tl.bfloat16), mask=valid[None, :])
 
 
 @triton.jit
@@ -306,7 +306,7 @@ def _sum_kernel(
     for j in range(TOP_K):
         loc = tl.load(ids_ptr + t * TOP_K + j) - first_expert
         if (loc >= 0) & (loc < num_local):
-            acc += tl.load(y_ptr + (t * TOP_K + j) * HIDDEN + offs, mask=offs < HIDDEN)
+            acc += tl.load(y_ptr + (t * TOP_K + j) * HIDDEN + offs, mask=offs < HIDDEN).to(tl.float32)
     tl.store(out_ptr + t * HIDDEN + offs, acc, mask=offs < HIDDEN)
 
 
@@ -411,7 +411,8 @@ def moe_experts_nvfp4_triton(
         ASM=asm, INTERPRET=_INTERPRET, num_warps=gu["num_warps"], num_stages=gu["num_stages"],
     )  # fmt: skip
 
-    y = torch.empty(n_slots, hidden, dtype=torch.float32, device=dev)
+    # bf16 per-slot outputs, like the reference's per-expert matmuls; summed in float32.
+    y = torch.empty(n_slots, hidden, dtype=torch.bfloat16, device=dev)
     _down_kernel[(hidden // dn["BLOCK_N"], nblocks)](
         h, w2.view(torch.int32), w2_scale, w2_scale_2, sorted_slot, block_expert, routing_w, y,
         HIDDEN=hidden, INTER=inter, BLOCK_M=bm, BLOCK_N=dn["BLOCK_N"], BLOCK_K=dn["BLOCK_K"],
