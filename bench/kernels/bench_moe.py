@@ -19,10 +19,11 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import sys
 import types
 
 import torch
-from bench_common import bf16_matmul_rate, copy_bandwidth, graph_time_us, print_table, write_results
+from bench_common import bf16_matmul_rate, copy_bandwidth, graph_time_us, machine, print_table, write_results
 
 from nsaserve.kernels import triton_moe_w4a16 as tm
 from nsaserve.kernels.moe import moe_experts_torch
@@ -85,13 +86,17 @@ def configs(sweep: bool):
     yield "portable dequant", {}, None, False
     yield "block_m 32", {}, 32, True
     yield "block_m 64", {}, 64, True
-    for bn, bk, warps, stages in ((128, 128, 4, 4), (64, 128, 4, 4), (128, 256, 8, 3), (32, 256, 4, 4)):
+    gate_up = ((64, 256, 4, 4), (64, 256, 4, 2), (128, 256, 4, 3), (64, 128, 4, 4), (32, 256, 4, 4), (64, 512, 4, 2))
+    for bn, bk, warps, stages in gate_up:
         c = {"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps, "num_stages": stages}
         yield f"gate_up {bn}x{bk} w{warps} s{stages}", {"gate_up": c}, None, True
+    for bn, bk, warps, stages in ((64, 256, 4, 3), (128, 128, 4, 4), (128, 256, 4, 4), (64, 128, 4, 4)):
+        c = {"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps, "num_stages": stages}
         yield f"down {bn}x{bk} w{warps} s{stages}", {"down": c}, None, True
 
 
-def run_batch(batch, w13, w2, gen, copy_bps, sweep, with_torch):
+def run_batch(batch, w13, w2, gen, copy_bps, sweep, with_torch, rows, save):
+    """Appends one row per configuration to `rows`, calling save() after each."""
     sets = []
     for _ in range(ROUTINGS):
         ids, weights = routing(batch, gen)
@@ -99,7 +104,7 @@ def run_batch(batch, w13, w2, gen, copy_bps, sweep, with_torch):
     experts = sum(torch.unique(ids).numel() for _, ids, _ in sets) / ROUTINGS
     nbytes = experts * expert_bytes() + batch * HIDDEN * (2 + 4) + batch * TOP_K * 12
     floor_us = nbytes / copy_bps * 1e6
-    rows = []
+    first = len(rows)
     for name, config, block_m, asm in configs(sweep):
         run = functools.partial(tm.moe_experts_nvfp4_triton, block_m=block_m, config=config, asm=asm)
         calls = [functools.partial(run, x, ids, w, *w13, *w2, 0) for x, ids, w in sets]
@@ -108,6 +113,7 @@ def run_batch(batch, w13, w2, gen, copy_bps, sweep, with_torch):
         except Exception as e:  # a configuration that does not compile or fit is recorded, not fatal
             rows.append({"batch": batch, "variant": name, "error": f"{type(e).__name__}: {str(e)[:200]}"})
             print(rows[-1], flush=True)
+            save()
             continue
         rows.append({
             "batch": batch, "variant": name, "block_m": block_m or tm.pick_block_m(batch * TOP_K, EXPERTS),
@@ -115,12 +121,13 @@ def run_batch(batch, w13, w2, gen, copy_bps, sweep, with_torch):
             "copy_frac": floor_us / us, "target_us": TARGET_US.get(batch),
         })  # fmt: skip
         print(rows[-1], flush=True)
+        save()
     if with_torch:
         t = torch_path_us(*sets[0], w13, w2)
-        for r in rows:
+        for r in rows[first:]:
             if "us" in r:
                 r["torch_us"], r["speedup"] = t, t / r["us"]
-    return rows
+        save()
 
 
 def main() -> None:
@@ -140,15 +147,21 @@ def main() -> None:
     torch_batches = {int(b) for b in args.torch_batches.split(",") if b}
     sweep_batches = {int(b) for b in args.sweep.split(",") if b}
     rows = []
+
+    def save():  # keep what finished if the run is cut short
+        if args.partial:
+            with open(args.partial, "w") as f:
+                json.dump(
+                    {"machine": machine(), "command": " ".join(sys.argv), "ceilings": ceilings, "rows": rows},
+                    f,
+                    indent=1,
+                )
+
     # Every batch with the default configuration first, then the sweeps (cut first when time runs out).
     cases = [(int(b), False) for b in args.batches.split(",")] + [(b, True) for b in sorted(sweep_batches)]
     for batch, sweep in cases:
-        rows += run_batch(
-            batch, w13, w2, gen, ceilings["copy_TBps"] * 1e12, sweep, batch in torch_batches and not sweep
-        )
-        if args.partial:
-            with open(args.partial, "w") as f:
-                json.dump({"ceilings": ceilings, "rows": rows}, f, indent=1)
+        with_torch = batch in torch_batches and not sweep
+        run_batch(batch, w13, w2, gen, ceilings["copy_TBps"] * 1e12, sweep, with_torch, rows, save)
     cols = [
         "batch",
         "variant",
