@@ -387,6 +387,8 @@ def moe_experts_nvfp4_triton(
     if asm is None:
         asm = x.is_cuda and not _INTERPRET
     n_slots = num_tokens * top_k
+    if n_slots == 0:
+        return torch.zeros(num_tokens, hidden, dtype=torch.float32, device=x.device)
     bm = block_m or pick_block_m(n_slots, num_local)
     nblocks = max_blocks(n_slots, num_local, bm)
     rows = nblocks * bm
