@@ -49,6 +49,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .quant.precision import NVFP4
 from .triton_common import mma_operand
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -434,7 +435,7 @@ def moe_experts_nvfp4_triton(
 def moe_experts_triton(x, expert_ids, expert_weights, w13, w2, first_expert: int) -> torch.Tensor:
     """The registry's ("moe_experts", "triton") backend: like moe_experts_torch, but w13 / w2 are
     the model's NVFP4 ExpertStacks (model/expert_stack.py), read in their quantised layout."""
-    if w13.precision != "nvfp4" or w2.precision != "nvfp4":
+    if w13.precision != NVFP4 or w2.precision != NVFP4:
         raise ValueError(f"the triton MoE backend runs NVFP4 experts, got {w13.precision}/{w2.precision}")
     return moe_experts_nvfp4_triton(
         x, expert_ids, expert_weights,
