@@ -91,7 +91,7 @@ TINY_CFG = {
 
 
 @pytest.mark.parametrize("asm", ASM_MODES)
-@pytest.mark.parametrize("num_tokens,skew,block_m", [(1, False, None), (7, False, 16), (21, True, 32)])
+@pytest.mark.parametrize("num_tokens,skew,block_m", [(1, False, None), (7, False, 32), (33, True, 16)])
 def test_tiny_matches_reference(num_tokens, skew, block_m, asm):
     gen = torch.Generator().manual_seed(1000 + num_tokens)
     e, h, i, k = TINY["num_experts"], TINY["hidden"], TINY["inter"], TINY["top_k"]
@@ -204,3 +204,35 @@ def test_routing_matches_reference(num_experts, top_k, n_group, topk_group, norm
     ref_w, ref_ids = route_noaux_tc(*args)
     assert ids.dtype == ref_ids.dtype and torch.equal(ids, ref_ids)
     assert torch.allclose(w, ref_w, rtol=1e-5, atol=1e-6)
+
+
+def test_align_layout():
+    """Every local slot appears once, in input order within its expert; each expert's run starts on
+    a block boundary and is padded with -1; blocks past the last run are marked unused."""
+    gen = torch.Generator().manual_seed(2)
+    e, bm, k = 5, 16, 3
+    ids, _ = route(30, 9, k, gen, skew=True)
+    ids = ids.to(DEV)
+    local = (ids - 2).flatten().cpu()  # this rank owns experts 2..6
+    n_slots = ids.numel()
+    nblocks = tm.max_blocks(n_slots, e, bm)
+    slots = torch.full((nblocks * bm,), 77, dtype=torch.int32, device=DEV)
+    blocks = torch.full((nblocks,), 77, dtype=torch.int32, device=DEV)
+    x = torch.zeros(30, 128, device=DEV)
+    xp = torch.empty(30, 128, dtype=torch.bfloat16, device=DEV)
+    tm._align_kernel[(e + 30,)](
+        ids, slots, blocks, x, xp, n_slots, 2, e, nblocks,
+        E_P2=8, BLOCK_M=bm, CHUNK=32, SLOT_CHUNKS=4, EXPERT_BLOCK_CHUNKS=1, BLOCK_CHUNKS=2, HIDDEN=128, BLOCK_K=128,
+    )  # fmt: skip
+    slots, blocks = slots.cpu(), blocks.cpu()
+    row = 0
+    for b, expert in enumerate(blocks.tolist()):
+        if expert < 0:
+            assert all(x < 0 for x in blocks[b:].tolist())
+            break
+        if b == 0 or blocks[b - 1] != expert:
+            mine = torch.nonzero(local == expert).flatten().tolist()
+            run = -(-len(mine) // bm) * bm
+            assert slots[row : row + run].tolist() == mine + [-1] * (run - len(mine))
+            row += run
+    assert row == sum(-(-int((local == x).sum()) // bm) * bm for x in range(e))

@@ -10,11 +10,11 @@ straight from the checkpoint layout of model/expert_stack.py (no repacking):
 Four launches, no host synchronisation, every buffer sized by the worst case for the token count
 (so a CUDA graph captured for T tokens replays for any routing):
 
-1. _align_kernel (program 0): counts the (token, k) slots per local expert, pads each expert's
-   run to a multiple of BLOCK_M, and writes the sorted slot list (-1 = padding) and the expert of
-   every BLOCK_M block (-1 = unused block; those programs exit at once). Slot order inside an
-   expert is the input order, so the layout is deterministic. Programs 1..T permute the
-   activations (below) in the same launch.
+1. _align_kernel, one program per local expert: counts the (token, k) slots per local expert,
+   pads each expert's run to a multiple of BLOCK_M, and writes its part of the sorted slot list
+   (-1 = padding) and the expert of each of its BLOCK_M blocks (-1 = unused block; those
+   programs exit at once). Slot order inside an expert is the input order, so the layout is
+   deterministic. One more program per token permutes the activations (below) in the same launch.
 2. _gate_up_kernel, grid (I / BLOCK_N, blocks): for one expert block and BLOCK_N columns of gate
    and of up, C^T = W · X^T with the dequantised weight tile as the MMA's A operand (weights on the
    M side: a handful of tokens only pad the N side to 16), then h = silu(a_g·gate) · (a_u·up) in
@@ -165,24 +165,20 @@ def _permute_row(x_ptr, xp_ptr, row, HIDDEN: tl.constexpr, BLOCK_K: tl.constexpr
 @triton.jit
 def _align_kernel(
     ids_ptr, sorted_slot_ptr, block_expert_ptr, x_ptr, xp_ptr,
-    n_slots, first_expert, num_local, max_rows, max_blocks,
-    E_P2: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr,
-    SLOT_CHUNKS: tl.constexpr, ROW_CHUNKS: tl.constexpr, BLOCK_CHUNKS: tl.constexpr,
-    HIDDEN: tl.constexpr, BLOCK_K: tl.constexpr,
+    n_slots, first_expert, num_local, max_blocks,
+    E_P2: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, SLOT_CHUNKS: tl.constexpr,
+    EXPERT_BLOCK_CHUNKS: tl.constexpr, BLOCK_CHUNKS: tl.constexpr, HIDDEN: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    """Program 0 lays out the expert blocks; program 1 + t permutes token t's activations for the
-    gate/up kernel (one launch for both)."""
+    """Program e < num_local lays out local expert e's run; program num_local + t permutes token
+    t's activations for the gate/up kernel (one launch for both). No program waits for another:
+    each expert's program counts every expert (cheap next to the weights) to find where its run
+    starts. Loop counts are constexpr powers of two (bounded recompiles; the tails are masked)."""
     pid = tl.program_id(0)
-    if pid > 0:
-        _permute_row(x_ptr, xp_ptr, (pid - 1).to(tl.int64), HIDDEN, BLOCK_K, 1024)
+    if pid >= num_local:
+        _permute_row(x_ptr, xp_ptr, (pid - num_local).to(tl.int64), HIDDEN, BLOCK_K, 1024)
         return
-    # Loop counts are constexpr powers of two (bounded recompiles; the tails are masked).
     offs_e = tl.arange(0, E_P2)
     offs_c = tl.arange(0, CHUNK)
-    # Padding rows read as slot -1.
-    for rc in range(ROW_CHUNKS):
-        r = rc * CHUNK
-        tl.store(sorted_slot_ptr + r + offs_c, tl.full([CHUNK], -1, tl.int32), mask=r + offs_c < max_rows)
     # Slots per local expert; the last bin (E_P2 > num_local) collects slots of other ranks.
     counts = tl.zeros([E_P2], dtype=tl.int32)
     for sc in range(SLOT_CHUNKS):
@@ -190,28 +186,27 @@ def _align_kernel(
         counts += tl.histogram(tl.where(loc >= 0, loc, E_P2 - 1), E_P2)
     counts = tl.where(offs_e < num_local, counts, 0)
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-    end = tl.cumsum(padded, 0)
-    start = end - padded
-    end_block = end // BLOCK_M
-    total_blocks = tl.sum(padded, 0) // BLOCK_M
-    # Expert of block b: the number of experts whose run ends at or before it.
-    for bc in range(BLOCK_CHUNKS):
+    start = tl.sum(tl.where(offs_e < pid, padded, 0), 0)
+    count = tl.sum(tl.where(offs_e == pid, counts, 0), 0)
+    my_blocks = (count + BLOCK_M - 1) // BLOCK_M
+    for bc in range(EXPERT_BLOCK_CHUNKS):
         b = bc * CHUNK + offs_c
-        e = tl.sum((end_block[None, :] <= b[:, None]).to(tl.int32), 1)
-        tl.store(block_expert_ptr + b, tl.where(b < total_blocks, e, -1), mask=b < max_blocks)
-    tl.debug_barrier()  # the -1 fill above must land before the slots below overwrite it
-    # Position of each slot: its expert's start + slots of that expert before it (input order).
-    seen = tl.zeros([E_P2], dtype=tl.int32)
+        tl.store(block_expert_ptr + start // BLOCK_M + b, tl.full([CHUNK], 0, tl.int32) + pid, mask=b < my_blocks)
+    if pid == 0:  # blocks past the last expert's run: their programs exit at once
+        total_blocks = tl.sum(padded, 0) // BLOCK_M
+        for bc in range(BLOCK_CHUNKS):
+            b = bc * CHUNK + offs_c
+            tl.store(block_expert_ptr + b, tl.full([CHUNK], -1, tl.int32), mask=(b >= total_blocks) & (b < max_blocks))
+    # This expert's slots in input order, then -1 up to the end of its last block.
+    seen = 0
     for sc in range(SLOT_CHUNKS):
         s0 = sc * CHUNK
-        loc = _local_expert(ids_ptr, s0 + offs_c, n_slots, first_expert, num_local)
-        mine = loc >= 0
-        onehot = (loc[:, None] == offs_e[None, :]).to(tl.int32)  # [CHUNK, E_P2]
-        base = tl.sum(onehot * (start + seen)[None, :], 1)
-        earlier = (loc[:, None] == loc[None, :]) & (offs_c[None, :] < offs_c[:, None])
-        rank = tl.sum(earlier.to(tl.int32), 1)
-        tl.store(sorted_slot_ptr + base + rank, s0 + offs_c, mask=mine)
-        seen += tl.sum(onehot, 0)
+        mine = _local_expert(ids_ptr, s0 + offs_c, n_slots, first_expert, num_local) == pid
+        rank = seen + tl.cumsum(mine.to(tl.int32), 0) - 1
+        tl.store(sorted_slot_ptr + start + rank, s0 + offs_c, mask=mine)
+        seen += tl.sum(mine.to(tl.int32), 0)
+    pad = count + tl.arange(0, BLOCK_M)
+    tl.store(sorted_slot_ptr + start + pad, tl.full([BLOCK_M], -1, tl.int32), mask=pad < my_blocks * BLOCK_M)
 
 
 @triton.jit
@@ -400,13 +395,13 @@ def moe_experts_nvfp4_triton(
     sorted_slot = torch.empty(rows, dtype=torch.int32, device=dev)
     block_expert = torch.empty(nblocks, dtype=torch.int32, device=dev)
     e_p2 = triton.next_power_of_2(num_local + 1)
-    chunk = 64
+    chunk = 256
     xp = torch.empty(num_tokens, hidden, dtype=torch.bfloat16, device=dev)
-    _align_kernel[(1 + num_tokens,)](
-        ids, sorted_slot, block_expert, x.contiguous(), xp, n_slots, first_expert, num_local, rows, nblocks,
+    _align_kernel[(num_local + num_tokens,)](
+        ids, sorted_slot, block_expert, x.contiguous(), xp, n_slots, first_expert, num_local, nblocks,
         E_P2=e_p2, BLOCK_M=bm, CHUNK=chunk, SLOT_CHUNKS=_pow2_chunks(n_slots, chunk),
-        ROW_CHUNKS=_pow2_chunks(rows, chunk), BLOCK_CHUNKS=_pow2_chunks(nblocks, chunk),
-        HIDDEN=hidden, BLOCK_K=gu["BLOCK_K"], num_warps=4,
+        EXPERT_BLOCK_CHUNKS=_pow2_chunks(triton.cdiv(n_slots, bm), chunk),
+        BLOCK_CHUNKS=_pow2_chunks(nblocks, chunk), HIDDEN=hidden, BLOCK_K=gu["BLOCK_K"], num_warps=4,
     )  # fmt: skip
 
     h = torch.empty(rows, inter, dtype=torch.bfloat16, device=dev)
