@@ -84,13 +84,13 @@ def configs(sweep: bool):
         yield "default", {}, None, True
         return
     yield "portable dequant", {}, None, False
+    yield "8 partial MMAs per K block", {"gate_up": {"FUSE_K": False}, "down": {"FUSE_K": False}}, None, True
     yield "block_m 32", {}, 32, True
-    yield "block_m 64", {}, 64, True
-    gate_up = ((64, 256, 4, 4), (64, 256, 4, 2), (128, 256, 4, 3), (64, 128, 4, 4), (32, 256, 4, 4), (64, 512, 4, 2))
+    gate_up = ((64, 256, 4, 4), (64, 256, 4, 2), (64, 128, 4, 4), (128, 256, 8, 3))
     for bn, bk, warps, stages in gate_up:
         c = {"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps, "num_stages": stages}
         yield f"gate_up {bn}x{bk} w{warps} s{stages}", {"gate_up": c}, None, True
-    for bn, bk, warps, stages in ((64, 256, 4, 3), (128, 128, 4, 4), (128, 256, 4, 4), (64, 128, 4, 4)):
+    for bn, bk, warps, stages in ((64, 256, 4, 3), (128, 256, 4, 2), (128, 128, 4, 4), (128, 256, 8, 3)):
         c = {"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps, "num_stages": stages}
         yield f"down {bn}x{bk} w{warps} s{stages}", {"down": c}, None, True
 

@@ -105,15 +105,18 @@ def test_tiny_matches_reference(num_tokens, skew, block_m, asm):
     assert rel_err(out, ref) < TOL
 
 
+@pytest.mark.parametrize("fuse_k", [True, False])
 @pytest.mark.parametrize("asm", ASM_MODES)
-def test_tiny_every_code_and_scale(asm):
-    """Random codes (all 16, both nibbles) and block scales over the whole e4m3 range."""
+def test_tiny_every_code_and_scale(asm, fuse_k):
+    """Random codes (all 16, both nibbles) and block scales over the whole e4m3 range; one MMA per
+    K block or 8 partial ones."""
     gen = torch.Generator(DEV).manual_seed(3)
     e, h, i, k = TINY["num_experts"], TINY["hidden"], TINY["inter"], TINY["top_k"]
     w13, w2 = random_stacks(e, h, i, gen, DEV)
     x = torch.randn(5, h, generator=gen, device=DEV).to(torch.bfloat16)
     ids, weights = route(5, e, k, torch.Generator().manual_seed(3))
-    out = tm.moe_experts_nvfp4_triton(x, ids, weights, *w13, *w2, 0, config=TINY_CFG, asm=asm)
+    cfg = {kernel: {**c, "FUSE_K": fuse_k} for kernel, c in TINY_CFG.items()}
+    out = tm.moe_experts_nvfp4_triton(x, ids, weights, *w13, *w2, 0, config=cfg, asm=asm)
     assert rel_err(out, reference(x, ids, weights, w13, w2, 0)) < TOL
 
 

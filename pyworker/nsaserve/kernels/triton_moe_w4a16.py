@@ -143,6 +143,28 @@ def _dequant_byte(words, scale, BYTE: tl.constexpr, ASM: tl.constexpr, INTERPRET
 
 
 @triton.jit
+def _cat_k(a, b):
+    """[N, K1] and [N, K1] -> [N, 2·K1], a first along K. In the MMA operand layout the two halves
+    keep their threads (K1 is a multiple of 16), so this only renames registers."""
+    N: tl.constexpr = a.shape[0]
+    K1: tl.constexpr = a.shape[1]
+    return tl.reshape(tl.permute(tl.join(a, b), (0, 2, 1)), (N, 2 * K1))
+
+
+@triton.jit
+def _dequant_block(words, scale, ASM: tl.constexpr, INTERPRET: tl.constexpr):
+    """A whole K block as one MMA operand [BLOCK_N, BLOCK_K], in the activations' permuted order
+    (input 8j + r at r·BLOCK_K/8 + j): the 8 byte/nibble tiles side by side along K. One MMA per
+    K block instead of 8 keeps the MMAs asynchronous (each partial MMA on a register operand
+    waited for its completion before the next)."""
+    l0, h0 = _dequant_byte(words, scale, 0, ASM, INTERPRET)
+    l1, h1 = _dequant_byte(words, scale, 1, ASM, INTERPRET)
+    l2, h2 = _dequant_byte(words, scale, 2, ASM, INTERPRET)
+    l3, h3 = _dequant_byte(words, scale, 3, ASM, INTERPRET)
+    return _cat_k(_cat_k(_cat_k(l0, h0), _cat_k(l1, h1)), _cat_k(_cat_k(l2, h2), _cat_k(l3, h3)))
+
+
+@triton.jit
 def _local_expert(ids_ptr, slots, n_slots, first_expert, num_local):
     """Local expert of each slot (int32), or -1 past the end or for an expert of another rank."""
     inb = slots < n_slots
@@ -214,7 +236,8 @@ def _gate_up_kernel(
     x_ptr, w_ptr, s_ptr, s2_ptr, sorted_slot_ptr, block_expert_ptr, h_ptr,
     top_k,
     K: tl.constexpr, INTER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, H_BLOCK_K: tl.constexpr, ASM: tl.constexpr, INTERPRET: tl.constexpr,
+    BLOCK_K: tl.constexpr, H_BLOCK_K: tl.constexpr, FUSE_K: tl.constexpr, ASM: tl.constexpr,
+    INTERPRET: tl.constexpr,
 ):  # fmt: skip
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -232,20 +255,25 @@ def _gate_up_kernel(
     offs_w = tl.arange(0, W)
     acc_g = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    offs_k = tl.arange(0, BLOCK_K)
     for i in range(K // BLOCK_K):
         wg, sg = _load_tile(w_ptr, s_ptr, rows_g, i, K // 8, K // 16, BLOCK_N, BLOCK_K, ASM)
         wu, su = _load_tile(w_ptr, s_ptr, rows_u, i, K // 8, K // 16, BLOCK_N, BLOCK_K, ASM)
-        for byte in tl.static_range(4):
-            # x is permuted per K block so that inputs 8j + r sit at r * W + j (see _permute_row).
-            xp = x_ptr + tok[None, :] * K + i * BLOCK_K + 2 * byte * W + offs_w[:, None]
-            x_lo = mma_operand(tl.load(xp, mask=valid[None, :], other=0.0), INTERPRET)  # [W, BLOCK_M]
-            x_hi = mma_operand(tl.load(xp + W, mask=valid[None, :], other=0.0), INTERPRET)
-            lo, hi = _dequant_byte(wg, sg, byte, ASM, INTERPRET)
-            acc_g = tl.dot(lo, x_lo, acc_g)
-            acc_g = tl.dot(hi, x_hi, acc_g)
-            lo, hi = _dequant_byte(wu, su, byte, ASM, INTERPRET)
-            acc_u = tl.dot(lo, x_lo, acc_u)
-            acc_u = tl.dot(hi, x_hi, acc_u)
+        # x is permuted per K block so that input 8j + r sits at r * W + j (see _permute_row).
+        xp = x_ptr + tok[None, :] * K + i * BLOCK_K
+        if FUSE_K:
+            xt = mma_operand(tl.load(xp + offs_k[:, None], mask=valid[None, :], other=0.0), INTERPRET)
+            acc_g = tl.dot(_dequant_block(wg, sg, ASM, INTERPRET), xt, acc_g)
+            acc_u = tl.dot(_dequant_block(wu, su, ASM, INTERPRET), xt, acc_u)
+        else:
+            for byte in tl.static_range(4):
+                xb = xp + 2 * byte * W + offs_w[:, None]
+                x_lo = mma_operand(tl.load(xb, mask=valid[None, :], other=0.0), INTERPRET)  # [W, BLOCK_M]
+                x_hi = mma_operand(tl.load(xb + W, mask=valid[None, :], other=0.0), INTERPRET)
+                lo, hi = _dequant_byte(wg, sg, byte, ASM, INTERPRET)
+                acc_g = tl.dot(hi, x_hi, tl.dot(lo, x_lo, acc_g))
+                lo, hi = _dequant_byte(wu, su, byte, ASM, INTERPRET)
+                acc_u = tl.dot(hi, x_hi, tl.dot(lo, x_lo, acc_u))
     fix = 2.0**_ASM_SHIFT if ASM else 1.0
     g = acc_g * (tl.load(s2_ptr + 2 * e) * fix)
     u = acc_u * (tl.load(s2_ptr + 2 * e + 1) * fix)
@@ -260,7 +288,7 @@ def _gate_up_kernel(
 def _down_kernel(
     h_ptr, w_ptr, s_ptr, s2_ptr, sorted_slot_ptr, block_expert_ptr, topk_w_ptr, y_ptr,
     HIDDEN: tl.constexpr, INTER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, ASM: tl.constexpr, INTERPRET: tl.constexpr,
+    BLOCK_K: tl.constexpr, FUSE_K: tl.constexpr, ASM: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -275,16 +303,21 @@ def _down_kernel(
     rows = e.to(tl.int64) * HIDDEN + offs_n
     offs_w = tl.arange(0, W)
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    offs_k = tl.arange(0, BLOCK_K)
     for i in range(INTER // BLOCK_K):
         wt, st = _load_tile(w_ptr, s_ptr, rows, i, INTER // 8, INTER // 16, BLOCK_N, BLOCK_K, ASM)
-        for byte in tl.static_range(4):
-            # h rows were written in this kernel's K-block permutation by the gate/up kernel.
-            hp = h_ptr + offs_m[None, :].to(tl.int64) * INTER + i * BLOCK_K + 2 * byte * W + offs_w[:, None]
-            h_lo = mma_operand(tl.load(hp), INTERPRET)  # [W, BLOCK_M]
-            h_hi = mma_operand(tl.load(hp + W), INTERPRET)
-            lo, hi = _dequant_byte(wt, st, byte, ASM, INTERPRET)
-            acc = tl.dot(lo, h_lo, acc)
-            acc = tl.dot(hi, h_hi, acc)
+        # h rows were written in this kernel's K-block permutation by the gate/up kernel.
+        hp = h_ptr + offs_m[None, :].to(tl.int64) * INTER + i * BLOCK_K
+        if FUSE_K:
+            acc = tl.dot(
+                _dequant_block(wt, st, ASM, INTERPRET), mma_operand(tl.load(hp + offs_k[:, None]), INTERPRET), acc
+            )
+        else:
+            for byte in tl.static_range(4):
+                hb = hp + 2 * byte * W + offs_w[:, None]
+                lo, hi = _dequant_byte(wt, st, byte, ASM, INTERPRET)
+                acc = tl.dot(lo, mma_operand(tl.load(hb), INTERPRET), acc)
+                acc = tl.dot(hi, mma_operand(tl.load(hb + W), INTERPRET), acc)
     fix = 2.0**_ASM_SHIFT if ASM else 1.0
     route_w = tl.load(topk_w_ptr + slot, mask=valid, other=0.0)
     y = acc * (tl.load(s2_ptr + e) * fix) * route_w[None, :]
@@ -321,13 +354,14 @@ def _pow2_chunks(n: int, chunk: int) -> int:
 
 
 def pick_block_m(num_slots: int, num_local: int) -> int:
-    """Tokens per expert block. Each block re-reads its expert's weights, and the kernels are bound
-    by reading and dequantising weights, not by the MMA: a block should hold all of an expert's
-    tokens (the busiest experts get about twice the average under uniform routing)."""
+    """Tokens per expert block. Each block re-reads and re-dequantises its expert's weights, but
+    the MMA work grows with the block too: tokens are the MMA's N side, and at 64 the tensor cores
+    take longer than the dequantisation (measured on the H200: 64 was 1.8x slower than 16 at one
+    token, 32 8% slower at 256 tokens with one block per expert either way)."""
     per_expert = num_slots / max(1, num_local)
     if per_expert <= 8:
         return 16
-    if per_expert <= 20:
+    if per_expert <= 96:
         return 32
     return 64
 
@@ -337,11 +371,13 @@ def max_blocks(num_slots: int, num_local: int, block_m: int) -> int:
     return triton.cdiv(num_slots, block_m) + min(num_local, num_slots)
 
 
+# FUSE_K: one MMA per K block on the whole dequantised tile (asynchronous: the MMAs overlap the
+# next dequantisation) rather than 8 partial MMAs, each of which waited for completion.
 DEFAULT_CONFIG = {
-    "gate_up": {"BLOCK_N": 64, "BLOCK_K": 256, "num_warps": 4, "num_stages": 3},
-    # 128 rows: fewer wgmma fences and address updates per value (3.3 vs 3.9 instructions per
-    # value in the loop); the down kernel has one weight tile where gate/up has two.
-    "down": {"BLOCK_N": 128, "BLOCK_K": 256, "num_warps": 4, "num_stages": 3},
+    "gate_up": {"BLOCK_N": 64, "BLOCK_K": 256, "FUSE_K": True, "num_warps": 4, "num_stages": 3},
+    # 128 rows: fewer wgmma fences and address updates per value; the down kernel has one weight
+    # tile where gate/up has two.
+    "down": {"BLOCK_N": 128, "BLOCK_K": 256, "FUSE_K": True, "num_warps": 4, "num_stages": 3},
 }
 
 
@@ -368,7 +404,7 @@ def moe_experts_nvfp4_triton(
     inter = two_inter // 2
     if w2.shape != (num_local, hidden, inter // 2):
         raise ValueError(f"w2 shape {tuple(w2.shape)} does not match w13 {tuple(w13.shape)} and hidden {hidden}")
-    cfg = {**DEFAULT_CONFIG, **(config or {})}
+    cfg = {k: {**v, **(config or {}).get(k, {})} for k, v in DEFAULT_CONFIG.items()}
     # K blocks of at least 128: each of the 8 partial dots of a block needs K >= 16.
     gu = {
         **cfg["gate_up"],
@@ -407,7 +443,7 @@ def moe_experts_nvfp4_triton(
     h = torch.empty(rows, inter, dtype=torch.bfloat16, device=dev)
     _gate_up_kernel[(inter // gu["BLOCK_N"], nblocks)](
         xp, w13.view(torch.int32), w13_scale, w13_scale_2, sorted_slot, block_expert, h, top_k,
-        K=hidden, INTER=inter, BLOCK_M=bm, BLOCK_N=gu["BLOCK_N"], BLOCK_K=gu["BLOCK_K"], H_BLOCK_K=dn["BLOCK_K"],
+        K=hidden, INTER=inter, BLOCK_M=bm, BLOCK_N=gu["BLOCK_N"], BLOCK_K=gu["BLOCK_K"], H_BLOCK_K=dn["BLOCK_K"], FUSE_K=gu["FUSE_K"],
         ASM=asm, INTERPRET=_INTERPRET, num_warps=gu["num_warps"], num_stages=gu["num_stages"],
     )  # fmt: skip
 
@@ -415,7 +451,7 @@ def moe_experts_nvfp4_triton(
     y = torch.empty(n_slots, hidden, dtype=torch.bfloat16, device=dev)
     _down_kernel[(hidden // dn["BLOCK_N"], nblocks)](
         h, w2.view(torch.int32), w2_scale, w2_scale_2, sorted_slot, block_expert, routing_w, y,
-        HIDDEN=hidden, INTER=inter, BLOCK_M=bm, BLOCK_N=dn["BLOCK_N"], BLOCK_K=dn["BLOCK_K"],
+        HIDDEN=hidden, INTER=inter, BLOCK_M=bm, BLOCK_N=dn["BLOCK_N"], BLOCK_K=dn["BLOCK_K"], FUSE_K=dn["FUSE_K"],
         ASM=asm, INTERPRET=_INTERPRET, num_warps=dn["num_warps"], num_stages=dn["num_stages"],
     )  # fmt: skip
 
