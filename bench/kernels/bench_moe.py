@@ -78,6 +78,31 @@ def torch_path_us(x, ids, weights, w13, w2) -> float:
     return e0.elapsed_time(e1) / 3 * 1e3
 
 
+KERNELS = ("_align_kernel", "_gate_up_kernel", "_down_kernel", "_sum_kernel")
+
+
+def kernel_breakdown(call, reps: int = 5) -> dict:
+    """Device microseconds per call of each of the four kernels (torch profiler, eager calls)."""
+    try:
+        from torch.profiler import ProfilerActivity, profile
+
+        call()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(reps):
+                call()
+            torch.cuda.synchronize()
+        out = {}
+        for evt in prof.key_averages():
+            for k in KERNELS:
+                if k in evt.key:
+                    total = getattr(evt, "device_time_total", None) or getattr(evt, "cuda_time_total", 0.0)
+                    out[k.strip("_").replace("_kernel", "_us")] = total / reps
+        return out
+    except Exception as e:  # the breakdown is extra information; never fail the benchmark over it
+        return {"breakdown_error": f"{type(e).__name__}: {str(e)[:120]}"}
+
+
 def configs(sweep: bool):
     """(name, config, block_m, asm): the default alone, or the alternatives a sweep tries."""
     if not sweep:
@@ -120,6 +145,14 @@ def run_batch(batch, w13, w2, gen, copy_bps, sweep, with_torch, rows, save):
             "experts": experts, "MB": nbytes / 1e6, "us": us, "TBps": nbytes / us / 1e6,
             "copy_frac": floor_us / us, "target_us": TARGET_US.get(batch),
         })  # fmt: skip
+        if not sweep:  # where the time goes, and each GEMM's own bandwidth on its weight bytes
+            r = rows[-1]
+            r.update(kernel_breakdown(calls[0]))
+            w13_bytes, w2_bytes = experts * expert_bytes() * 2 / 3, experts * expert_bytes() / 3
+            if r.get("gate_up_us"):
+                r["gate_up_TBps"] = w13_bytes / r["gate_up_us"] / 1e6
+            if r.get("down_us"):
+                r["down_TBps"] = w2_bytes / r["down_us"] / 1e6
         print(rows[-1], flush=True)
         save()
     if with_torch:
@@ -174,15 +207,23 @@ def main() -> None:
         "target_us",
         "torch_us",
         "speedup",
+        "align_us",
+        "gate_up_us",
+        "gate_up_TBps",
+        "down_us",
+        "down_TBps",
+        "sum_us",
     ]
     notes = (
         "us: CUDA-graph replay of the whole routed-expert path (align, gate/up, down, sum); MB: expert "
         "bytes that must be read (21.23 MB per expert with tokens) + activations; copy_frac: that "
-        "floor at the measured copy bandwidth over us; torch_us: the model's torch path, eager."
+        "floor at the measured copy bandwidth over us; torch_us: the model's torch path, eager; "
+        "*_us per kernel: device time of eager calls (profiler), *_TBps: that kernel's weight bytes over it."
     )
     write_results("triton-moe", args.out, ceilings, rows, cols, notes)
     print(f"copy {ceilings['copy_TBps']:.2f} TB/s, bf16 matmul {ceilings['bf16_TFLOPs']:.0f} TFLOP/s")
-    print_table([r for r in rows if "us" in r], cols)
+    if any("us" in r for r in rows):
+        print_table([r for r in rows if "us" in r], cols)
 
 
 if __name__ == "__main__":
