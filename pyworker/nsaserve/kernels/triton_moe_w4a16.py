@@ -232,6 +232,14 @@ def _align_kernel(
 
 
 @triton.jit
+def _block_slots(sorted_slot_ptr, pid_m, BLOCK_M: tl.constexpr):
+    """Sorted rows of expert block pid_m, their (token, k) slots, and which are real (not padding)."""
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    slot = tl.load(sorted_slot_ptr + offs_m)
+    return offs_m, slot, slot >= 0
+
+
+@triton.jit
 def _gate_up_kernel(
     x_ptr, w_ptr, s_ptr, s2_ptr, sorted_slot_ptr, block_expert_ptr, h_ptr,
     top_k,
@@ -245,9 +253,7 @@ def _gate_up_kernel(
     if e < 0:
         return
     W: tl.constexpr = BLOCK_K // 8  # code words per row of a K block; MMA K of each partial dot
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    slot = tl.load(sorted_slot_ptr + offs_m)
-    valid = slot >= 0
+    offs_m, slot, valid = _block_slots(sorted_slot_ptr, pid_m, BLOCK_M)
     tok = tl.where(valid, slot // top_k, 0).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rows_g = e.to(tl.int64) * (2 * INTER) + offs_n
@@ -296,9 +302,7 @@ def _down_kernel(
     if e < 0:
         return
     W: tl.constexpr = BLOCK_K // 8
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    slot = tl.load(sorted_slot_ptr + offs_m)
-    valid = slot >= 0
+    offs_m, slot, valid = _block_slots(sorted_slot_ptr, pid_m, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = e.to(tl.int64) * HIDDEN + offs_n
     offs_w = tl.arange(0, W)
