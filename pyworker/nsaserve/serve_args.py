@@ -25,6 +25,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     r.add_argument("--mem-fraction-static", type=float, default=0.85, help="GPU memory fraction for weights plus KV cache")
     r.add_argument("--max-total-tokens", type=int, default=None, help="KV pool size in tokens (default on CPU: 65536; on GPU: from free memory)")
     r.add_argument("--page-size", type=int, default=64, help="tokens per KV page")
+    r.add_argument("--moe-backend", choices=["torch", "triton"], default="torch", help="MoE routing and routed experts: torch (reference) or triton (fused routing, NVFP4 W4A16 expert kernels; NVFP4 experts only)")
 
     s = p.add_argument_group("scheduling")
     s.add_argument("--max-running-requests", type=int, default=256, help="requests decoding at once")

@@ -15,7 +15,10 @@ from collections.abc import Callable
 #   "attention": sparse MLA over the paged latent cache  (sparse_mla.py)
 #   "indexer":   lightning-indexer scores + causal top-k over paged index keys  (indexer.py)
 #   "moe_route": sigmoid / bias / group-limited expert choice  (moe.py)
-#   "moe_experts": routed expert MLPs for the experts this rank owns  (moe.py)
+#   "moe_experts": routed expert MLPs for the experts this rank owns  (moe.py). The torch reference
+#                  takes dense weights (the MoE dequantises quantised experts for it); every other
+#                  backend takes the two ExpertStacks (model/expert_stack.py) and reads their
+#                  checkpoint layout itself.
 _BACKENDS: dict[tuple[str, str], Callable] = {}
 
 # Modules holding the built-in torch references; imported on first lookup so that importing the
@@ -29,6 +32,8 @@ _builtins_loaded = False
 _TRITON_BACKENDS = {
     ("indexer", "triton"): "triton_indexer:indexer_topk_triton",
     ("attention", "triton"): "triton_sparse_mla:sparse_mla_triton",
+    ("moe_experts", "triton"): "triton_moe_w4a16:moe_experts_triton",
+    ("moe_route", "triton"): "triton_moe_route:route_noaux_tc_triton",
 }
 
 

@@ -111,7 +111,12 @@ class MoE(nn.Module):
             logits, self.gate.e_score_correction_bias, c.num_experts_per_tok, c.n_group, c.topk_group,
             c.norm_topk_prob, c.routed_scaling_factor,
         )  # fmt: skip
-        y = self._routed(x, ids, weights, get_backend("moe_experts", backends["moe_experts"]))
+        if backends["moe_experts"] == "torch":
+            y = self._routed(x, ids, weights, get_backend("moe_experts", "torch"))
+        else:  # fused kernels read the stacks in their checkpoint layout (no dequantised copy)
+            y = get_backend("moe_experts", backends["moe_experts"])(
+                x, ids, weights, self.w13, self.w2, self.first_expert
+            )
         if self.shared_experts is not None:
             y = y + self.shared_experts(x).float()
         return self.tp.all_reduce(y.to(x.dtype))

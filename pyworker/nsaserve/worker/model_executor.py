@@ -58,6 +58,8 @@ class ModelExecutor:
             tp_rank=args.rank,
             tp_size=args.tp_size,
         )
+        for kind in ("moe_route", "moe_experts"):  # --moe-backend picks both MoE kernels
+            runner.set_backend(kind, args.moe_backend)
         return cls(runner, device)
 
     def run(self, plan: Plan, is_rank0: bool) -> StepResult:

@@ -104,3 +104,19 @@ def nvfp4_linear(
     w = dequantize_nvfp4(weight, weight_scale, weight_scale_2, torch.float32)
     b = None if bias is None else bias.float()
     return F.linear(x.float(), w, b).to(x.dtype)
+
+
+def random_nvfp4_experts(
+    num_experts: int, rows: int, cols: int, parts: int, generator: torch.Generator, device="cpu"
+) -> Nvfp4Weight:
+    """Random stacked expert weights in the NVFP4 layout, made directly from random codes and block
+    scales (for kernel tests and benchmarks at sizes where quantising float weights would dominate):
+    weight uint8 [E, rows, cols/2], weight_scale e4m3 [E, rows, cols/16] spread over 2^-9..2^8.7
+    (subnormals included), weight_scale_2 float32 [E, parts] sized so that a row's dot product with
+    a unit-variance input stays O(1). `generator` must live on `device`."""
+    w = torch.randint(0, 256, (num_experts, rows, cols // 2), dtype=torch.uint8, generator=generator, device=device)
+    exps = torch.empty(num_experts, rows, cols // NVFP4_GROUP_SIZE, device=device).uniform_(
+        -9, 8.7, generator=generator
+    )
+    s2 = torch.rand(num_experts, parts, generator=generator, device=device) + 0.3
+    return Nvfp4Weight(w, torch.exp2(exps).to(torch.float8_e4m3fn), s2 / (cols**0.5 * 3 * 2**2))

@@ -1,0 +1,230 @@
+"""Triton NVFP4 W4A16 MoE (routed experts of one layer) at GLM-5 shapes on one GPU.
+
+    PYTHONPATH=pyworker python bench/kernels/bench_moe.py [--out bench/results] [--batches 1,64,256,1024]
+        [--sweep 1,256] [--partial PATH]
+
+Hidden 6144, 256 experts (all on this GPU), top-8, intermediate 2048, random NVFP4 weights and
+uniform random routing. Times are CUDA-graph replays of moe_experts_nvfp4_triton (align, gate/up +
+SiLU·mul, down · routing weight, sum over k), rotating over several routings. The byte floor is what
+the layer must read: every expert that received a token, 21.23 MB each (codes, block scales,
+globals), plus the activations and the output, over the copy bandwidth measured in the same run
+(bytes read + written by a 2 GiB copy). torch_us is the model's torch path (dequantise the
+experts with tokens, then per-expert bf16 matmuls) called eagerly. --sweep also times other block
+configurations at the listed batches.
+Targets: batch 1 <= 50 us, batch 64 <= 1.4 ms, batch 256 <= 1.6 ms, >= 80% of copy bandwidth.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import sys
+import types
+
+import torch
+from bench_common import bf16_matmul_rate, copy_bandwidth, graph_time_us, machine, print_table, write_results
+
+from nsaserve.kernels import triton_moe_w4a16 as tm
+from nsaserve.kernels.moe import moe_experts_torch
+from nsaserve.kernels.quant.nvfp4 import random_nvfp4_experts
+from nsaserve.model.expert_stack import ExpertStack
+from nsaserve.model.mlp import MoE
+
+HIDDEN, INTER, EXPERTS, TOP_K = 6144, 2048, 256, 8
+TARGET_US = {1: 50.0, 64: 1400.0, 256: 1600.0}
+ROUTINGS = 4  # routings per timed graph (different experts: weights do not stay in L2 at batch 1)
+
+
+def expert_bytes() -> int:
+    w13 = 2 * INTER * (HIDDEN // 2 + HIDDEN // 16) + 2 * 4
+    w2 = HIDDEN * (INTER // 2 + INTER // 16) + 4
+    return w13 + w2
+
+
+def make_stacks(gen):
+    w13 = random_nvfp4_experts(EXPERTS, 2 * INTER, HIDDEN, 2, gen, "cuda")
+    w2 = random_nvfp4_experts(EXPERTS, HIDDEN, INTER, 1, gen, "cuda")
+    return w13, w2
+
+
+def routing(batch: int, gen):
+    ids = torch.rand(batch, EXPERTS, generator=gen, device="cuda").topk(TOP_K, dim=-1).indices
+    weights = torch.rand(batch, TOP_K, generator=gen, device="cuda") + 0.1
+    return ids, weights
+
+
+def torch_path_us(x, ids, weights, w13, w2) -> float:
+    """The model's torch path (MoE._routed: dequantise the experts with tokens in bounded groups,
+    then moe_experts_torch), on ExpertStacks holding the same tensors."""
+    stacks = []
+    for parts, (rows, cols), q in (
+        (("gate_proj", "up_proj"), (INTER, HIDDEN), w13),
+        (("down_proj",), (HIDDEN, INTER), w2),
+    ):
+        s = ExpertStack("nvfp4", parts, rows, cols, EXPERTS, dtype=torch.bfloat16, device="cuda")
+        s.weight.data, s.weight_scale.data, s.weight_scale_2.data = q.weight, q.weight_scale, q.weight_scale_2
+        stacks.append(s)
+    moe = types.SimpleNamespace(w13=stacks[0], w2=stacks[1], first_expert=0, num_local=EXPERTS)
+    call = lambda: MoE._routed(moe, x, ids, weights, moe_experts_torch)  # noqa: E731
+    call()
+    torch.cuda.synchronize()
+    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    e0.record()
+    for _ in range(3):
+        call()
+    e1.record()
+    e1.synchronize()
+    return e0.elapsed_time(e1) / 3 * 1e3
+
+
+KERNELS = ("_align_kernel", "_gate_up_kernel", "_down_kernel", "_sum_kernel")
+
+
+def kernel_breakdown(call, reps: int = 5) -> dict:
+    """Device microseconds per call of each of the four kernels (torch profiler, eager calls)."""
+    try:
+        from torch.profiler import ProfilerActivity, profile
+
+        call()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(reps):
+                call()
+            torch.cuda.synchronize()
+        out = {}
+        for evt in prof.key_averages():
+            for k in KERNELS:
+                if k in evt.key:
+                    total = getattr(evt, "device_time_total", None) or getattr(evt, "cuda_time_total", 0.0)
+                    out[k.strip("_").replace("_kernel", "_us")] = total / reps
+        return out
+    except Exception as e:  # the breakdown is extra information; never fail the benchmark over it
+        return {"breakdown_error": f"{type(e).__name__}: {str(e)[:120]}"}
+
+
+def configs(sweep: bool):
+    """(name, config, block_m, asm): the default alone, or the alternatives a sweep tries."""
+    if not sweep:
+        yield "default", {}, None, True
+        return
+    yield "portable dequant", {}, None, False
+    yield "8 partial MMAs per K block", {"gate_up": {"FUSE_K": False}, "down": {"FUSE_K": False}}, None, True
+    yield "block_m 32", {}, 32, True
+    gate_up = ((64, 256, 4, 4), (64, 256, 4, 2), (64, 128, 4, 4), (128, 256, 8, 3))
+    for bn, bk, warps, stages in gate_up:
+        c = {"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps, "num_stages": stages}
+        yield f"gate_up {bn}x{bk} w{warps} s{stages}", {"gate_up": c}, None, True
+    for bn, bk, warps, stages in ((64, 256, 4, 3), (128, 256, 4, 2), (128, 128, 4, 4), (128, 256, 8, 3)):
+        c = {"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps, "num_stages": stages}
+        yield f"down {bn}x{bk} w{warps} s{stages}", {"down": c}, None, True
+
+
+def run_batch(batch, w13, w2, gen, copy_bps, sweep, with_torch, rows, save):
+    """Appends one row per configuration to `rows`, calling save() after each."""
+    sets = []
+    for _ in range(ROUTINGS):
+        ids, weights = routing(batch, gen)
+        sets.append((torch.randn(batch, HIDDEN, generator=gen, device="cuda").to(torch.bfloat16), ids, weights))
+    experts = sum(torch.unique(ids).numel() for _, ids, _ in sets) / ROUTINGS
+    nbytes = experts * expert_bytes() + batch * HIDDEN * (2 + 4) + batch * TOP_K * 12
+    floor_us = nbytes / copy_bps * 1e6
+    first = len(rows)
+    for name, config, block_m, asm in configs(sweep):
+        run = functools.partial(tm.moe_experts_nvfp4_triton, block_m=block_m, config=config, asm=asm)
+        calls = [functools.partial(run, x, ids, w, *w13, *w2, 0) for x, ids, w in sets]
+        try:
+            us = graph_time_us(calls)
+        except Exception as e:  # a configuration that does not compile or fit is recorded, not fatal
+            rows.append({"batch": batch, "variant": name, "error": f"{type(e).__name__}: {str(e)[:200]}"})
+            print(rows[-1], flush=True)
+            save()
+            continue
+        rows.append({
+            "batch": batch, "variant": name, "block_m": block_m or tm.pick_block_m(batch * TOP_K, EXPERTS),
+            "experts": experts, "MB": nbytes / 1e6, "us": us, "TBps": nbytes / us / 1e6,
+            "copy_frac": floor_us / us, "target_us": TARGET_US.get(batch),
+        })  # fmt: skip
+        if not sweep:  # where the time goes, and each GEMM's own bandwidth on its weight bytes
+            r = rows[-1]
+            r.update(kernel_breakdown(calls[0]))
+            w13_bytes, w2_bytes = experts * expert_bytes() * 2 / 3, experts * expert_bytes() / 3
+            if r.get("gate_up_us"):
+                r["gate_up_TBps"] = w13_bytes / r["gate_up_us"] / 1e6
+            if r.get("down_us"):
+                r["down_TBps"] = w2_bytes / r["down_us"] / 1e6
+        print(rows[-1], flush=True)
+        save()
+    if with_torch:
+        t = torch_path_us(*sets[0], w13, w2)
+        for r in rows[first:]:
+            if "us" in r:
+                r["torch_us"], r["speedup"] = t, t / r["us"]
+        save()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="bench/results")
+    ap.add_argument("--batches", default="1,64,256,1024")
+    ap.add_argument("--sweep", default="", help="batches that also time other block configurations")
+    ap.add_argument("--torch-batches", default="1,64,256", help="batches that also time the torch path")
+    ap.add_argument(
+        "--partial", default=None, help="JSON file rewritten after each batch (kept if the run is cut short)"
+    )
+    args = ap.parse_args()
+    gen = torch.Generator("cuda").manual_seed(0)
+    ceilings = {"copy_TBps": copy_bandwidth() / 1e12, "bf16_TFLOPs": bf16_matmul_rate() / 1e12}
+    print(ceilings, flush=True)
+    w13, w2 = make_stacks(gen)
+    torch_batches = {int(b) for b in args.torch_batches.split(",") if b}
+    sweep_batches = {int(b) for b in args.sweep.split(",") if b}
+    rows = []
+
+    def save():  # keep what finished if the run is cut short
+        if args.partial:
+            with open(args.partial, "w") as f:
+                json.dump(
+                    {"machine": machine(), "command": " ".join(sys.argv), "ceilings": ceilings, "rows": rows},
+                    f,
+                    indent=1,
+                )
+
+    # Every batch with the default configuration first, then the sweeps (cut first when time runs out).
+    cases = [(int(b), False) for b in args.batches.split(",")] + [(b, True) for b in sorted(sweep_batches)]
+    for batch, sweep in cases:
+        with_torch = batch in torch_batches and not sweep
+        run_batch(batch, w13, w2, gen, ceilings["copy_TBps"] * 1e12, sweep, with_torch, rows, save)
+    cols = [
+        "batch",
+        "variant",
+        "block_m",
+        "experts",
+        "MB",
+        "us",
+        "TBps",
+        "copy_frac",
+        "target_us",
+        "torch_us",
+        "speedup",
+        "align_us",
+        "gate_up_us",
+        "gate_up_TBps",
+        "down_us",
+        "down_TBps",
+        "sum_us",
+    ]
+    notes = (
+        "us: CUDA-graph replay of the whole routed-expert path (align, gate/up, down, sum); MB: expert "
+        "bytes that must be read (21.23 MB per expert with tokens) + activations; copy_frac: that "
+        "floor at the measured copy bandwidth over us; torch_us: the model's torch path, eager; "
+        "*_us per kernel: device time of eager calls (profiler), *_TBps: that kernel's weight bytes over it."
+    )
+    write_results("triton-moe", args.out, ceilings, rows, cols, notes)
+    print(f"copy {ceilings['copy_TBps']:.2f} TB/s, bf16 matmul {ceilings['bf16_TFLOPs']:.0f} TFLOP/s")
+    if any("us" in r for r in rows):
+        print_table([r for r in rows if "us" in r], cols)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,241 @@
+"""Triton NVFP4 W4A16 MoE (kernels/triton_moe_w4a16.py) against the torch reference on the
+dequantised weights (moe.moe_experts_torch + quant.nvfp4.dequantize_nvfp4), on fresh random inputs.
+
+Tiny shapes run everywhere (Triton's CPU interpreter without a GPU); GLM-5 shapes (hidden 6144,
+256 experts, top-8, intermediate 2048) and CUDA-graph replay run only with CUDA.
+"""
+
+import pytest
+import torch
+
+from nsaserve.kernels.moe import moe_experts_torch
+from nsaserve.kernels.quant.nvfp4 import dequantize_nvfp4, quantize_nvfp4, random_nvfp4_experts
+
+triton = pytest.importorskip("triton")
+from nsaserve.kernels import triton_moe_w4a16 as tm  # noqa: E402
+
+CUDA = torch.cuda.is_available()
+DEV = "cuda" if CUDA else "cpu"
+# bf16 activations and a bf16 intermediate h (the weights themselves are exact in bf16).
+TOL = 1.5e-2
+# Portable dequantisation everywhere; the inline-assembly one too where it can run.
+ASM_MODES = [False, True] if CUDA else [False]
+
+
+def rel_err(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def quantized_stacks(num_experts, hidden, inter, gen, device=DEV):
+    """Random float experts quantised like a ModelOpt export: w13 (gate, up) and w2 NVFP4 stacks."""
+
+    def q(rows, cols):
+        parts = [quantize_nvfp4(torch.randn(rows, cols, generator=gen) * (0.5 + torch.rand(1, generator=gen)) / cols**0.5)
+                 for _ in range(num_experts)]  # fmt: skip
+        return [
+            torch.stack([getattr(p, f) for p in parts]).to(device) for f in ("weight", "weight_scale", "weight_scale_2")
+        ]
+
+    gw, gs, gs2 = q(inter, hidden)
+    uw, us, us2 = q(inter, hidden)
+    dw, ds, ds2 = q(hidden, inter)
+    w13 = (torch.cat([gw, uw], 1), torch.cat([gs, us], 1), torch.stack([gs2, us2], 1))
+    return w13, (dw, ds, ds2.view(-1, 1))
+
+
+def random_stacks(num_experts, hidden, inter, gen, device):
+    """Large random NVFP4 stacks from random codes and scales (quantising 5 GB of float weights
+    would dominate the test)."""
+    w13 = random_nvfp4_experts(num_experts, 2 * inter, hidden, 2, gen, device)
+    return w13, random_nvfp4_experts(num_experts, hidden, inter, 1, gen, device)
+
+
+def dense(stack, parts):
+    w, s, s2 = stack
+    rows = w.shape[1] // parts
+    return torch.cat(
+        [dequantize_nvfp4(w[:, p * rows : (p + 1) * rows], s[:, p * rows : (p + 1) * rows], s2[:, p].view(-1, 1, 1))
+         for p in range(parts)], 1)  # fmt: skip
+
+
+def reference(x, ids, weights, w13, w2, first_expert):
+    """moe_experts_torch on the dequantised weights, float32, one expert at a time."""
+    num_local = w13[0].shape[0]
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    local = ids - first_expert
+    for e in torch.unique(local[(local >= 0) & (local < num_local)]).tolist():
+        sel = torch.tensor([e], device=x.device)
+        d13 = dense(tuple(t[sel] for t in w13), 2)
+        d2 = dense(tuple(t[sel] for t in w2), 1)
+        one = torch.where(local == e, 0, -1)
+        out += moe_experts_torch(x.float(), one, weights, d13, d2, 0)
+    return out
+
+
+def route(num_tokens, num_experts, top_k, gen, device=DEV, skew=False):
+    """Distinct experts per token; `skew` sends most tokens to a few experts (uneven blocks)."""
+    if skew:
+        pool = torch.randperm(num_experts, generator=gen)[: max(top_k + 1, num_experts // 8)]
+        ids = torch.stack([pool[torch.randperm(len(pool), generator=gen)[:top_k]] for _ in range(num_tokens)])
+    else:
+        ids = torch.stack([torch.randperm(num_experts, generator=gen)[:top_k] for _ in range(num_tokens)])
+    weights = torch.rand(num_tokens, top_k, generator=gen) + 0.1
+    return ids.to(device), weights.to(device)
+
+
+TINY = dict(num_experts=6, hidden=128, inter=128, top_k=2)
+TINY_CFG = {
+    "gate_up": {"BLOCK_N": 32, "BLOCK_K": 128, "num_warps": 4, "num_stages": 2},
+    "down": {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 2},
+}
+
+
+@pytest.mark.parametrize("asm", ASM_MODES)
+@pytest.mark.parametrize("num_tokens,skew,block_m", [(1, False, None), (7, False, 32), (33, True, 16)])
+def test_tiny_matches_reference(num_tokens, skew, block_m, asm):
+    gen = torch.Generator().manual_seed(1000 + num_tokens)
+    e, h, i, k = TINY["num_experts"], TINY["hidden"], TINY["inter"], TINY["top_k"]
+    w13, w2 = quantized_stacks(e, h, i, gen)
+    x = torch.randn(num_tokens, h, generator=gen).to(DEV, torch.bfloat16)
+    ids, weights = route(num_tokens, e, k, gen, skew=skew)
+    out = tm.moe_experts_nvfp4_triton(x, ids, weights, *w13, *w2, 0, block_m=block_m, config=TINY_CFG, asm=asm)
+    ref = reference(x, ids, weights, w13, w2, 0)
+    assert out.shape == ref.shape and out.dtype == torch.float32
+    assert torch.isfinite(out).all()
+    assert rel_err(out, ref) < TOL
+
+
+@pytest.mark.parametrize("fuse_k", [True, False])
+@pytest.mark.parametrize("asm", ASM_MODES)
+def test_tiny_every_code_and_scale(asm, fuse_k):
+    """Random codes (all 16, both nibbles) and block scales over the whole e4m3 range; one MMA per
+    K block or 8 partial ones."""
+    gen = torch.Generator(DEV).manual_seed(3)
+    e, h, i, k = TINY["num_experts"], TINY["hidden"], TINY["inter"], TINY["top_k"]
+    w13, w2 = random_stacks(e, h, i, gen, DEV)
+    x = torch.randn(5, h, generator=gen, device=DEV).to(torch.bfloat16)
+    ids, weights = route(5, e, k, torch.Generator().manual_seed(3))
+    cfg = {kernel: {**c, "FUSE_K": fuse_k} for kernel, c in TINY_CFG.items()}
+    out = tm.moe_experts_nvfp4_triton(x, ids, weights, *w13, *w2, 0, config=cfg, asm=asm)
+    assert rel_err(out, reference(x, ids, weights, w13, w2, 0)) < TOL
+
+
+def test_tiny_expert_parallel_slice():
+    """This rank owns experts [3, 6) of 9: other experts' slots contribute nothing, tokens with no
+    local expert get exact zeros."""
+    gen = torch.Generator().manual_seed(7)
+    h, i, k = TINY["hidden"], TINY["inter"], 3
+    w13, w2 = quantized_stacks(3, h, i, gen)
+    ids, weights = route(9, 9, k, gen)
+    ids[0] = torch.tensor([0, 1, 8])  # token 0: nothing local
+    x = torch.randn(9, h, generator=gen).to(DEV, torch.bfloat16)
+    out = tm.moe_experts_nvfp4_triton(x, ids, weights, *w13, *w2, 3, config=TINY_CFG)
+    ref = reference(x, ids, weights, w13, w2, 3)
+    assert torch.equal(out[0], torch.zeros_like(out[0]))
+    assert rel_err(out, ref) < TOL
+
+
+def test_block_sizing_is_worst_case():
+    """Buffers sized from the token count hold the padded runs of any routing: with n experts
+    non-empty, the most blocks is n + (slots - n) // block_m (one slot each, the rest in full blocks)."""
+    for slots, experts, bm in [(8, 256, 16), (2048, 256, 16), (8192, 256, 64), (5, 3, 16), (100, 7, 32)]:
+        worst = max(n + (slots - n) // bm for n in range(1, min(experts, slots) + 1))
+        assert tm.max_blocks(slots, experts, bm) >= worst
+
+
+GLM5 = dict(num_experts=256, hidden=6144, inter=2048, top_k=8)
+
+
+@pytest.fixture(scope="module")
+def glm5_stacks():
+    gen = torch.Generator("cuda").manual_seed(11)
+    return random_stacks(GLM5["num_experts"], GLM5["hidden"], GLM5["inter"], gen, "cuda")
+
+
+@pytest.mark.skipif(not CUDA, reason="GLM-5 shapes need CUDA")
+@pytest.mark.parametrize("num_tokens", [1, 64, 256])
+def test_glm5_shapes_match_reference(glm5_stacks, num_tokens):
+    w13, w2 = glm5_stacks
+    gen = torch.Generator().manual_seed(num_tokens)
+    x = torch.randn(num_tokens, GLM5["hidden"], generator=gen).to("cuda", torch.bfloat16)
+    ids, weights = route(num_tokens, GLM5["num_experts"], GLM5["top_k"], gen, "cuda", skew=num_tokens == 64)
+    out = tm.moe_experts_nvfp4_triton(x, ids, weights, *w13, *w2, 0)
+    ref = reference(x, ids, weights, w13, w2, 0)
+    assert torch.isfinite(out).all()
+    assert rel_err(out, ref) < TOL
+    again = tm.moe_experts_nvfp4_triton(x, ids, weights, *w13, *w2, 0)
+    assert torch.equal(out, again), "not deterministic"
+
+
+@pytest.mark.skipif(not CUDA, reason="CUDA graphs need CUDA")
+def test_cuda_graph_replays_new_routing(glm5_stacks):
+    """Captured once for 16 tokens, replayed with other inputs and other routings."""
+    w13, w2 = glm5_stacks
+    gen = torch.Generator().manual_seed(5)
+    t, h = 16, GLM5["hidden"]
+    x = torch.randn(t, h, generator=gen).to("cuda", torch.bfloat16)
+    ids, weights = route(t, GLM5["num_experts"], GLM5["top_k"], gen, "cuda")
+    out = tm.moe_experts_nvfp4_triton(x, ids, weights, *w13, *w2, 0)  # compile outside the capture
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = tm.moe_experts_nvfp4_triton(x, ids, weights, *w13, *w2, 0)
+    for skew in (False, True):
+        new_ids, new_w = route(t, GLM5["num_experts"], GLM5["top_k"], gen, "cuda", skew=skew)
+        x.copy_(torch.randn(t, h, generator=gen).to("cuda", torch.bfloat16))
+        ids.copy_(new_ids)
+        weights.copy_(new_w)
+        out.fill_(float("nan"))
+        g.replay()
+        assert rel_err(out, reference(x, ids, weights, w13, w2, 0)) < TOL
+
+
+@pytest.mark.parametrize(
+    "num_experts,top_k,n_group,topk_group,norm",
+    [(8, 2, 1, 1, True), (16, 4, 4, 2, True), (256, 8, 1, 1, True), (256, 8, 8, 4, True), (64, 6, 1, 1, False)],
+)
+def test_routing_matches_reference(num_experts, top_k, n_group, topk_group, norm):
+    """Sigmoid + bias + group top-k (GLM-5: 1 group; DeepSeek-V3.2: 8 groups keep 4)."""
+    from nsaserve.kernels.moe import route_noaux_tc
+    from nsaserve.kernels.triton_moe_route import route_noaux_tc_triton
+
+    gen = torch.Generator().manual_seed(num_experts + top_k)
+    logits = (torch.randn(9, num_experts, generator=gen) * 2).to(DEV)
+    bias = (torch.randn(num_experts, generator=gen) * 0.1).to(DEV)
+    args = (logits, bias, top_k, n_group, topk_group, norm, 2.5)
+    w, ids = route_noaux_tc_triton(*args)
+    ref_w, ref_ids = route_noaux_tc(*args)
+    assert ids.dtype == ref_ids.dtype and torch.equal(ids, ref_ids)
+    assert torch.allclose(w, ref_w, rtol=1e-5, atol=1e-6)
+
+
+def test_align_layout():
+    """Every local slot appears once, in input order within its expert; each expert's run starts on
+    a block boundary and is padded with -1; blocks past the last run are marked unused."""
+    gen = torch.Generator().manual_seed(2)
+    e, bm, k = 5, 16, 3
+    ids, _ = route(30, 9, k, gen, skew=True)
+    ids = ids.to(DEV)
+    local = (ids - 2).flatten().cpu()  # this rank owns experts 2..6
+    n_slots = ids.numel()
+    nblocks = tm.max_blocks(n_slots, e, bm)
+    slots = torch.full((nblocks * bm,), 77, dtype=torch.int32, device=DEV)
+    blocks = torch.full((nblocks,), 77, dtype=torch.int32, device=DEV)
+    x = torch.zeros(30, 128, device=DEV)
+    xp = torch.empty(30, 128, dtype=torch.bfloat16, device=DEV)
+    tm._align_kernel[(e + 30,)](
+        ids, slots, blocks, x, xp, n_slots, 2, e, nblocks,
+        E_P2=8, BLOCK_M=bm, CHUNK=32, SLOT_CHUNKS=4, EXPERT_BLOCK_CHUNKS=1, BLOCK_CHUNKS=2, HIDDEN=128, BLOCK_K=128,
+    )  # fmt: skip
+    slots, blocks = slots.cpu(), blocks.cpu()
+    row = 0
+    for b, expert in enumerate(blocks.tolist()):
+        if expert < 0:
+            assert all(x < 0 for x in blocks[b:].tolist())
+            break
+        if b == 0 or blocks[b - 1] != expert:
+            mine = torch.nonzero(local == expert).flatten().tolist()
+            run = -(-len(mine) // bm) * bm
+            assert slots[row : row + run].tolist() == mine + [-1] * (run - len(mine))
+            row += run
+    assert row == sum(-(-int((local == x).sum()) // bm) * bm for x in range(e))
