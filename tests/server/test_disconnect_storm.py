@@ -134,8 +134,9 @@ def test_a_disconnect_storm_leaks_no_page_and_keeps_the_counters_consistent(star
     finished = delta('nsaserve_engine_requests_ended_total{outcome="finished"}')
     aborted = delta('nsaserve_engine_requests_ended_total{outcome="aborted"}')
     failed = delta('nsaserve_engine_requests_ended_total{outcome="failed"}')
+    print(f"engine: {submitted:.0f} submitted, {finished:.0f} finished, {aborted:.0f} aborted, {failed:.0f} failed")
     assert submitted == finished + aborted + failed, m
-    assert failed == 0
+    assert failed == 0 and aborted > 0
     # Every client that stayed finished; a client that left may have been too late to abort.
     assert stayed <= finished and aborted <= CLIENTS - stayed and submitted <= CLIENTS, m
     # HTTP saw no errors; each response counted once, at most one per client.

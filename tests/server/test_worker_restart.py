@@ -1,7 +1,8 @@
 """Worker death and recovery: a worker killed mid-batch fails every open request within 5 s
 (503 with Retry-After, or an error event in a stream) and turns /health 503; requests that
 arrive meanwhile get 503 with Retry-After; then serve restarts the whole worker group and serves
-again, exactly, from a full KV pool. A group that keeps dying is restarted only so often."""
+again, exactly, from a full KV pool. A hung worker is replaced too; a group that keeps failing
+is restarted only so often."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import urllib.request
 from dataclasses import dataclass
 
 import pytest
-from server_process import DEVICE_FLAG, gpus_short_of, worker_pid
+from server_process import DEVICE_FLAG, alive, gpus_short_of, worker_pid
 
 from nsaserve.serve import EMBEDDED_MODEL
 
@@ -61,12 +62,12 @@ def post_completion(base_url: str, prompt: str, max_tokens: int, stream: bool, s
     return out
 
 
-def kill_worker(server, rank: int) -> None:
-    """SIGKILL the worker of `rank`; returns once /health says so (within 5 s)."""
-    os.kill(worker_pid(server.proc.pid, rank), signal.SIGKILL)
+def kill_worker(server, rank: int, sig: signal.Signals = signal.SIGKILL) -> None:
+    """Signals the worker of `rank`; returns once /health says it is gone (within 5 s)."""
+    os.kill(worker_pid(server.proc.pid, rank), sig)
     t0 = time.monotonic()
     while server.get("/health")[0] == 200:
-        assert time.monotonic() - t0 < 5, "a dead worker went unnoticed for 5 s"
+        assert time.monotonic() - t0 < 5, f"a worker given {sig.name} went unnoticed for 5 s"
         time.sleep(0.05)
 
 
@@ -129,10 +130,14 @@ def test_killed_worker_fails_the_batch_then_the_group_restarts_and_serves_exactl
     assert server.stop() == 0
 
 
-def test_a_group_that_keeps_dying_is_restarted_only_so_often(start_server):
-    server = start_server(DEVICE_FLAG, "--max-worker-restarts=1")
-    kill_worker(server, 0)
+def test_a_hung_worker_is_replaced_but_a_group_that_keeps_failing_only_so_often(start_server):
+    server = start_server(DEVICE_FLAG, "--max-worker-restarts=1", "--heartbeat-timeout=2")
+    # Stopped, not dead: only its silence tells; the restart must kill it for good.
+    hung = worker_pid(server.proc.pid, 0)
+    kill_worker(server, 0, signal.SIGSTOP)
     wait_for_health(server, RECOVERY_LIMIT_S)
+    assert worker_pid(server.proc.pid, 0) != hung and not alive(hung)
+    assert server.complete("Errors should never", max_tokens=12).startswith(" pass silently.\nUnless explicitly silenced.")
     kill_worker(server, 0)
     wait_for_line(server, "not restarting again")
     # Given up: HTTP stays up and answers 503, and no worker is left behind.
