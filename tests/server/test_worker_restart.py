@@ -131,7 +131,7 @@ def test_killed_worker_fails_the_batch_then_the_group_restarts_and_serves_exactl
 
 
 def test_a_hung_worker_is_replaced_but_a_group_that_keeps_failing_only_so_often(start_server):
-    server = start_server(DEVICE_FLAG, "--max-worker-restarts=1", "--heartbeat-timeout=2")
+    server = start_server(DEVICE_FLAG, "--max-worker-restarts=1", "--heartbeat-timeout=3")
     # Stopped, not dead: only its silence tells; the restart must kill it for good.
     hung = worker_pid(server.proc.pid, 0)
     kill_worker(server, 0, signal.SIGSTOP)
