@@ -2,8 +2,11 @@
 
 It binds the router's sockets, starts `--tp` worker processes, waits for every hello, then lets
 the router (Rust, in this process, on its own threads) serve HTTP while this thread watches the
-workers. Ctrl-C or SIGTERM stops everything: the router first (open requests end cleanly), then
-the workers (asked, then terminated, then killed), then the runtime directory is removed.
+workers. When a worker dies or goes silent, open requests fail, HTTP answers 503, and (unless
+--no-restart-workers) the whole group is killed and started again; the router serves again with
+an empty KV pool once every new worker said hello. Ctrl-C or SIGTERM stops everything: the
+router first (open requests end cleanly), then the workers (asked, then terminated, then
+killed), then the runtime directory is removed.
 """
 
 from __future__ import annotations
@@ -16,12 +19,17 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 EMBEDDED_MODEL = Path(__file__).parent / "embedded_model"
 POLL_S = 0.2
+# --max-worker-restarts counts the restarts within this window.
+RESTART_WINDOW_S = 600.0
+# Seconds the rest of a failed worker group gets to exit on SIGTERM before SIGKILL.
+KILL_GRACE_S = 2.0
 
 
 class ServeError(RuntimeError):
@@ -116,6 +124,8 @@ class Supervisor:
         self.runtime_dir: str | None = None
         self.workers: list[WorkerProcess] = []
         self.router = None
+        # When each worker restart of the last RESTART_WINDOW_S began (monotonic seconds).
+        self.restarts: list[float] = []
 
     def start(self) -> None:
         from ._router import Router
@@ -133,11 +143,16 @@ class Supervisor:
             # mkdtemp makes the directory 0700: only this user can reach the worker sockets.
             self.runtime_dir = tempfile.mkdtemp(prefix="nsaserve-")
         self.router = Router(json.dumps(router_config(self.args, self.runtime_dir, self.model_path)))
+        self.spawn_workers()
+        self.info = self.wait_ready(self.router.poll_ready)
+
+    def spawn_workers(self) -> None:
+        # A fresh rendezvous port each time: a restarted group must not meet the old one's.
         dist_init = f"tcp://127.0.0.1:{free_port()}" if self.args.tp > 1 else None
+        self.workers = []
         for rank in range(self.args.tp):
             cmd = worker_command(self.args, rank, self.runtime_dir, dist_init, self.model_path, self.device)
             self.workers.append(WorkerProcess(rank, subprocess.Popen(cmd, stdin=subprocess.DEVNULL)))
-        self.wait_ready()
 
     def dead_worker(self) -> tuple[int, str] | None:
         for w in self.workers:
@@ -146,21 +161,21 @@ class Supervisor:
                 return w.rank, reason
         return None
 
-    def wait_ready(self) -> None:
+    def wait_ready(self, poll) -> dict:
+        """Polls (`Router.poll_ready` or `poll_restarted`) until every worker said hello."""
         deadline = time.monotonic() + self.args.startup_timeout
         while True:
             try:
-                info = self.router.poll_ready(POLL_S)
+                info = poll(POLL_S)
             except RuntimeError as e:
                 raise ServeError(str(e)) from None
             if info is not None:
-                self.info = json.loads(info)
-                return
+                return json.loads(info)
             dead = self.dead_worker()
             if dead is not None:
                 # Give its fatal line a moment to arrive: it is more useful than an exit code.
                 try:
-                    info = self.router.poll_ready(1.0)
+                    info = poll(1.0)
                 except RuntimeError as e:
                     raise ServeError(str(e)) from None
                 raise ServeError(f"worker rank {dead[0]} {dead[1]} before it was ready")
@@ -177,19 +192,81 @@ class Supervisor:
             flush=True,
         )
         if Path(self.model_path) == EMBEDDED_MODEL:
-            show_sample_completion(a.host, a.port, a.api_key)
-        # Until signalled. A dead worker fails every open request and turns /health red (the
-        # router answers 503 from then on); the HTTP server stays up so load balancers see it.
-        reported = False
+            # On its own thread: a worker that dies meanwhile is noticed at once, not after it.
+            threading.Thread(target=show_sample_completion, args=(a.host, a.port, a.api_key), daemon=True).start()
+        # Until signalled. A dead or silent worker fails every open request and turns /health
+        # red (the router answers 503 from then on); the HTTP server stays up so load balancers
+        # see it. Then the worker group is restarted, unless that is off or keeps failing.
+        given_up = False
         while True:
             time.sleep(POLL_S)
-            dead = self.dead_worker()
-            if dead is not None and not reported:
-                self.router.worker_exited(dead[0], dead[1])
-            if not reported and (dead is not None or not self.router.is_running()):
-                reason = self.router.exit_reason() or (f"worker rank {dead[0]} {dead[1]}" if dead else "the engine stopped")
+            reason = None if given_up else self.group_failure()
+            if reason is None:
+                continue
+            if not a.restart_workers:
                 print(f"nsaserve: error: {reason}; answering 503 until restarted", file=sys.stderr, flush=True)
-                reported = True
+                given_up = True
+            else:
+                given_up = not self.recover(reason)
+
+    def group_failure(self) -> str | None:
+        """Why the worker group cannot serve, or None while it can."""
+        dead = self.dead_worker()
+        if dead is not None:
+            # The engine may be waiting on that rank: fail its requests now, not at the
+            # heartbeat limit.
+            self.router.worker_exited(dead[0], dead[1])
+        elif self.router.is_running():
+            return None
+        return self.router.exit_reason() or (f"worker rank {dead[0]} {dead[1]}" if dead else "the engine stopped")
+
+    def recover(self, reason: str) -> bool:
+        """Restarts the worker group until it serves again; False once the restart budget
+        (--max-worker-restarts within RESTART_WINDOW_S) is spent, so a model that crashes at
+        once does not spin forever."""
+        while True:
+            now = time.monotonic()
+            self.restarts = [t for t in self.restarts if now - t < RESTART_WINDOW_S]
+            if len(self.restarts) >= self.args.max_worker_restarts:
+                print(
+                    f"nsaserve: error: {reason}; {len(self.restarts)} worker restarts in "
+                    f"{RESTART_WINDOW_S / 60:.0f} minutes, not restarting again: answering 503 until restarted",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                self.stop_workers()
+                return False
+            self.restarts.append(now)
+            print(f"nsaserve: error: {reason}; restarting the workers (answering 503 meanwhile)", file=sys.stderr, flush=True)
+            try:
+                self.stop_workers()
+                self.router.begin_restart()
+                self.spawn_workers()
+                self.info = self.wait_ready(self.router.poll_restarted)
+            except (ServeError, RuntimeError) as e:
+                reason = f"the restart failed: {e}"
+                continue
+            print(
+                f"nsaserve: workers restarted in {time.monotonic() - now:.1f} s; serving again "
+                f"({self.info['num_pages']} KV pages)",
+                file=sys.stderr,
+                flush=True,
+            )
+            return True
+
+    def stop_workers(self) -> None:
+        """Ends the current worker group at once: SIGTERM, then SIGKILL after a grace period.
+        (A surviving rank may be stuck in a collective with the dead one: no polite exit.)"""
+        for w in self.workers:
+            if w.proc.poll() is None:
+                w.proc.terminate()
+        deadline = time.monotonic() + KILL_GRACE_S
+        for w in self.workers:
+            try:
+                w.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                w.proc.kill()
+                w.proc.wait()
 
     def stop(self) -> None:
         if self.router is not None:

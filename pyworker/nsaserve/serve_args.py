@@ -59,5 +59,17 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     w.add_argument("--worker-base-port", type=int, default=31000, help="first of tp + 1 ports for the worker sockets (tcp)")
     w.add_argument("--startup-timeout", type=float, default=900.0, help="seconds to wait for every worker's hello")
     w.add_argument("--heartbeat-timeout", type=float, default=5.0, help="a worker silent this long is declared dead")
+    w.add_argument(
+        "--restart-workers",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="after a worker dies or goes silent, restart the whole worker group and serve again (503 with Retry-After meanwhile)",
+    )
+    w.add_argument(
+        "--max-worker-restarts",
+        type=int,
+        default=3,
+        help="restarts allowed within 10 minutes; past that, serve stops restarting and answers 503 until stopped",
+    )
     w.add_argument("--random-seed", type=int, default=0, help="seed for unseeded sampling")
     w.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info")

@@ -8,6 +8,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use parking_lot::Mutex;
 
+use crate::scheduler::RequestCounts;
+
 const LATENCY_BUCKETS: &[f64] = &[
     0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
     20.0, 40.0, 80.0,
@@ -102,7 +104,9 @@ pub struct SchedulerGauges {
     /// Requests admitted and not finished.
     pub running: u64,
     pub kv_pages_used: u64,
+    /// Free or held only by the prefix cache (reclaimable).
     pub kv_pages_free: u64,
+    pub kv_pages_total: u64,
 }
 
 pub struct Metrics {
@@ -122,6 +126,10 @@ pub struct Metrics {
     running: AtomicU64,
     kv_pages_used: AtomicU64,
     kv_pages_free: AtomicU64,
+    kv_pages_total: AtomicU64,
+    /// Requests the engine accepted, and how they left it (across worker restarts).
+    engine_requests: Mutex<RequestCounts>,
+    worker_restarts: AtomicU64,
 }
 
 impl Default for Metrics {
@@ -167,6 +175,9 @@ impl Metrics {
             running: AtomicU64::new(0),
             kv_pages_used: AtomicU64::new(0),
             kv_pages_free: AtomicU64::new(0),
+            kv_pages_total: AtomicU64::new(0),
+            engine_requests: Mutex::new(RequestCounts::default()),
+            worker_restarts: AtomicU64::new(0),
         }
     }
 
@@ -177,6 +188,22 @@ impl Metrics {
         self.running.store(g.running, Ordering::Relaxed);
         self.kv_pages_used.store(g.kv_pages_used, Ordering::Relaxed);
         self.kv_pages_free.store(g.kv_pages_free, Ordering::Relaxed);
+        self.kv_pages_total
+            .store(g.kv_pages_total, Ordering::Relaxed);
+    }
+
+    /// Adds the engine's request counts since its last report.
+    pub fn add_engine_requests(&self, delta: RequestCounts) {
+        let mut c = self.engine_requests.lock();
+        c.submitted += delta.submitted;
+        c.finished += delta.finished;
+        c.aborted += delta.aborted;
+        c.failed += delta.failed;
+    }
+
+    /// The worker group was restarted after a failure and serves again.
+    pub fn add_worker_restart(&self) {
+        self.worker_restarts.fetch_add(1, Ordering::Relaxed);
     }
 
     pub fn observe_batch_size(&self, requests: usize) {
@@ -257,7 +284,32 @@ impl Metrics {
                 escape_label(parser)
             );
         }
+        let engine = *self.engine_requests.lock();
+        let _ = writeln!(
+            out,
+            "# HELP nsaserve_engine_requests_submitted_total Generations the engine accepted (one per choice).\n\
+             # TYPE nsaserve_engine_requests_submitted_total counter\n\
+             nsaserve_engine_requests_submitted_total {}",
+            engine.submitted
+        );
+        out.push_str("# HELP nsaserve_engine_requests_ended_total Generations that left the engine: finished (stop or length), aborted (client gone, stop string) or failed (worker error or death).\n");
+        out.push_str("# TYPE nsaserve_engine_requests_ended_total counter\n");
+        for (outcome, count) in [
+            ("finished", engine.finished),
+            ("aborted", engine.aborted),
+            ("failed", engine.failed),
+        ] {
+            let _ = writeln!(
+                out,
+                "nsaserve_engine_requests_ended_total{{outcome=\"{outcome}\"}} {count}"
+            );
+        }
         let counters = [
+            (
+                "nsaserve_worker_restarts_total",
+                "Times the worker group was restarted after a failure.",
+                &self.worker_restarts,
+            ),
             (
                 "nsaserve_prompt_tokens_total",
                 "Prompt tokens of finished generations.",
@@ -299,8 +351,13 @@ impl Metrics {
             ),
             (
                 "nsaserve_kv_pages_free",
-                "KV cache pages free.",
+                "KV cache pages free, counting those only the prefix cache holds (reclaimable).",
                 &self.kv_pages_free,
+            ),
+            (
+                "nsaserve_kv_pages_total",
+                "KV cache pages in the pool.",
+                &self.kv_pages_total,
             ),
         ];
         for (name, help, value) in gauges {
@@ -345,7 +402,20 @@ mod tests {
             running: 2,
             kv_pages_used: 10,
             kv_pages_free: 90,
+            kv_pages_total: 100,
         });
+        m.add_engine_requests(RequestCounts {
+            submitted: 5,
+            finished: 2,
+            aborted: 1,
+            failed: 0,
+        });
+        m.add_engine_requests(RequestCounts {
+            submitted: 1,
+            failed: 2,
+            ..Default::default()
+        });
+        m.add_worker_restart();
         m.observe_batch_size(3);
         m.observe_batch_size(100);
         m.add_prefix_hit_tokens(64);
@@ -364,6 +434,12 @@ mod tests {
         ));
         assert!(text.contains("nsaserve_requests_waiting 3\n"));
         assert!(text.contains("nsaserve_kv_pages_free 90\n"));
+        assert!(text.contains("nsaserve_kv_pages_total 100\n"));
+        assert!(text.contains("nsaserve_engine_requests_submitted_total 6\n"));
+        assert!(text.contains("nsaserve_engine_requests_ended_total{outcome=\"finished\"} 2\n"));
+        assert!(text.contains("nsaserve_engine_requests_ended_total{outcome=\"aborted\"} 1\n"));
+        assert!(text.contains("nsaserve_engine_requests_ended_total{outcome=\"failed\"} 2\n"));
+        assert!(text.contains("nsaserve_worker_restarts_total 1\n"));
         assert!(text.contains("nsaserve_prefix_cache_hit_tokens_total 64\n"));
         assert!(text.contains("nsaserve_batch_size_bucket{le=\"2\"} 0\n"));
         assert!(text.contains("nsaserve_batch_size_bucket{le=\"4\"} 1\n"));

@@ -21,6 +21,11 @@ enum State {
 #[pyclass(module = "nsaserve._router")]
 pub struct Router {
     state: Arc<Mutex<State>>,
+    /// Where restarted workers connect: the same endpoints, bound afresh.
+    endpoints: crate::transport::Endpoints,
+    tp: u32,
+    /// A replacement worker group's sockets, between `begin_restart` and its last hello.
+    restarting: Arc<Mutex<Option<Box<Startup>>>>,
 }
 
 fn err(e: impl std::fmt::Display) -> PyErr {
@@ -34,9 +39,13 @@ impl Router {
     fn new(config_json: &str) -> PyResult<Self> {
         let config: RouterConfig = serde_json::from_str(config_json).map_err(err)?;
         crate::server::init_logging(&config.log_level);
-        let startup = Startup::bind(&config.endpoints(), config.tp).map_err(err)?;
+        let (endpoints, tp) = (config.endpoints(), config.tp);
+        let startup = Startup::bind(&endpoints, tp).map_err(err)?;
         Ok(Self {
             state: Arc::new(Mutex::new(State::Starting(Box::new(startup), config))),
+            endpoints,
+            tp,
+            restarting: Arc::new(Mutex::new(None)),
         })
     }
 
@@ -102,6 +111,50 @@ impl Router {
         }
     }
 
+    /// Starts replacing the worker group after a failure; call it once the old workers are
+    /// gone. The engine run ends (open requests fail; /health and new requests get 503), its
+    /// sockets close, and the same endpoints are bound again for the new workers' hellos.
+    fn begin_restart(&self, py: Python<'_>) -> PyResult<()> {
+        let engine = self.engine()?;
+        let (restarting, endpoints, tp) =
+            (self.restarting.clone(), self.endpoints.clone(), self.tp);
+        py.detach(move || {
+            let mut slot = restarting.lock();
+            // A failed attempt's sockets close before the endpoints are bound again.
+            drop(slot.take());
+            engine.end_run();
+            let startup = Startup::bind(&endpoints, tp).map_err(|e| err(format!("{e:#}")))?;
+            *slot = Some(Box::new(startup));
+            Ok(())
+        })
+    }
+
+    /// Waits up to `timeout_s` for the new workers' hellos (after `begin_restart`). When all
+    /// are there the engine serves again, with an empty KV pool of the size they report, and
+    /// their facts come back as JSON; None: not all there yet; raises on a worker's failure.
+    fn poll_restarted(&self, py: Python<'_>, timeout_s: f64) -> PyResult<Option<String>> {
+        let engine = self.engine()?;
+        let restarting = self.restarting.clone();
+        py.detach(move || {
+            let mut slot = restarting.lock();
+            let Some(startup) = slot.as_mut() else {
+                return Err(err("no restart is in progress (begin_restart)"));
+            };
+            match startup.poll_ready(Duration::from_secs_f64(timeout_s)) {
+                Ok(Some(info)) => {
+                    let startup = slot.take().expect("a restart in progress");
+                    engine.restart(*startup, &info);
+                    Ok(Some(crate::server::workers_json(&info)))
+                }
+                Ok(None) => Ok(None),
+                Err(e) => {
+                    drop(slot.take());
+                    Err(err(format!("{e:#}")))
+                }
+            }
+        })
+    }
+
     fn is_running(&self) -> bool {
         matches!(&*self.state.lock(), State::Running(s) if s.is_running())
     }
@@ -115,16 +168,28 @@ impl Router {
 
     /// Stops HTTP and the engine and tells the workers to exit. Idempotent.
     fn shutdown(&self, py: Python<'_>) {
-        let state = self.state.clone();
-        py.detach(
-            move || match std::mem::replace(&mut *state.lock(), State::Stopped) {
+        let (state, restarting) = (self.state.clone(), self.restarting.clone());
+        py.detach(move || {
+            if let Some(startup) = restarting.lock().take() {
+                startup.shutdown_workers();
+            }
+            match std::mem::replace(&mut *state.lock(), State::Stopped) {
                 State::Running(server) => server.shutdown(),
                 State::Starting(startup, _) | State::Ready(startup, _, _) => {
                     startup.shutdown_workers()
                 }
                 State::Stopped => {}
-            },
-        );
+            }
+        });
+    }
+}
+
+impl Router {
+    fn engine(&self) -> PyResult<Arc<crate::engine::EngineHandle>> {
+        match &*self.state.lock() {
+            State::Running(s) => Ok(s.engine.clone()),
+            _ => Err(err("the router is not serving (start)")),
+        }
     }
 }
 

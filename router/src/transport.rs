@@ -15,6 +15,11 @@ use anyhow::{Context as _, Result};
 
 use crate::protocol::{decode_worker_message, encode_router_message, RouterMessage, WorkerMessage};
 
+/// How long sending a plan may wait for a rank to be connected. With an unlimited queue a send
+/// waits only when the rank's worker is gone (a PUSH socket without a peer blocks); then the
+/// send fails and the engine stops, instead of hanging before it can notice the death.
+const PLAN_SEND_TIMEOUT_MS: i32 = 2000;
+
 /// Where the sockets live.
 #[derive(Debug, Clone)]
 pub enum Endpoints {
@@ -58,6 +63,7 @@ impl PlanSender {
             let s = ctx.socket(zmq::PUSH)?;
             // Never drop or block on a plan: the router sends at most a few per step.
             s.set_sndhwm(0)?;
+            s.set_sndtimeo(PLAN_SEND_TIMEOUT_MS)?;
             s.set_linger(0)?;
             let ep = endpoints.plans(rank);
             s.bind(&ep).with_context(|| format!("binding {ep}"))?;

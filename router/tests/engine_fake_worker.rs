@@ -1,6 +1,7 @@
 //! The engine loop against a fake worker speaking the real protocol over real ZeroMQ sockets:
 //! requests run to completion, stop tokens stop them, a worker that leaves a request out fails
-//! only that request, and a worker that goes silent fails everything and turns health off.
+//! only that request, a worker that goes silent fails everything and turns health off, and a
+//! worker that dies is replaced: the engine serves again from an empty pool of the new size.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -8,6 +9,7 @@ use std::time::Duration;
 
 use nsaserve_router::engine::{
     Engine, EngineHandle, EngineLimits, FinishReason, GenerateEvent, GenerateRequest, Startup,
+    WorkersInfo,
 };
 use nsaserve_router::metrics::Metrics;
 use nsaserve_router::protocol::{
@@ -25,7 +27,21 @@ enum Behaviour {
     DropRequestTwo,
 }
 
-fn spawn_fake_worker(endpoints: Endpoints, behaviour: Behaviour, silent: Arc<AtomicBool>) {
+/// What a test can do to a running fake worker.
+#[derive(Default)]
+struct Switches {
+    /// Stops answering and heart-beating, sockets open (a hung worker).
+    silent: AtomicBool,
+    /// Closes its sockets and ends (a killed worker).
+    gone: AtomicBool,
+}
+
+fn spawn_fake_worker(
+    endpoints: Endpoints,
+    behaviour: Behaviour,
+    num_pages: u32,
+    switches: Arc<Switches>,
+) {
     std::thread::spawn(move || {
         let ctx = zmq::Context::new();
         let plans = ctx.socket(zmq::PULL).unwrap();
@@ -38,7 +54,7 @@ fn spawn_fake_worker(endpoints: Endpoints, behaviour: Behaviour, silent: Arc<Ato
             tp_size: 1,
             pid: std::process::id(),
             model_id: "fake".into(),
-            num_pages: 64,
+            num_pages,
             page_size: 4,
             max_context: 256,
             vocab_size: 1000,
@@ -51,7 +67,10 @@ fn spawn_fake_worker(endpoints: Endpoints, behaviour: Behaviour, silent: Arc<Ato
             )
             .unwrap();
         loop {
-            if silent.load(Ordering::SeqCst) {
+            if switches.gone.load(Ordering::SeqCst) {
+                return;
+            }
+            if switches.silent.load(Ordering::SeqCst) {
                 std::thread::sleep(Duration::from_millis(50));
                 continue;
             }
@@ -87,19 +106,38 @@ fn spawn_fake_worker(endpoints: Endpoints, behaviour: Behaviour, silent: Arc<Ato
     });
 }
 
-fn start_engine(behaviour: Behaviour) -> (Arc<EngineHandle>, Arc<AtomicBool>, tempfile::TempDir) {
-    let dir = tempfile::tempdir().unwrap();
-    let endpoints = Endpoints::Ipc {
-        dir: dir.path().display().to_string(),
-    };
-    let mut startup = Startup::bind(&endpoints, 1).unwrap();
-    let silent = Arc::new(AtomicBool::new(false));
-    spawn_fake_worker(endpoints, behaviour, silent.clone());
+/// Binds the router's sockets and starts a fake worker with `num_pages` pages; returns the
+/// sockets with its hello, ready for `EngineHandle::start` or `restart`.
+fn start_worker(
+    endpoints: &Endpoints,
+    behaviour: Behaviour,
+    num_pages: u32,
+) -> (Startup, WorkersInfo, Arc<Switches>) {
+    let mut startup = Startup::bind(endpoints, 1).unwrap();
+    let switches = Arc::new(Switches::default());
+    spawn_fake_worker(endpoints.clone(), behaviour, num_pages, switches.clone());
     let workers = loop {
         if let Some(w) = startup.poll_ready(Duration::from_secs(5)).unwrap() {
             break w;
         }
     };
+    (startup, workers, switches)
+}
+
+struct Started {
+    engine: Arc<EngineHandle>,
+    switches: Arc<Switches>,
+    metrics: Arc<Metrics>,
+    endpoints: Endpoints,
+    _dir: tempfile::TempDir,
+}
+
+fn start_engine(behaviour: Behaviour) -> Started {
+    let dir = tempfile::tempdir().unwrap();
+    let endpoints = Endpoints::Ipc {
+        dir: dir.path().display().to_string(),
+    };
+    let (startup, workers, switches) = start_worker(&endpoints, behaviour, 64);
     let limits = EngineLimits {
         served_model_name: "fake".into(),
         max_running_requests: 8,
@@ -109,8 +147,15 @@ fn start_engine(behaviour: Behaviour) -> (Arc<EngineHandle>, Arc<AtomicBool>, te
         max_waiting: 16,
         heartbeat_timeout: Duration::from_millis(1500),
     };
-    let engine = EngineHandle::start(startup, &workers, &limits, Arc::new(Metrics::new()));
-    (engine, silent, dir)
+    let metrics = Arc::new(Metrics::new());
+    let engine = EngineHandle::start(startup, &workers, &limits, metrics.clone());
+    Started {
+        engine,
+        switches,
+        metrics,
+        endpoints,
+        _dir: dir,
+    }
 }
 
 fn request(prompt: Vec<i32>, max_new_tokens: u32, stop: Vec<i32>) -> GenerateRequest {
@@ -160,7 +205,8 @@ fn tokens(events: &[GenerateEvent]) -> Vec<i32> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn requests_run_to_length_and_to_a_stop_token() {
-    let (engine, _silent, _dir) = start_engine(Behaviour::Count);
+    let started = start_engine(Behaviour::Count);
+    let engine = &started.engine;
     // A 10-token prompt is chunked (8 + 2); the new tokens are 100 + position.
     let long = engine
         .submit(request((1..=10).collect(), 4, vec![]))
@@ -192,7 +238,8 @@ async fn requests_run_to_length_and_to_a_stop_token() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_request_the_worker_leaves_out_fails_alone() {
-    let (engine, _silent, _dir) = start_engine(Behaviour::DropRequestTwo);
+    let started = start_engine(Behaviour::DropRequestTwo);
+    let engine = &started.engine;
     let one = engine.submit(request(vec![1, 2], 3, vec![])).unwrap();
     let two = engine.submit(request(vec![1, 2], 3, vec![])).unwrap();
     assert_eq!(two.id, 2);
@@ -207,8 +254,9 @@ async fn a_request_the_worker_leaves_out_fails_alone() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_silent_worker_fails_open_requests_and_turns_health_off() {
-    let (engine, silent, _dir) = start_engine(Behaviour::Count);
-    silent.store(true, Ordering::SeqCst);
+    let started = start_engine(Behaviour::Count);
+    let engine = &started.engine;
+    started.switches.silent.store(true, Ordering::SeqCst);
     let stream = engine.submit(request(vec![1, 2, 3], 50, vec![])).unwrap();
     let started = std::time::Instant::now();
     let events = collect(stream).await;
@@ -222,5 +270,79 @@ async fn a_silent_worker_fails_open_requests_and_turns_health_off() {
         engine.submit(request(vec![1], 1, vec![])),
         Err(nsaserve_router::engine::SubmitError::Unavailable(_))
     ));
+    engine.shutdown();
+}
+
+/// Polls the metrics text until every line in `want` is there (the engine publishes its gauges
+/// between steps).
+async fn wait_for_metrics(metrics: &Metrics, want: &[&str]) -> String {
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    loop {
+        let text = metrics.render();
+        if want.iter().all(|line| text.lines().any(|l| l == *line)) {
+            return text;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "missing {want:?} in\n{text}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_worker_is_replaced_and_the_engine_serves_again_from_an_empty_pool() {
+    let started = start_engine(Behaviour::Count);
+    let engine = &started.engine;
+    // A long generation holds pages when its worker dies.
+    let mut held = engine
+        .submit(request((1..=10).collect(), 200, vec![]))
+        .unwrap();
+    let first = tokio::time::timeout(Duration::from_secs(5), held.events.recv()).await;
+    assert!(matches!(first, Ok(Some(GenerateEvent::Token { .. }))));
+    let died = std::time::Instant::now();
+    started.switches.gone.store(true, Ordering::SeqCst);
+    let rest = collect(held).await;
+    assert!(
+        matches!(
+            rest.last(),
+            Some(GenerateEvent::Failed {
+                retryable: true,
+                ..
+            })
+        ),
+        "{rest:?}"
+    );
+    assert!(died.elapsed() < Duration::from_secs(5));
+    assert!(!engine.healthy());
+
+    // The old sockets close before the same endpoints are bound for the new worker, whose
+    // pool is smaller: the new scheduler must use its size, with every page free.
+    engine.end_run();
+    let (startup, workers, _switches) = start_worker(&started.endpoints, Behaviour::Count, 32);
+    engine.restart(startup, &workers);
+    assert!(engine.healthy());
+    let events = collect(engine.submit(request(vec![5, 6, 7], 4, vec![])).unwrap()).await;
+    assert_eq!(tokens(&events), vec![103, 104, 105, 106]);
+    // 33 pages of 4 tokens fit the old pool but not the new one.
+    assert!(matches!(
+        engine.submit(request((0..100).collect(), 32, vec![])),
+        Err(nsaserve_router::engine::SubmitError::Invalid(_))
+    ));
+    wait_for_metrics(
+        &started.metrics,
+        &[
+            "nsaserve_kv_pages_total 32",
+            "nsaserve_kv_pages_used 0",
+            "nsaserve_kv_pages_free 32",
+            "nsaserve_requests_running 0",
+            "nsaserve_requests_waiting 0",
+            "nsaserve_worker_restarts_total 1",
+            "nsaserve_engine_requests_submitted_total 2",
+            "nsaserve_engine_requests_ended_total{outcome=\"finished\"} 1",
+            "nsaserve_engine_requests_ended_total{outcome=\"failed\"} 1",
+        ],
+    )
+    .await;
     engine.shutdown();
 }

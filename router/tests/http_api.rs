@@ -1456,6 +1456,7 @@ async fn metrics_count_requests_and_latencies() {
         running: 2,
         kv_pages_used: 7,
         kv_pages_free: 9,
+        kv_pages_total: 16,
     });
     h.metrics.observe_batch_size(2);
     h.metrics.add_prefix_hit_tokens(128);

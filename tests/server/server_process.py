@@ -54,6 +54,18 @@ def descendants(pid: int) -> set[int]:
     return out
 
 
+def worker_pid(server_pid: int, rank: int) -> int:
+    """The pid of the worker process of `rank` under `serve` (from its command line)."""
+    for pid in descendants(server_pid):
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"nsaserve.worker.main" in argv and f"--rank={rank}".encode() in argv:
+            return pid
+    raise AssertionError(f"no worker of rank {rank} under pid {server_pid}")
+
+
 def alive(pid: int) -> bool:
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
@@ -76,6 +88,7 @@ class ServerProcess:
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
         self.startup_timeout = startup_timeout
+        self.has_model_path = any(a.startswith("--model-path") or a.startswith("--model=") for a in args)
 
     def _read(self) -> None:
         for line in self.proc.stdout:
@@ -94,7 +107,10 @@ class ServerProcess:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise AssertionError(f"serve exited with {self.proc.returncode}:\n{self.output}")
-            if any("nsaserve ready" in line for line in self.lines):
+            # Serving the embedded model, serve sends one sample request of its own first.
+            if any("nsaserve ready" in line for line in self.lines) and (
+                self.has_model_path or any("sample completion" in line for line in self.lines)
+            ):
                 return self
             time.sleep(0.1)
         raise AssertionError(f"serve not ready after {self.startup_timeout} s:\n{self.output}")
@@ -110,6 +126,28 @@ class ServerProcess:
                 return r.status, r.read()
         except urllib.error.HTTPError as e:
             return e.code, e.read()
+
+    def metrics(self) -> dict[str, float]:
+        """/metrics as {'name{labels}': value}."""
+        status, body = self.get("/metrics")
+        assert status == 200, body
+        out = {}
+        for line in body.decode().splitlines():
+            if line and not line.startswith("#"):
+                name, value = line.rsplit(" ", 1)
+                out[name] = float(value)
+        return out
+
+    def wait_for_drain(self, timeout: float = 30.0) -> dict[str, float]:
+        """/metrics once nothing runs or waits and no request holds a KV page (the engine
+        publishes its gauges between steps, so they lag a little)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            m = self.metrics()
+            if m["nsaserve_requests_running"] == m["nsaserve_requests_waiting"] == m["nsaserve_kv_pages_used"] == 0:
+                return m
+            assert time.monotonic() < deadline, f"not drained after {timeout} s: {m}"
+            time.sleep(0.1)
 
     def complete(self, prompt: str, max_tokens: int) -> str:
         """Greedy completion text (raises on any HTTP error)."""

@@ -55,7 +55,8 @@ def test_a_worker_that_fails_to_load_reports_its_own_error(start_server, tmp_pat
 def test_killed_worker_turns_health_red_within_5_s_and_serve_still_stops_cleanly(start_server):
     if gpus_short_of(2):
         pytest.skip("needs 2 GPUs")
-    server = start_server("--tp=2", DEVICE_FLAG)
+    # Without restarts (tests/server/test_worker_restart.py has them) it stays red.
+    server = start_server("--tp=2", DEVICE_FLAG, "--no-restart-workers")
     assert server.get("/health")[0] == 200
     worker = max(descendants(server.proc.pid))
     os.kill(worker, signal.SIGKILL)
@@ -65,4 +66,7 @@ def test_killed_worker_turns_health_red_within_5_s_and_serve_still_stops_cleanly
         time.sleep(0.1)
     assert server.get("/health")[0] == 503
     assert any("worker rank" in line for line in server.lines), server.output
+    time.sleep(2)
+    assert server.get("/health")[0] == 503
+    assert any("answering 503 until restarted" in line for line in server.lines), server.output
     assert server.stop() == 0

@@ -125,3 +125,28 @@ def test_a_worker_that_cannot_load_its_model_says_why_and_exits_nonzero():
             if proc.poll() is None:
                 proc.kill()
             router.close()
+
+
+class FailingExecutor:
+    """Fails every step with `error`, as a model whose collective or kernel raised would."""
+
+    num_pages = 32
+
+    def __init__(self, error: Exception):
+        self.error = error
+
+    def run(self, batch, is_rank0):
+        raise self.error
+
+
+def test_a_broken_tensor_parallel_group_stops_the_worker_but_a_failing_step_does_not():
+    from nsaserve.worker.main import GroupBroken, run_plan
+
+    plan = encode_plan(build_plan(4, PS, [RequestSpec(40, [1, 2], 0, [0])]))
+    # A kernel error fails the step's requests; the worker goes on.
+    result, step = run_plan(plan, FailingExecutor(ValueError("bad shape")), True)
+    assert step == 4 and [e[0] for e in result.errors] == [40] and "bad shape" in result.errors[0][1]
+    # A dead peer rank (gloo's words): every later step would fail too, so it is fatal.
+    peer_gone = RuntimeError("[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:547] Connection closed by peer [127.0.0.1]:35725")
+    with pytest.raises(GroupBroken, match="Connection closed by peer"):
+        run_plan(plan, FailingExecutor(peer_gone), True)

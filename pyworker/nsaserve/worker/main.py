@@ -1,8 +1,9 @@
 """Worker process entry: `python -m nsaserve.worker.main --rank R ...` (started by `nsaserve serve`).
 
 Life of a worker: connect to the router's sockets, load the model and the KV pool, say hello,
-then run every plan it receives until told to shut down. Anything that stops it from starting is
-reported to the router as one readable `fatal` line before the process exits non-zero.
+then run every plan it receives until told to shut down. Anything that stops it from starting, or
+a broken tensor-parallel group later (a peer rank died), is reported to the router as one
+readable `fatal` line before the process exits non-zero.
 """
 
 from __future__ import annotations
@@ -21,6 +22,17 @@ from .executor import NullExecutor, StepExecutor
 from .transport import Endpoints, WorkerSockets
 
 HEARTBEAT_S = 1.0
+
+
+class GroupBroken(Exception):
+    """A step failed in a collective: a peer rank is gone, so every later step would fail too."""
+
+
+def collective_failed(e: BaseException) -> bool:
+    # gloo reports a dead peer as a plain RuntimeError naming itself; NCCL as a DistError.
+    import torch.distributed as dist
+
+    return isinstance(e, getattr(dist, "DistError", ())) or any(s in str(e) for s in ("gloo", "NCCL"))
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -83,7 +95,8 @@ def model_vocab_size(model_path: str | None) -> int:
 def run_plan(data: bytes, executor: StepExecutor, is_rank0: bool) -> tuple[StepResult | None, int]:
     """One received message -> the result to send (None for shutdown) and the step it answered.
 
-    Never raises: a bad plan or a failing step becomes per-request errors in the result.
+    Raises only `GroupBroken`: a bad plan or a failing step becomes per-request errors in the
+    result.
     """
     try:
         msg = unpack(data)
@@ -99,6 +112,8 @@ def run_plan(data: bytes, executor: StepExecutor, is_rank0: bool) -> tuple[StepR
     try:
         result = executor.run(runnable, is_rank0) if runnable.num_reqs else StepResult(step=plan.step)
     except Exception as e:  # a failing step fails its requests, not the worker
+        if collective_failed(e):
+            raise GroupBroken(f"{type(e).__name__}: {e}".splitlines()[0]) from e
         _log(f"step {plan.step} failed: {type(e).__name__}: {e}")
         result = StepResult(step=plan.step, errors=[(int(r), f"worker error: {type(e).__name__}: {e}") for r in runnable.req_ids])
     result.step = plan.step
@@ -167,6 +182,11 @@ def main(argv: list[str] | None = None) -> int:
             progress[0] = max(progress[0], step)
             if is_rank0:
                 sockets.send(result.encode())
+    except GroupBroken as e:
+        # The router fails every open request at once (retryably) instead of per step.
+        sockets.send(Fatal(rank=args.rank, message=f"tensor-parallel group broken: {e}").encode())
+        _log(f"rank {args.rank} stops: tensor-parallel group broken: {e}")
+        return 1
     finally:
         stop.set()
         beat.join(timeout=2 * HEARTBEAT_S)

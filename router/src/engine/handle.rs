@@ -1,5 +1,5 @@
 //! The running engine as the rest of the router sees it: submit requests, report dead workers,
-//! shut down. Implements the `Engine` trait the HTTP layer uses.
+//! restart with a new worker group, shut down. Implements the `Engine` trait the HTTP layer uses.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -31,26 +31,36 @@ pub struct EngineLimits {
 }
 
 pub struct EngineHandle {
-    inputs: Sender<Input>,
+    /// The current run's input channel; each restart replaces it (the abort forwarder shares it).
+    inputs: Arc<Mutex<Sender<Input>>>,
     abort_tx: mpsc::UnboundedSender<u64>,
+    /// Request ids stay unique across restarts, so a late abort never hits a new request.
     next_id: AtomicU64,
-    pub shared: Arc<Shared>,
-    max_waiting: usize,
-    thread: Mutex<Option<JoinHandle<Exit>>>,
-    exit_reason: Arc<Mutex<Option<String>>>,
-    running: Arc<AtomicBool>,
-    _receiver: ReceiverThread,
-    _ctx: zmq::Context,
+    limits: EngineLimits,
+    metrics: Arc<Metrics>,
+    run: Mutex<Run>,
 }
 
-impl EngineHandle {
-    pub fn start(
-        startup: Startup,
+/// One worker group's engine loop: its thread, its sockets and the state it shares with the
+/// request handlers. Restarting the workers ends the run and launches a fresh one, with a fresh
+/// scheduler: an empty KV pool and radix cache of the size the new workers report.
+struct Run {
+    shared: Arc<Shared>,
+    thread: Option<JoinHandle<Exit>>,
+    exit_reason: Arc<Mutex<Option<String>>>,
+    running: Arc<AtomicBool>,
+    /// Closed when the run ends, before a restart binds the same endpoints again.
+    receiver: Option<ReceiverThread>,
+    ctx: Option<zmq::Context>,
+}
+
+impl Run {
+    fn launch(
+        mut startup: Startup,
         workers: &WorkersInfo,
         limits: &EngineLimits,
         metrics: Arc<Metrics>,
-    ) -> Arc<Self> {
-        let mut startup = startup;
+    ) -> (Run, Sender<Input>) {
         let early = startup.take_early();
         let Startup {
             ctx,
@@ -84,6 +94,8 @@ impl EngineHandle {
             max_context: workers.max_context,
             max_waiting: limits.max_waiting,
         });
+        // /metrics shows the new pool at once, not after the first step.
+        shared.set_scheduler_stats(&scheduler.stats());
         let core = EngineCore {
             scheduler,
             sender,
@@ -109,37 +121,53 @@ impl EngineHandle {
                 exit
             })
             .expect("spawn the engine thread");
+        let run = Run {
+            shared,
+            thread: Some(thread),
+            exit_reason,
+            running,
+            receiver: Some(receiver),
+            ctx: Some(ctx),
+        };
+        (run, inputs_tx)
+    }
+}
 
-        // Dropped request streams send their id here; forward them into the engine's channel.
+impl EngineHandle {
+    pub fn start(
+        startup: Startup,
+        workers: &WorkersInfo,
+        limits: &EngineLimits,
+        metrics: Arc<Metrics>,
+    ) -> Arc<Self> {
+        let (run, inputs_tx) = Run::launch(startup, workers, limits, metrics.clone());
+        let inputs = Arc::new(Mutex::new(inputs_tx));
+
+        // Dropped request streams send their id here; forward them into the current run's
+        // channel (an id the run does not know is ignored).
         let (abort_tx, mut abort_rx) = mpsc::unbounded_channel::<u64>();
-        let forward = inputs_tx.clone();
+        let forward = inputs.clone();
         std::thread::Builder::new()
             .name("nsaserve-aborts".into())
             .spawn(move || {
                 while let Some(id) = abort_rx.blocking_recv() {
-                    if forward.send(Input::Abort(id)).is_err() {
-                        return;
-                    }
+                    let _ = forward.lock().send(Input::Abort(id));
                 }
             })
             .expect("spawn the abort forwarder");
 
         Arc::new(Self {
-            inputs: inputs_tx,
+            inputs,
             abort_tx,
             next_id: AtomicU64::new(1),
-            shared,
-            max_waiting: limits.max_waiting,
-            thread: Mutex::new(Some(thread)),
-            exit_reason,
-            running,
-            _receiver: receiver,
-            _ctx: ctx,
+            limits: limits.clone(),
+            metrics,
+            run: Mutex::new(run),
         })
     }
 
     fn send(&self, input: Input) -> bool {
-        self.inputs.send(input).is_ok()
+        self.inputs.lock().send(input).is_ok()
     }
 
     /// `serve`'s supervisor saw a worker process exit.
@@ -148,20 +176,53 @@ impl EngineHandle {
     }
 
     pub fn is_running(&self) -> bool {
-        self.running.load(Ordering::SeqCst)
+        self.run.lock().running.load(Ordering::SeqCst)
     }
 
     /// Why the engine stopped, if workers failed.
     pub fn exit_reason(&self) -> Option<String> {
-        self.exit_reason.lock().clone()
+        self.run.lock().exit_reason.lock().clone()
+    }
+
+    /// Ends the current run: the loop stops if it still runs (every open request fails with
+    /// "shutting down"), tells the workers to exit, and its sockets are closed. Until `restart`
+    /// the engine answers `Unavailable`. Idempotent.
+    pub fn end_run(&self) {
+        let (thread, receiver, ctx) = {
+            let mut run = self.run.lock();
+            run.shared.healthy.store(false, Ordering::SeqCst);
+            (run.thread.take(), run.receiver.take(), run.ctx.take())
+        };
+        self.send(Input::Shutdown);
+        if let Some(t) = thread {
+            let _ = t.join();
+        }
+        // The receiver thread first: its socket must close before the context can.
+        drop(receiver);
+        drop(ctx);
+    }
+
+    /// Serves again with a new worker group (`startup` has every hello): a fresh loop and a
+    /// fresh scheduler sized by the new workers. Ends the current run first if needed.
+    pub fn restart(&self, startup: Startup, workers: &WorkersInfo) {
+        self.end_run();
+        let (run, inputs_tx) = Run::launch(startup, workers, &self.limits, self.metrics.clone());
+        *self.inputs.lock() = inputs_tx;
+        *self.run.lock() = run;
+        self.metrics.add_worker_restart();
+        tracing::info!(
+            "serving again with a new worker group ({} KV pages)",
+            workers.num_pages
+        );
     }
 
     /// Stops the loop (every open request fails with "shutting down") and tells workers to exit.
     pub fn shutdown(&self) {
-        self.send(Input::Shutdown);
-        if let Some(t) = self.thread.lock().take() {
-            let _ = t.join();
-        }
+        self.end_run();
+    }
+
+    fn shared(&self) -> Arc<Shared> {
+        self.run.lock().shared.clone()
     }
 }
 
@@ -173,7 +234,8 @@ impl Engine for EngineHandle {
                 .unwrap_or_else(|| "the engine is not running".into());
             return Err(SubmitError::Unavailable(why));
         }
-        let info = &self.shared.info;
+        let shared = self.shared();
+        let info = &shared.info;
         let total = request.prompt_ids.len() as u64 + request.max_new_tokens as u64;
         if total > info.max_context as u64 {
             return Err(SubmitError::Invalid(format!(
@@ -183,16 +245,16 @@ impl Engine for EngineHandle {
                 request.max_new_tokens
             )));
         }
-        let pool_tokens = self.shared.num_pages as u64 * self.shared.page_size as u64;
+        let pool_tokens = shared.num_pages as u64 * shared.page_size as u64;
         if total > pool_tokens {
             return Err(SubmitError::Invalid(format!(
                 "the request needs up to {total} tokens of KV cache, more than the whole pool ({pool_tokens})"
             )));
         }
-        if self.shared.waiting.load(Ordering::Relaxed) >= self.max_waiting {
+        if shared.waiting.load(Ordering::Relaxed) >= self.limits.max_waiting {
             return Err(SubmitError::Overloaded(format!(
                 "{} requests are already waiting",
-                self.max_waiting
+                self.limits.max_waiting
             )));
         }
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
@@ -206,15 +268,16 @@ impl Engine for EngineHandle {
         }
         // Count it as waiting now, so a burst cannot overshoot the bound before the engine
         // publishes its next statistics.
-        self.shared.waiting.fetch_add(1, Ordering::Relaxed);
+        shared.waiting.fetch_add(1, Ordering::Relaxed);
         Ok(RequestStream::new(id, rx, self.abort_tx.clone()))
     }
 
     fn healthy(&self) -> bool {
-        self.shared.healthy.load(Ordering::SeqCst) && self.is_running()
+        let run = self.run.lock();
+        run.shared.healthy.load(Ordering::SeqCst) && run.running.load(Ordering::SeqCst)
     }
 
     fn model_info(&self) -> ModelInfo {
-        self.shared.info.clone()
+        self.shared().info.clone()
     }
 }

@@ -4,10 +4,12 @@
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 
+use parking_lot::Mutex;
+
 use super::ModelInfo;
 use crate::metrics::{Metrics, SchedulerGauges};
 use crate::protocol::BatchPlan;
-use crate::scheduler::SchedulerStats;
+use crate::scheduler::{RequestCounts, SchedulerStats};
 
 pub struct Shared {
     pub healthy: AtomicBool,
@@ -18,6 +20,8 @@ pub struct Shared {
     pub metrics: Arc<Metrics>,
     /// The scheduler's cumulative prefix-hit count last published (metrics take deltas).
     prefix_hits_published: AtomicU64,
+    /// The scheduler's request counts last published (likewise).
+    requests_published: Mutex<RequestCounts>,
 }
 
 impl Shared {
@@ -30,6 +34,7 @@ impl Shared {
             page_size,
             metrics,
             prefix_hits_published: AtomicU64::new(0),
+            requests_published: Mutex::new(RequestCounts::default()),
         }
     }
 
@@ -40,6 +45,7 @@ impl Shared {
             running: stats.running as u64,
             kv_pages_used: stats.pages_in_use as u64,
             kv_pages_free: (stats.pages_free + stats.pages_cached) as u64,
+            kv_pages_total: stats.pages_total as u64,
         });
         let before = self
             .prefix_hits_published
@@ -48,6 +54,15 @@ impl Shared {
             self.metrics
                 .add_prefix_hit_tokens(stats.prefix_hit_tokens_total - before);
         }
+        let mut published = self.requests_published.lock();
+        let (now, before) = (stats.requests, *published);
+        self.metrics.add_engine_requests(RequestCounts {
+            submitted: now.submitted - before.submitted,
+            finished: now.finished - before.finished,
+            aborted: now.aborted - before.aborted,
+            failed: now.failed - before.failed,
+        });
+        *published = now;
     }
 
     pub fn observe_step(&self, plan: &BatchPlan) {

@@ -8,7 +8,7 @@ use serde::Serialize;
 
 use crate::engine::SubmitError;
 
-/// Seconds a client should wait after a 429 before retrying.
+/// Seconds a client should wait after a 429 or a 503 (workers restarting) before retrying.
 const RETRY_AFTER_SECONDS: &str = "1";
 
 #[derive(Debug, Clone)]
@@ -159,7 +159,7 @@ impl IntoResponse for ApiError {
         let mut response = (self.status, Json(self.body())).into_response();
         let headers = response.headers_mut();
         match self.status {
-            StatusCode::TOO_MANY_REQUESTS => {
+            StatusCode::TOO_MANY_REQUESTS | StatusCode::SERVICE_UNAVAILABLE => {
                 headers.insert(
                     header::RETRY_AFTER,
                     HeaderValue::from_static(RETRY_AFTER_SECONDS),

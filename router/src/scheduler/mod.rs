@@ -77,6 +77,20 @@ pub struct SchedulerStats {
     /// Requests in the last plan.
     pub last_batch_size: usize,
     pub preemptions_total: u64,
+    pub requests: RequestCounts,
+}
+
+/// Requests by how they left the scheduler, counted since it was created. Every submitted
+/// request is waiting, running, or exactly one of finished, aborted and failed.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct RequestCounts {
+    pub submitted: u64,
+    /// Reached a stop token or its length.
+    pub finished: u64,
+    /// Aborted by the caller (a client that went away, a stop string).
+    pub aborted: u64,
+    /// Failed by a worker error or by the workers' death.
+    pub failed: u64,
 }
 
 pub struct Scheduler {
@@ -96,6 +110,7 @@ pub struct Scheduler {
     prompt_tokens_total: u64,
     last_batch_size: usize,
     preemptions_total: u64,
+    requests: RequestCounts,
 }
 
 impl Scheduler {
@@ -131,6 +146,7 @@ impl Scheduler {
             prompt_tokens_total: 0,
             last_batch_size: 0,
             preemptions_total: 0,
+            requests: RequestCounts::default(),
             cfg,
         }
     }
@@ -182,6 +198,7 @@ impl Scheduler {
         }
         let slot = self.store(Request::new(id, req));
         self.waiting.push_back(slot);
+        self.requests.submitted += 1;
         Ok(())
     }
 
@@ -260,6 +277,7 @@ impl Scheduler {
             self.waiting.remove(i);
         }
         self.take(slot);
+        self.requests.aborted += 1;
         true
     }
 
@@ -275,6 +293,7 @@ impl Scheduler {
         for slot in slots {
             self.release_pages(slot, false);
             let r = self.take(slot);
+            self.requests.failed += 1;
             events.push((
                 r.id,
                 GenerateEvent::Failed {
@@ -302,6 +321,7 @@ impl Scheduler {
             prompt_tokens_total: self.prompt_tokens_total,
             last_batch_size: self.last_batch_size,
             preemptions_total: self.preemptions_total,
+            requests: self.requests,
         }
     }
 
@@ -361,6 +381,17 @@ impl Scheduler {
         }
         if self.index.len() != self.running.len() + self.waiting.len() {
             return Err("request index disagrees with the running and waiting lists".into());
+        }
+        let c = self.requests;
+        if c.submitted != c.finished + c.aborted + c.failed + self.index.len() as u64 {
+            return Err(format!(
+                "{} submitted requests but {} finished, {} aborted, {} failed and {} live",
+                c.submitted,
+                c.finished,
+                c.aborted,
+                c.failed,
+                self.index.len()
+            ));
         }
         Ok(())
     }

@@ -134,10 +134,16 @@ impl Scheduler {
         events
     }
 
-    /// Releases a request that left the running batch. The caller prunes `running`.
-    fn finish(&mut self, slot: usize, cache: bool) {
-        self.release_pages(slot, cache);
+    /// Releases a request that left the running batch: finished (its pages go to the cache)
+    /// or failed (they do not). The caller prunes `running`.
+    fn finish(&mut self, slot: usize, finished: bool) {
+        self.release_pages(slot, finished);
         self.take(slot);
+        if finished {
+            self.requests.finished += 1;
+        } else {
+            self.requests.failed += 1;
+        }
     }
 }
 
