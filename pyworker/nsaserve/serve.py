@@ -20,6 +20,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from .serve_args import http_limits
+
 EMBEDDED_MODEL = Path(__file__).parent / "embedded_model"
 POLL_S = 0.2
 
@@ -104,6 +106,7 @@ def router_config(args, runtime_dir: str | None, model_path: str) -> dict:
         "log_level": args.log_level,
         "reasoning_parser": args.reasoning_parser,
         "tool_call_parser": args.tool_call_parser,
+        **http_limits(args),
     }
 
 
