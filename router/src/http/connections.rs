@@ -148,7 +148,8 @@ pub async fn serve(
         next_id: AtomicU64::new(0),
         slots: Mutex::new(HashMap::new()),
     });
-    let max = limits.max_connections.max(1);
+    // `acquire_many` below counts in u32.
+    let max = limits.max_connections.clamp(1, u32::MAX as usize);
     let permits = Arc::new(Semaphore::new(max));
     let (stop_tx, stop_rx) = watch::channel(false);
     let mut builder = hyper::server::conn::http1::Builder::new();
