@@ -24,6 +24,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from .serve_args import http_limits
+
 EMBEDDED_MODEL = Path(__file__).parent / "embedded_model"
 POLL_S = 0.2
 # --max-worker-restarts counts the restarts within this window.
@@ -113,6 +115,7 @@ def router_config(args, runtime_dir: str | None, model_path: str) -> dict:
         "log_level": args.log_level,
         "reasoning_parser": args.reasoning_parser,
         "tool_call_parser": args.tool_call_parser,
+        **http_limits(args),
     }
 
 

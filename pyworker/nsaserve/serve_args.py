@@ -17,6 +17,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     m.add_argument("--served-model-name", default=None, help="model name the API reports and accepts (default: the directory name)")
     m.add_argument("--dtype", choices=["auto", "bfloat16", "float32"], default="auto", help="weight and activation dtype; auto = the config's torch_dtype")
     m.add_argument("--kv-cache-dtype", choices=["auto", "fp8_e4m3"], default="auto", help="KV cache storage; auto = the model dtype")
+    m.add_argument("--context-length", type=int, default=None, help="prompt plus completion tokens at most (default: the model's own limit)")
     m.add_argument("--model-executor", choices=["model", "null"], default="model", help="'null' returns deterministic tokens without running a model: only for measuring the router")
 
     r = p.add_argument_group("parallelism and devices")
@@ -38,6 +39,11 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     h.add_argument("--host", default="127.0.0.1", help="address to bind (use 0.0.0.0 to listen on all interfaces)")
     h.add_argument("--port", type=int, default=30000)
     h.add_argument("--api-key", default=None, help="require 'Authorization: Bearer <key>' on API requests")
+    h.add_argument("--max-request-bytes", type=int, default=32 * 1024 * 1024, help="larger request bodies get 413")
+    h.add_argument("--max-connections", type=int, default=4096, help="open connections at most; at the cap the longest-idle one is closed for a new one")
+    h.add_argument("--header-timeout", type=float, default=15.0, help="seconds a client has to send its request headers")
+    h.add_argument("--body-timeout", type=float, default=60.0, help="seconds a client has to send its request body (then 408)")
+    h.add_argument("--keep-alive-timeout", type=float, default=10.0, help="seconds an idle connection stays open between requests (the header timeout caps it)")
 
     c = p.add_argument_group("chat output")
     c.add_argument(
@@ -73,3 +79,15 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     )
     w.add_argument("--random-seed", type=int, default=0, help="seed for unseeded sampling")
     w.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info")
+
+
+def http_limits(args: argparse.Namespace) -> dict:
+    """The router's configuration from the HTTP flags (and --context-length, which the router enforces)."""
+    return {
+        "max_request_bytes": args.max_request_bytes,
+        "max_connections": args.max_connections,
+        "header_timeout_s": args.header_timeout,
+        "body_timeout_s": args.body_timeout,
+        "keep_alive_timeout_s": args.keep_alive_timeout,
+        "context_length": args.context_length,
+    }

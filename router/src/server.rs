@@ -39,6 +39,21 @@ pub struct RouterConfig {
     /// `--tool-call-parser` (SGLang's names); absent or null: no `tool_calls` are parsed.
     #[serde(default)]
     pub tool_call_parser: Option<ToolParserKind>,
+    /// Limits on clients (`--max-request-bytes`, `--max-connections`, the three timeouts);
+    /// absent: the defaults of `HttpConfig::new`.
+    #[serde(default)]
+    pub max_request_bytes: Option<usize>,
+    #[serde(default)]
+    pub max_connections: Option<usize>,
+    #[serde(default)]
+    pub header_timeout_s: Option<f64>,
+    #[serde(default)]
+    pub body_timeout_s: Option<f64>,
+    #[serde(default)]
+    pub keep_alive_timeout_s: Option<f64>,
+    /// `--context-length`: prompt plus completion at most (below the model's own limit).
+    #[serde(default)]
+    pub context_length: Option<u32>,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -67,6 +82,39 @@ impl RouterConfig {
                 base_port: *tcp_base_port,
             },
         }
+    }
+
+    fn http_config(&self) -> Result<HttpConfig> {
+        let defaults = HttpConfig::new(self.served_model_name.clone());
+        let seconds = |name: &str, value: Option<f64>, default: Duration| match value {
+            None => Ok(default),
+            Some(s) => Duration::try_from_secs_f64(s)
+                .ok()
+                .filter(|d| !d.is_zero())
+                .with_context(|| format!("{name} must be a positive number of seconds, got {s}")),
+        };
+        Ok(HttpConfig {
+            host: self.host.clone(),
+            port: self.port,
+            api_key: self.api_key.clone(),
+            reasoning_parser: self.reasoning_parser,
+            tool_call_parser: self.tool_call_parser,
+            context_length: self.context_length,
+            max_body_bytes: self.max_request_bytes.unwrap_or(defaults.max_body_bytes),
+            max_connections: self.max_connections.unwrap_or(defaults.max_connections),
+            header_timeout: seconds(
+                "--header-timeout",
+                self.header_timeout_s,
+                defaults.header_timeout,
+            )?,
+            body_timeout: seconds("--body-timeout", self.body_timeout_s, defaults.body_timeout)?,
+            keep_alive_timeout: seconds(
+                "--keep-alive-timeout",
+                self.keep_alive_timeout_s,
+                defaults.keep_alive_timeout,
+            )?,
+            ..defaults
+        })
     }
 
     fn limits(&self) -> EngineLimits {
@@ -128,14 +176,7 @@ impl RunningServer {
             .thread_name("nsaserve-http")
             .enable_all()
             .build()?;
-        let http_config = HttpConfig {
-            host: config.host.clone(),
-            port: config.port,
-            api_key: config.api_key.clone(),
-            reasoning_parser: config.reasoning_parser,
-            tool_call_parser: config.tool_call_parser,
-            ..HttpConfig::new(config.served_model_name.clone())
-        };
+        let http_config = config.http_config()?;
         let (stop_tx, stop_rx) = oneshot::channel::<()>();
         let (done_tx, done_rx) = oneshot::channel();
         // Bind before returning, so a port in use is a startup error, not a log line.

@@ -45,8 +45,9 @@ struct Shape {
 
 async fn handle(app: AppState, request: Request) -> Result<Response, ApiError> {
     let arrived = Instant::now();
-    let body: CompletionRequest = read_json(request, app.cfg.max_body_bytes).await?;
-    let info = app.engine.model_info();
+    let body: CompletionRequest =
+        read_json(request, app.cfg.max_body_bytes, app.cfg.body_timeout).await?;
+    let info = app.model_info();
     check_model(body.model.as_deref(), &app.cfg.served_model_name)?;
     if body
         .best_of

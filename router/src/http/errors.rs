@@ -104,6 +104,21 @@ impl ApiError {
         }
     }
 
+    /// 408: the client did not send its whole body in time.
+    pub fn body_timeout(timeout: std::time::Duration) -> ApiError {
+        ApiError {
+            code: Some("request_timeout"),
+            ..ApiError::new(
+                StatusCode::REQUEST_TIMEOUT,
+                "invalid_request_error",
+                format!(
+                    "The request body was not received within {} s.",
+                    timeout.as_secs_f64()
+                ),
+            )
+        }
+    }
+
     pub fn overloaded(message: impl Into<String>) -> ApiError {
         ApiError {
             code: Some("rate_limit_exceeded"),

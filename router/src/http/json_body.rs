@@ -2,6 +2,8 @@
 //! rejections are plain text with status 422 or 413: clients of an OpenAI-compatible server
 //! expect a 400 (or 413) carrying an OpenAI error object.
 
+use std::time::Duration;
+
 use axum::body::Body;
 use axum::extract::Request;
 use axum::http::header;
@@ -10,7 +12,13 @@ use serde::de::DeserializeOwned;
 
 use super::errors::ApiError;
 
-pub async fn read_json<T: DeserializeOwned>(request: Request, limit: usize) -> Result<T, ApiError> {
+/// Reads the body within `limit` bytes and `timeout` (a client trickling its body slowly would
+/// otherwise hold a connection and a task for as long as it likes).
+pub async fn read_json<T: DeserializeOwned>(
+    request: Request,
+    limit: usize,
+    timeout: Duration,
+) -> Result<T, ApiError> {
     let declared = request
         .headers()
         .get(header::CONTENT_LENGTH)
@@ -20,7 +28,10 @@ pub async fn read_json<T: DeserializeOwned>(request: Request, limit: usize) -> R
         return Err(ApiError::body_too_large(limit));
     }
     let body: Body = request.into_body();
-    let bytes = match Limited::new(body, limit).collect().await {
+    let collected = tokio::time::timeout(timeout, Limited::new(body, limit).collect())
+        .await
+        .map_err(|_| ApiError::body_timeout(timeout))?;
+    let bytes = match collected {
         Ok(collected) => collected.to_bytes(),
         Err(e) if e.downcast_ref::<LengthLimitError>().is_some() => {
             return Err(ApiError::body_too_large(limit))

@@ -11,7 +11,7 @@ use super::openai_types::{ModelCard, ModelList};
 use super::AppState;
 
 pub async fn models(State(app): State<AppState>) -> Json<ModelList> {
-    let info = app.engine.model_info();
+    let info = app.model_info();
     Json(ModelList {
         object: "list",
         data: vec![ModelCard {
