@@ -1,39 +1,86 @@
-"""Launch-parameter sweep of the Triton indexer's two kernels (fp8 keys, 4K context, batch 1 and 64).
+"""Variant sweep of the Triton indexer's kernels (fp8 keys): logits options and top-k digit widths
+at 4K decode (batch 1 and 64), and row blocking for an 8K-token prefill.
 
-    PYTHONPATH=pyworker python bench/kernels/sweep_indexer.py
+    PYTHONPATH=pyworker python bench/kernels/sweep_indexer.py [--json out.json]
 
-Prints one line per variant: logits kernel (block_n, num_warps, programs wanted) and top-k kernel
-(num_warps), each timed alone as CUDA-graph replays over rotating buffers.
+Each kernel is timed alone as CUDA-graph replays over rotating buffers; one line per variant.
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 from functools import partial
 
 import torch
 from bench_common import graph_time_us
-from bench_indexer import PAGE, TOPK, build
+from bench_indexer import PAGE, TOPK, build, build_prompt
 
-from nsaserve.kernels.triton_indexer import indexer_logits, topk_of_logits
+from nsaserve.kernels.triton_indexer import indexer_logits, row_blocks, topk_of_logits
+
+LOGITS = [  # (name, options)
+    ("bf16x3 gather w4", {"split": "bf16x3", "paged": False}),
+    ("bf16x3 paged w4", {"split": "bf16x3"}),
+    ("fp16x2 paged w4", {"split": "fp16x2"}),
+    ("fp16x2 paged w8", {"split": "fp16x2", "num_warps": 8}),
+    ("fp16x2 paged w4 p528", {"split": "fp16x2", "programs_wanted": 528}),
+]
+TOPK_VARIANTS = [(None, 8), (8, 8), (6, 4), (6, 8), (5, 8), (4, 8)]  # (bits, warps)
+PREFILL = [(2, 4), (4, 4), (4, 8), (8, 8)]  # (rows per block, warps)
 
 
 def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
     torch.manual_seed(0)
     ctx, scale = 4096, 128**-0.5
+    out = []
+
+    def record(**r):
+        out.append(r)
+        print(" ".join(f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}" for k, v in r.items()), flush=True)
+
     for batch, copies in ((1, 64), (64, 4)):
         cache, kv_slots, row_pos, sets = build(batch, ctx, True, copies)
-        for bn, warps, want in ((64, 4, 264), (64, 4, 528), (128, 4, 264), (128, 8, 264), (64, 8, 264)):
-            opts = {"block_n": bn, "num_warps": warps, "programs_wanted": want}
+        for name, opts in LOGITS:
             calls = [
                 partial(indexer_logits, q, w, cache, kv_slots, off, row_pos, ctx, scale, PAGE, **opts)
                 for q, w, off in sets
             ]
-            us = graph_time_us(calls)
-            print(f"batch {batch} logits block_n {bn} warps {warps} programs {want}: {us:.1f} us", flush=True)
+            record(kernel="logits", batch=batch, variant=name, us=graph_time_us(calls))
         logits = [indexer_logits(q, w, cache, kv_slots, off, row_pos, ctx, scale, PAGE) for q, w, off in sets]
-        for warps in (4, 8, 16, 32):
-            us = graph_time_us([partial(topk_of_logits, lg, row_pos, TOPK, num_warps=warps) for lg in logits])
-            print(f"batch {batch} topk warps {warps}: {us:.1f} us", flush=True)
+        for bits, warps in TOPK_VARIANTS:
+            calls = [partial(topk_of_logits, lg, row_pos, TOPK, num_warps=warps, bits=bits) for lg in logits]
+            record(kernel="topk", batch=batch, variant=f"bits {bits} w{warps}", us=graph_time_us(calls))
+        del cache, kv_slots, sets, logits
+        torch.cuda.empty_cache()
+
+    prompt = 8192
+    cache, kv_slots, row_pos, row_kv_off, q, w = build_prompt(prompt, True)
+    for rows_per, warps in PREFILL:
+        blocks = row_blocks([0, prompt], rows_per, "cuda")
+        call = partial(
+            indexer_logits, q, w, cache, kv_slots, row_kv_off, row_pos, prompt, scale, PAGE,
+            split="fp16x2", num_warps=warps, row_blocks=blocks,
+        )  # fmt: skip
+        record(
+            kernel="logits",
+            batch=f"prefill {prompt}",
+            variant=f"rows {rows_per} w{warps}",
+            us=graph_time_us([call], reps=10),
+        )
+    lg = indexer_logits(
+        q, w, cache, kv_slots, row_kv_off, row_pos, prompt, scale, PAGE, row_blocks=row_blocks([0, prompt], 4, "cuda")
+    )
+    for bits, warps in ((6, 16), (6, 8), (8, 16), (4, 16)):
+        call = partial(topk_of_logits, lg, row_pos, TOPK, num_warps=warps, bits=bits)
+        record(
+            kernel="topk", batch=f"prefill {prompt}", variant=f"bits {bits} w{warps}", us=graph_time_us([call], reps=10)
+        )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
 
 
 if __name__ == "__main__":

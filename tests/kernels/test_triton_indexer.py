@@ -85,9 +85,29 @@ def test_registered():
     assert "triton" in available("indexer")
 
 
+# Variants of the device path: (logits options, top-k digit bits). The first is the default.
+VARIANTS = {
+    "default": ({}, triton_indexer.TOPK_BITS),
+    "bf16x3-gather-int64": ({"split": "bf16x3", "paged": False}, None),
+    "fp16x2-bits8": ({"split": "fp16x2"}, 8),
+    "bf16x3-bits4": ({"split": "bf16x3"}, 4),
+    # Blocks as large as a CPU test's pages: the one-lookup-per-page load runs there too.
+    "page-blocks": ({"block_n": 8} if not GPU else {"block_n": 64}, 5),
+}
+
+
+# On the GPU every variant costs compiles: the default and one other there.
+@pytest.fixture(params=["default", "bf16x3-bits4"] if GPU else list(VARIANTS))
+def variant(request, monkeypatch):
+    opts, bits = VARIANTS[request.param]
+    monkeypatch.setattr(triton_indexer, "LOGITS_OPTIONS", {**triton_indexer.LOGITS_OPTIONS, **opts})
+    monkeypatch.setattr(triton_indexer, "TOPK_BITS", bits)
+    return request.param
+
+
 @pytest.mark.parametrize("fp8", [False, True])
 @pytest.mark.parametrize("seed", [1, 2])
-def test_decode_matches_reference(fp8, seed):
+def test_decode_matches_reference(fp8, seed, variant):
     decode_case(fp8, seed, torch.bfloat16)
 
 
@@ -107,7 +127,7 @@ def decode_case(fp8, seed, dtype):
 
 
 @pytest.mark.parametrize("fp8", [False, True])
-def test_prefill_and_chunked_rows(fp8, monkeypatch):
+def test_prefill_and_chunked_rows(fp8, monkeypatch, variant):
     # Several query rows per request (causal within the chunk), and rows longer than one top-k
     # chunk so that the re-reading path runs too; few logits programs, so each loops over blocks.
     monkeypatch.setattr(triton_indexer, "_TOPK_CHUNK", 1024 if GPU else 32)
@@ -120,7 +140,7 @@ def test_prefill_and_chunked_rows(fp8, monkeypatch):
     assert_same_sets(*run_both(case, topk, page_size))
 
 
-def test_ties_prefer_lower_positions():
+def test_ties_prefer_lower_positions(variant):
     # Keys mostly pointing away from the query: ReLU zeroes most scores, so the k-th score is an
     # exact 0 shared by many keys and the choice among them must follow the lower-position rule.
     heads, dim, page_size, topk = 4, 32, 8, 16
@@ -132,3 +152,15 @@ def test_ties_prefer_lower_positions():
     assert 0 < int((scores > 0).sum()) < topk  # some clear winners, the rest tied at 0
     got, want = run_both((q, w, cache, kv_slots, qs, cached), topk, page_size)
     assert_same_sets(got, want)
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_whole_prompt(fp8):
+    # A prompt from position 0: early rows take their whole context, later ones really select;
+    # rows go through the logits kernel in blocks that share key tiles.
+    if GPU:
+        seq_lens, heads, dim, page_size, topk = [2600], 32, 128, 64, 2048
+    else:
+        seq_lens, heads, dim, page_size, topk = [44], 4, 32, 8, 16
+    case = make_case(seq_lens, seq_lens, heads, dim, page_size, fp8, seed=9)
+    assert_same_sets(*run_both(case, topk, page_size))
