@@ -69,3 +69,17 @@ def test_triton_backends_match_torch(model_type, kv, tmp_path):
     assert float(row_err.median()) < 1e-2
     agree = sum(a == b for p, q in zip(got_tokens, want_tokens) for a, b in zip(p, q)) / (2 * STEPS)
     assert agree >= 0.9, (got_tokens, want_tokens)
+
+
+def test_auto_backend_choice(tmp_path):
+    from nsaserve.kernels.registry import resolve
+
+    for kind in ("attention", "indexer"):
+        assert resolve(kind, "auto", "cuda") == "triton"
+        assert resolve(kind, "auto", "cpu") == "torch"
+        assert resolve(kind, "torch", "cuda") == "torch" and resolve(kind, "triton", "cpu") == "triton"
+    assert resolve("moe_experts", "auto", "cpu") == "torch"
+    make_checkpoint("glm_moe_dsa", str(tmp_path), seed=1)
+    r = ModelRunner(str(tmp_path), device=DEV, dtype=torch.float32, num_pages=8, page_size=4, show_progress=False)
+    r.set_backend("attention", "auto")
+    assert r.model.backends["attention"] == ("triton" if GPU else "torch")

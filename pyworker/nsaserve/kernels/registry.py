@@ -87,3 +87,17 @@ def get_backend(kind: str, name: str = "torch") -> Callable:
 def available(kind: str) -> list[str]:
     _load_builtins()
     return sorted(n for k, n in _BACKENDS if k == kind)
+
+
+# Kinds whose "auto" backend is Triton on CUDA (tested and measured there against the torch
+# references: tests/kernels/test_triton_*.py, tests/model/test_triton_backend.py); torch elsewhere.
+AUTO_TRITON_ON_CUDA = frozenset({"attention", "indexer"})
+
+
+def resolve(kind: str, name: str, device_type: str) -> str:
+    """A backend name for `kind`, with "auto" replaced by the choice for this device type."""
+    if name != "auto":
+        return name
+    if device_type == "cuda" and kind in AUTO_TRITON_ON_CUDA and "triton" in available(kind):
+        return "triton"
+    return "torch"

@@ -56,6 +56,8 @@ class ModelExecutor:
             tp_rank=args.rank,
             tp_size=args.tp_size,
         )
+        for kind in ("attention", "indexer"):
+            runner.set_backend(kind, getattr(args, "attention_backend", "auto"))
         return cls(runner, device)
 
     def run(self, plan: Plan, is_rank0: bool) -> StepResult:
