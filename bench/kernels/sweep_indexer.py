@@ -26,7 +26,8 @@ LOGITS = [  # (name, options)
     ("fp16x2 paged w4 p528", {"split": "fp16x2", "programs_wanted": 528}),
 ]
 TOPK_VARIANTS = [(None, 8), (8, 8), (6, 4), (6, 8), (5, 8), (4, 8)]  # (bits, warps)
-PREFILL = [(2, 4), (4, 4), (4, 8), (8, 8)]  # (rows per block, warps)
+PREFILL = [(2, 4, "fp16x2"), (4, 4, "fp16x2"), (4, 8, "fp16x2"), (8, 8, "fp16x2"), (4, 4, "fp16"), (8, 8, "fp16")]
+# (rows per block, warps, query split)
 
 
 def main() -> None:
@@ -58,18 +59,33 @@ def main() -> None:
 
     prompt = 8192
     cache, kv_slots, row_pos, row_kv_off, q, w = build_prompt(prompt, True)
-    for rows_per, warps in PREFILL:
+    for rows_per, warps, split in PREFILL:
         blocks = row_blocks([0, prompt], rows_per, "cuda")
         call = partial(
             indexer_logits, q, w, cache, kv_slots, row_kv_off, row_pos, prompt, scale, PAGE,
-            split="fp16x2", num_warps=warps, row_blocks=blocks,
+            split=split, num_warps=warps, row_blocks=blocks,
         )  # fmt: skip
         record(
             kernel="logits",
             batch=f"prefill {prompt}",
-            variant=f"rows {rows_per} w{warps}",
+            variant=f"rows {rows_per} w{warps} {split}",
             us=graph_time_us([call], reps=10),
         )
+    # How often the one-pass fp16 query changes a prefill row's chosen set against the exact split.
+    sets = {}
+    for split in ("fp16x2", "fp16"):
+        lgs = indexer_logits(
+            q, w, cache, kv_slots, row_kv_off, row_pos, prompt, scale, PAGE, split=split,
+            row_blocks=row_blocks([0, prompt], 4, "cuda"),
+        )  # fmt: skip
+        sets[split] = topk_of_logits(lgs, row_pos, TOPK, bits=8).sort(dim=1).values
+    differ = (sets["fp16x2"] != sets["fp16"]).any(dim=1)
+    record(
+        kernel="check",
+        batch=f"prefill {prompt}",
+        variant="fp16 vs fp16x2 rows differing",
+        us=float(differ.float().mean()),
+    )
     lg = indexer_logits(
         q, w, cache, kv_slots, row_kv_off, row_pos, prompt, scale, PAGE, row_blocks=row_blocks([0, prompt], 4, "cuda")
     )

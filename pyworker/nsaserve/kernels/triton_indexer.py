@@ -36,15 +36,16 @@ TOPK_BITS: int | None = 6  # digit width of the int32 radix select; None: the in
 
 @triton.jit
 def _load_keys(
-    k_ptr, k_scale_ptr, kv_slots_ptr, kv_off, n0, offs_n, valid, offs_d,
+    k_ptr, k_scale_ptr, kv_slots_ptr, kv_off, n0, pos, offs_n, valid, offs_d,
     D: tl.constexpr, PS: tl.constexpr, BLOCK_N: tl.constexpr, FP8: tl.constexpr, ONE_PAGE: tl.constexpr,
 ):  # fmt: skip
-    """Keys [BLOCK_N, D] at positions offs_n = n0 + [0, BLOCK_N) of the row's request (and fp8
-    scales [BLOCK_N])."""
+    """Keys [BLOCK_N, D] at positions offs_n = n0 + [0, BLOCK_N) of the row's request, valid up to
+    position pos (and fp8 scales [BLOCK_N])."""
     if ONE_PAGE:
         # The block lies in one page (positions p of a request live at page * PS + p % PS): one
         # slot lookup for the block, then a contiguous tile of the page.
-        first = tl.load(kv_slots_ptr + kv_off + n0).to(tl.int64)
+        # (masked: a block past the row's last key must not read past the request's kv_slots)
+        first = tl.load(kv_slots_ptr + kv_off + n0, mask=n0 <= pos, other=0).to(tl.int64)
         page = first // PS
         off = (n0 % PS) + tl.arange(0, BLOCK_N)
     else:
@@ -74,7 +75,8 @@ def _logits_kernel(
     more: a prompt chunk's rows share each key tile, the MMA's N side is ROWS x heads).
 
     MODE 0: 3xTF32 (keys not exact in bf16); 1: q split into three bf16 parts; 2: q split into
-    two fp16 parts after a power-of-two scaling (fp8 keys only: e4m3 is exact in fp16)."""
+    two fp16 parts after a power-of-two scaling (fp8 keys only: e4m3 is exact in fp16); 3: the
+    first fp16 part alone (11 significant bits: near-ties may swap at the top-k boundary)."""
     n_start = tl.program_id(1) * (SPAN_BLOCKS * BLOCK_N)
     offs_d = tl.arange(0, D)
     offs_c = tl.arange(0, ROWS * BLOCK_H)  # MMA columns: (row j, head h) = (c // BLOCK_H, c % BLOCK_H)
@@ -101,7 +103,7 @@ def _logits_kernel(
         r = q - q1.to(tl.float32)
         q2 = mma_operand(r, INTERPRET)
         q3 = mma_operand(r - q2.to(tl.float32), INTERPRET)
-    if MODE == 2:
+    if MODE >= 2:
         # q * 2^e (largest element near 2^14, inside fp16's range) = q1 + q2 / 2^11 with fp16 parts:
         # 22 significant bits, within rounding of float32 products. Powers of two scale exactly.
         amax = tl.maximum(tl.max(tl.max(tl.abs(q), axis=1), axis=0), 1e-30)
@@ -120,17 +122,20 @@ def _logits_kernel(
         offs_n = n0 + tl.arange(0, BLOCK_N)
         valid = offs_n <= pos
         keys, k_scale = _load_keys(
-            k_ptr, k_scale_ptr, kv_slots_ptr, kv_off, n0, offs_n, valid, offs_d, D, PS, BLOCK_N, FP8, ONE_PAGE
+            k_ptr, k_scale_ptr, kv_slots_ptr, kv_off, n0, pos, offs_n, valid, offs_d, D, PS, BLOCK_N, FP8, ONE_PAGE
         )
         # Keys on the MMA's M side (BLOCK_N rows), heads on N: no padding of a 32-head query to 64.
         if MODE == 1:
             kb = mma_operand(keys, INTERPRET)
             s = tl.dot(kb, tl.trans(q1)) + tl.dot(kb, tl.trans(q2)) + tl.dot(kb, tl.trans(q3))
-        elif MODE == 2:
+        elif MODE >= 2:
             kh = keys.to(tl.float16)
             if INTERPRET:
                 kh = kh.to(tl.float32)
-            s = (tl.dot(kh, tl.trans(q1)) + tl.dot(kh, tl.trans(q2)) * (1.0 / 2048.0)) * down
+            s = tl.dot(kh, tl.trans(q1))
+            if MODE == 2:
+                s += tl.dot(kh, tl.trans(q2)) * (1.0 / 2048.0)
+            s = s * down
         else:
             s = tl.dot(keys.to(tl.float32), tl.trans(q), input_precision=PRECISION)  # [BLOCK_N, ROWS * BLOCK_H]
         if FP8:
@@ -363,7 +368,7 @@ def indexer_logits(
     paged: kv_slots are page-aligned (position p of a request at page * page_size + p % page_size,
     as the worker builds them), so a block of keys within one page is one contiguous load.
     split: how the float32 query meets fp8/bf16 keys on the tensor cores, "bf16x3" or (fp8 keys
-    only) "fp16x2"; both float32-accurate.
+    only) "fp16x2", both float32-accurate; or (fp8 keys only) "fp16", one pass, not exact.
     row_blocks: (first row int32 [NB], row count int32 [NB], ROWS): blocks of up to ROWS
     consecutive query rows of one request that share key tiles (prefill); None: a row per program."""
     rows, heads, dim = q.shape
@@ -383,7 +388,10 @@ def indexer_logits(
     # programs for about two per multiprocessor.
     span = max(1, min(16, blocks * n_row_blocks // (programs_wanted or _PROGRAMS_WANTED)))
     span = 1 << (span.bit_length() - 1)  # a power of two: few distinct compiled variants
-    mode = 2 if fp8 and split == "fp16x2" else 1 if fp8 or cache.dtype == torch.bfloat16 else 0
+    if fp8 and split in ("fp16x2", "fp16"):
+        mode = 2 if split == "fp16x2" else 3
+    else:
+        mode = 1 if fp8 or cache.dtype == torch.bfloat16 else 0
     _logits_kernel[(n_row_blocks, triton.cdiv(blocks, span))](
         q.contiguous().float(), weights.contiguous().float(), kv_slots, row_kv_off, row_pos, blk_row0, blk_rows,
         cache, k_scale, logits, logits.stride(0), heads, softmax_scale,
