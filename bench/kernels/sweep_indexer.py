@@ -25,8 +25,10 @@ LOGITS = [  # (name, options)
     ("fp16x2 paged w8", {"split": "fp16x2", "num_warps": 8}),
     ("fp16x2 paged w4 p528", {"split": "fp16x2", "programs_wanted": 528}),
 ]
-TOPK_VARIANTS = [(None, 8), (8, 8), (6, 4), (6, 8), (5, 8), (4, 8)]  # (bits, warps)
-PREFILL = [(2, 4, "fp16x2"), (4, 4, "fp16x2"), (4, 8, "fp16x2"), (8, 8, "fp16x2"), (4, 4, "fp16"), (8, 8, "fp16")]
+TOPK_VARIANTS = [  # (bits, warps, sampled)
+    (None, 8, False), (8, 8, False), (6, 8, False), (5, 8, False), (4, 8, False), (6, 8, True), (4, 8, True),
+]  # fmt: skip
+PREFILL = [(4, 4, "fp16x2"), (4, 8, "fp16x2"), (8, 8, "fp16x2"), (4, 4, "fp16")]
 # (rows per block, warps, query split)
 
 
@@ -51,9 +53,12 @@ def main() -> None:
             ]
             record(kernel="logits", batch=batch, variant=name, us=graph_time_us(calls))
         logits = [indexer_logits(q, w, cache, kv_slots, off, row_pos, ctx, scale, PAGE) for q, w, off in sets]
-        for bits, warps in TOPK_VARIANTS:
-            calls = [partial(topk_of_logits, lg, row_pos, TOPK, num_warps=warps, bits=bits) for lg in logits]
-            record(kernel="topk", batch=batch, variant=f"bits {bits} w{warps}", us=graph_time_us(calls))
+        for bits, warps, sampled in TOPK_VARIANTS:
+            calls = [
+                partial(topk_of_logits, lg, row_pos, TOPK, num_warps=warps, bits=bits, sampled=sampled) for lg in logits
+            ]
+            name = f"bits {bits} w{warps}" + (" sampled" if sampled else "")
+            record(kernel="topk", batch=batch, variant=name, us=graph_time_us(calls))
         del cache, kv_slots, sets, logits
         torch.cuda.empty_cache()
 
@@ -89,11 +94,10 @@ def main() -> None:
     lg = indexer_logits(
         q, w, cache, kv_slots, row_kv_off, row_pos, prompt, scale, PAGE, row_blocks=row_blocks([0, prompt], 4, "cuda")
     )
-    for bits, warps in ((6, 16), (6, 8), (8, 16), (4, 16)):
-        call = partial(topk_of_logits, lg, row_pos, TOPK, num_warps=warps, bits=bits)
-        record(
-            kernel="topk", batch=f"prefill {prompt}", variant=f"bits {bits} w{warps}", us=graph_time_us([call], reps=10)
-        )
+    for bits, warps, sampled in ((6, 16, False), (8, 16, False), (6, 16, True)):
+        call = partial(topk_of_logits, lg, row_pos, TOPK, num_warps=warps, bits=bits, sampled=sampled)
+        name = f"bits {bits} w{warps}" + (" sampled" if sampled else "")
+        record(kernel="topk", batch=f"prefill {prompt}", variant=name, us=graph_time_us([call], reps=10))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)

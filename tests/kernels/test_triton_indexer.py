@@ -87,19 +87,20 @@ def test_registered():
 
 # Variants of the device path: (logits options, top-k digit bits). The first is the default.
 VARIANTS = {
-    "default": ({}, triton_indexer.TOPK_BITS),
-    "bf16x3-gather-int64": ({"split": "bf16x3", "paged": False}, None),
-    "fp16x2-bits8": ({"split": "fp16x2"}, 8),
-    "bf16x3-bits4": ({"split": "bf16x3"}, 4),
+    "default": ({}, triton_indexer.TOPK_BITS, triton_indexer.TOPK_SAMPLED),
+    "bf16x3-gather-int64": ({"split": "bf16x3", "paged": False}, None, False),
+    "fp16x2-bits8": ({"split": "fp16x2"}, 8, False),
+    "bf16x3-bits4-sampled": ({"split": "bf16x3"}, 4, True),
     # Blocks as large as a CPU test's pages: the one-lookup-per-page load runs there too.
-    "page-blocks": ({"block_n": 8} if not GPU else {"block_n": 64}, 5),
+    "page-blocks-sampled": ({"block_n": 8} if not GPU else {"block_n": 64}, 5, True),
 }
 
 
 # On the GPU every variant costs compiles: the default and one other there.
-@pytest.fixture(params=["default", "bf16x3-bits4"] if GPU else list(VARIANTS))
+@pytest.fixture(params=["default", "bf16x3-bits4-sampled"] if GPU else list(VARIANTS))
 def variant(request, monkeypatch):
-    opts, bits = VARIANTS[request.param]
+    opts, bits, sampled = VARIANTS[request.param]
+    monkeypatch.setattr(triton_indexer, "TOPK_SAMPLED", sampled)
     monkeypatch.setattr(triton_indexer, "LOGITS_OPTIONS", {**triton_indexer.LOGITS_OPTIONS, **opts})
     monkeypatch.setattr(triton_indexer, "TOPK_BITS", bits)
     return request.param
@@ -164,3 +165,23 @@ def test_whole_prompt(fp8):
         seq_lens, heads, dim, page_size, topk = [44], 4, 32, 8, 16
     case = make_case(seq_lens, seq_lens, heads, dim, page_size, fp8, seed=9)
     assert_same_sets(*run_both(case, topk, page_size))
+
+
+@pytest.mark.parametrize("bits,sampled", [(None, False), (8, False), (6, True), (4, True)])
+def test_topk_kernels_on_hard_rows(bits, sampled):
+    # Rows of 3000 logits, top 700: random; few distinct values (ties everywhere); constant (the
+    # sampled bracket then holds every key, more than it compacts: the full-row fallback runs);
+    # negative and zero logits of both signs; and a row whose context fits (all positions taken).
+    from nsaserve.kernels.indexer import select_topk
+
+    g = torch.Generator().manual_seed(17)
+    n, k = 3000, 700
+    x = torch.randn(5, n, generator=g)
+    x[1] = torch.randint(-3, 3, (n,), generator=g).float()
+    x[2] = 0.25
+    x[3] = -x[3].abs()
+    x[3, ::5] = 0.0
+    x[3, 1::5] = -0.0
+    pos = torch.tensor([n - 1, n - 1, n - 1, 2500, 600], dtype=torch.int32)
+    got = triton_indexer.topk_of_logits(x.to(DEV), pos.to(DEV), k, bits=bits, sampled=sampled).cpu()
+    assert_same_sets(got, select_topk(x, pos.long(), k))

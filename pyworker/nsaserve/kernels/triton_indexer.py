@@ -32,6 +32,7 @@ LOGITS_OPTIONS: dict = {"split": "fp16x2", "paged": True}
 # Query rows of one request per logits program in prefill (the MMA's N side is this x heads).
 PREFILL_ROWS = 4
 TOPK_BITS: int | None = 6  # digit width of the int32 radix select; None: the int64 8-bit kernel
+TOPK_SAMPLED = False  # bracket the k-th value with sorted samples before the radix select
 
 
 @triton.jit
@@ -319,6 +320,84 @@ def _topk32_kernel(
             tl.store(out_ptr + row * out_stride + p, tl.full([CHUNK], -1, tl.int64), mask=(p >= k_eff) & (p < width))
 
 
+@triton.jit
+def _radix_select(u, valid, k, BITS: tl.constexpr):
+    """(k-th largest of the valid uint32 keys u, how many keys equal to it are among the top k)."""
+    digits = tl.arange(0, 1 << BITS)
+    NPASS: tl.constexpr = (32 + BITS - 1) // BITS
+    FIRST: tl.constexpr = 32 - BITS * (NPASS - 1)
+    prefix = tl.zeros((), dtype=tl.uint32)
+    k_rem = k
+    for i in tl.static_range(NPASS):
+        WIDTH: tl.constexpr = FIRST if i == 0 else BITS
+        SHIFT: tl.constexpr = 32 - FIRST - BITS * i
+        hist = _radix_hist(u, valid, prefix, SHIFT, WIDTH, BITS)
+        at_or_above = tl.cumsum(hist, axis=0, reverse=True)
+        d_sel, above = tl.reduce(
+            (tl.where(at_or_above >= k_rem, digits, -1), tl.where(at_or_above < k_rem, at_or_above, 0)),
+            0,
+            _max_pair,
+        )
+        k_rem -= above
+        prefix = prefix | (d_sel.to(tl.uint32) << SHIFT)
+    return prefix, k_rem
+
+
+@triton.jit
+def _topk_sampled_kernel(
+    logits_ptr, row_pos_ptr, out_ptr, scratch_ptr, logits_stride, out_stride, topk, width,
+    CHUNK: tl.constexpr, SAMPLES: tl.constexpr, MARGIN: tl.constexpr, CAND: tl.constexpr, BITS: tl.constexpr,
+):  # fmt: skip
+    """Per row (at most CHUNK keys): the k-th largest bracketed by SAMPLES sorted samples (ranks
+    +-MARGIN around the expected one), the keys inside the bracket (usually a few hundred)
+    compacted to scratch, and the radix select run over those alone; when the bracket misses or
+    holds more than CAND keys, the radix select runs over the whole row. Same result as
+    _topk32_kernel."""
+    row = tl.program_id(0)
+    pos = tl.load(row_pos_ptr + row)
+    k_eff = tl.minimum(topk, pos + 1)
+    row_logits = logits_ptr + row * logits_stride
+    offs = tl.arange(0, CHUNK)
+    if pos + 1 <= topk:
+        tl.store(out_ptr + row * out_stride + offs, tl.where(offs <= pos, offs, -1).to(tl.int64), mask=offs < width)
+    else:
+        u, valid = _order_keys(row_logits, offs, pos)
+        n = pos + 1
+        j = tl.arange(0, SAMPLES)
+        su, _ = _order_keys(row_logits, (j * n) // SAMPLES, pos)
+        ss = tl.sort(su, dim=0, descending=True)
+        r = (k_eff * SAMPLES) // n  # expected rank of the k-th largest among the samples
+        zero = tl.zeros_like(ss)
+        hi = tl.max(tl.where(j == tl.maximum(r - MARGIN, 0), ss, zero), axis=0)
+        lo = tl.max(tl.where(j == tl.minimum(r + MARGIN, SAMPLES - 1), ss, zero), axis=0)
+        above_hi = valid & (u > hi)
+        inside = valid & (u >= lo) & (u <= hi)
+        # Both counts from one reduction (16-bit halves: rows are at most CHUNK <= 32K keys).
+        counts = tl.sum(above_hi.to(tl.int32) + (inside.to(tl.int32) << 16), axis=0)
+        n_above = counts & 0xFFFF
+        n_inside = counts >> 16
+        if (n_above < k_eff) & (n_above + n_inside >= k_eff) & (n_inside <= CAND):
+            dst = tl.cumsum(inside.to(tl.int32), axis=0) - 1
+            tl.store(scratch_ptr + row * CAND + dst, u.to(tl.int32, bitcast=True), mask=inside)
+            tl.debug_barrier()  # the compacted keys are read back by other threads of this program
+            c = tl.arange(0, CAND)
+            cvalid = c < n_inside
+            cu = tl.load(scratch_ptr + row * CAND + c, mask=cvalid, other=0).to(tl.uint32, bitcast=True)
+            thr, k_rem = _radix_select(cu, cvalid, k_eff - n_above, BITS)
+        else:
+            thr, k_rem = _radix_select(u, valid, k_eff, BITS)
+        gt = valid & (u > thr)
+        eq = valid & (u == thr)
+        packed = tl.cumsum(gt.to(tl.int32) + (eq.to(tl.int32) << 16), axis=0)
+        c_gt = packed & 0xFFFF
+        c_eq = packed >> 16
+        take = gt | (eq & (c_eq <= k_rem))
+        tl.store(out_ptr + row * out_stride + c_gt + tl.minimum(c_eq, k_rem) - 1, offs.to(tl.int64), mask=take)
+        tl.store(
+            out_ptr + row * out_stride + offs, tl.full([CHUNK], -1, tl.int64), mask=(offs >= k_eff) & (offs < width)
+        )
+
+
 def row_metadata(
     query_start: list[int], cached_lens: list[int], seq_lens: list[int], device
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -409,15 +488,30 @@ def _topk_warps(chunk: int) -> int:
 
 
 def topk_of_logits(
-    logits: torch.Tensor, row_pos: torch.Tensor, topk: int, num_warps: int | None = None, bits: int | None = None
+    logits: torch.Tensor,
+    row_pos: torch.Tensor,
+    topk: int,
+    num_warps: int | None = None,
+    bits: int | None = None,
+    sampled: bool = False,
 ) -> torch.Tensor:
     """Positions [T, min(topk, L)] of each row's top-k among logits[t, :row_pos[t] + 1]; -1 padded.
 
-    bits: digit width of the int32 radix select (None: the older int64 8-bit kernel)."""
+    bits: digit width of the int32 radix select (None: the older int64 8-bit kernel).
+    sampled: bracket the k-th value with sorted samples first (rows up to _TOPK_CHUNK keys)."""
     rows, max_len = logits.shape
     width = min(topk, max_len)
     out = torch.empty((rows, width), dtype=torch.int64, device=logits.device)  # every entry is written
     chunk = min(_TOPK_CHUNK, triton.next_power_of_2(max_len))
+    if sampled and bits is not None and max_len <= chunk:
+        cand = min(chunk, 1024)
+        scratch = torch.empty((rows, cand), dtype=torch.int32, device=logits.device)
+        _topk_sampled_kernel[(rows,)](
+            logits, row_pos, out, scratch, logits.stride(0), out.stride(0), topk, width,
+            CHUNK=chunk, SAMPLES=min(chunk, 256), MARGIN=16, CAND=cand, BITS=bits,
+            num_warps=num_warps or _topk_warps(chunk),
+        )  # fmt: skip
+        return out
     if bits is not None:
         _topk32_kernel[(rows,)](
             logits, row_pos, out, logits.stride(0), out.stride(0), topk, width,
@@ -441,7 +535,7 @@ def indexer_topk_rows(
         q, weights, index_k_cache, kv_slots, row_kv_off, row_pos, max_len, softmax_scale, page_size,
         row_blocks=blocks, **LOGITS_OPTIONS,
     )  # fmt: skip
-    return topk_of_logits(logits, row_pos, topk, bits=TOPK_BITS)
+    return topk_of_logits(logits, row_pos, topk, bits=TOPK_BITS, sampled=TOPK_SAMPLED)
 
 
 def indexer_topk_triton(
