@@ -107,9 +107,8 @@ def variant(request, monkeypatch):
 
 
 @pytest.mark.parametrize("fp8", [False, True])
-@pytest.mark.parametrize("seed", [1, 2])
-def test_decode_matches_reference(fp8, seed, variant):
-    decode_case(fp8, seed, torch.bfloat16)
+def test_decode_matches_reference(fp8, variant):
+    decode_case(fp8, 1 + fp8 + 2 * list(VARIANTS).index(variant), torch.bfloat16)  # fresh inputs per case
 
 
 def test_float32_keys_match_reference():
