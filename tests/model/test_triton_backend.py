@@ -18,10 +18,8 @@ DEV = torch.device("cuda" if GPU else "cpu")
 STEPS = 10 if GPU else 5
 
 
-def runner(path, kv, backend):
-    r = ModelRunner(
-        path, device=DEV, dtype=torch.float32, kv_cache_dtype=kv, num_pages=96, page_size=4, show_progress=False
-    )
+def runner(path, kv, backend, dtype=torch.float32):
+    r = ModelRunner(path, device=DEV, dtype=dtype, kv_cache_dtype=kv, num_pages=96, page_size=4, show_progress=False)
     for kind in ("attention", "indexer"):
         r.set_backend(kind, backend)
     return r
@@ -46,19 +44,21 @@ def run(r, forced=None):
     return torch.cat(logits), tokens
 
 
-# The interpreter is slow: on CPU one case (the fp8 cache, where both kernels dequantise).
+# The interpreter is slow: on CPU one case (the fp8 cache, where both kernels dequantise). On CUDA
+# also a bf16 model, the dtype "auto" picks Triton for.
 CASES = (
-    [(m, kv) for m in ("glm_moe_dsa", "deepseek_v32") for kv in ("auto", "fp8_e4m3")]
+    [(m, kv, torch.float32) for m in ("glm_moe_dsa", "deepseek_v32") for kv in ("auto", "fp8_e4m3")]
+    + [("glm_moe_dsa", "fp8_e4m3", torch.bfloat16)]
     if GPU
-    else [("glm_moe_dsa", "fp8_e4m3")]
+    else [("glm_moe_dsa", "fp8_e4m3", torch.float32)]
 )
 
 
-@pytest.mark.parametrize("model_type,kv", CASES)
-def test_triton_backends_match_torch(model_type, kv, tmp_path):
+@pytest.mark.parametrize("model_type,kv,dtype", CASES)
+def test_triton_backends_match_torch(model_type, kv, dtype, tmp_path):
     make_checkpoint(model_type, str(tmp_path), seed=3, initializer_range=0.06, confident_embedding=0.12)
-    want_logits, want_tokens = run(runner(str(tmp_path), kv, "torch"))
-    got_logits, got_tokens = run(runner(str(tmp_path), kv, "triton"), forced=want_tokens)
+    want_logits, want_tokens = run(runner(str(tmp_path), kv, "torch", dtype))
+    got_logits, got_tokens = run(runner(str(tmp_path), kv, "triton", dtype), forced=want_tokens)
     assert torch.isfinite(got_logits).all()
     # The indexer's products are float32-exact, so both pick the same keys; sparse attention
     # rounds q, the latent and the probabilities to bf16 for the tensor cores.
@@ -75,11 +75,13 @@ def test_auto_backend_choice(tmp_path):
     from nsaserve.kernels.registry import resolve
 
     for kind in ("attention", "indexer"):
-        assert resolve(kind, "auto", "cuda") == "triton"
-        assert resolve(kind, "auto", "cpu") == "torch"
+        assert resolve(kind, "auto", "cuda", 16) == "triton"
+        assert resolve(kind, "auto", "cuda", 32) == "torch"  # float32 models keep float32 operands
+        assert resolve(kind, "auto", "cpu", 16) == "torch"
         assert resolve(kind, "torch", "cuda") == "torch" and resolve(kind, "triton", "cpu") == "triton"
     assert resolve("moe_experts", "auto", "cpu") == "torch"
     make_checkpoint("glm_moe_dsa", str(tmp_path), seed=1)
-    r = ModelRunner(str(tmp_path), device=DEV, dtype=torch.float32, num_pages=8, page_size=4, show_progress=False)
-    r.set_backend("attention", "auto")
-    assert r.model.backends["attention"] == ("triton" if GPU else "torch")
+    for dtype in (torch.float32, torch.bfloat16):
+        r = ModelRunner(str(tmp_path), device=DEV, dtype=dtype, num_pages=8, page_size=4, show_progress=False)
+        r.set_backend("attention", "auto")
+        assert r.model.backends["attention"] == ("triton" if GPU and dtype == torch.bfloat16 else "torch")

@@ -84,7 +84,7 @@ class ModelRunner:
         picks the one preferred on this device."""
         from ..kernels.registry import get_backend, resolve
 
-        name = resolve(kind, name, self.device.type)
+        name = resolve(kind, name, self.device.type, self.dtype.itemsize * 8)
         get_backend(kind, name)  # fails now, not mid-step, when the name is unknown
         self.model.backends[kind] = name
 
