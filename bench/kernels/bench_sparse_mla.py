@@ -55,7 +55,7 @@ def build(batch: int, heads: int, fp8: bool, copies: int):
     return cache, kv_slots, sets
 
 
-def measure(batch, heads, fp8, cfg, ceil, logical=False, num_splits=None, prefill=False) -> dict:
+def measure(batch, heads, fp8, cfg, ceil, logical=False, num_splits=None, prefill=False, skip_empty=False) -> dict:
     torch.cuda.empty_cache()  # the previous case's buffers are gone with its frame
     row_bytes = fmt.latent_fp8_row_bytes(RANK, ROPE) if fp8 else 2 * (RANK + ROPE)
     min_bytes = batch * TOPK * row_bytes + batch * heads * ((RANK + ROPE) * 2 + RANK * 4)
@@ -64,6 +64,8 @@ def measure(batch, heads, fp8, cfg, ceil, logical=False, num_splits=None, prefil
     cache, kv_slots, sets = build(batch, heads, fp8, copies)
     bn, warps, stages, grouped = cfg
     opts = {"block_n": bn, "num_warps": warps, "num_stages": stages}
+    if skip_empty:
+        opts["skip_empty"] = True
 
     def call(q_lat, q_pe, slots, pos, base):
         if prefill:
@@ -81,7 +83,9 @@ def measure(batch, heads, fp8, cfg, ceil, logical=False, num_splits=None, prefil
         "heads": heads,
         "batch": f"prefill {batch}" if prefill else batch,
         "indices": "logical" if logical else "physical",
-        "config": f"n{bn}w{warps}s{stages}" + ("g" if grouped and fp8 and not prefill else ""),
+        "config": f"n{bn}w{warps}s{stages}"
+        + ("g" if grouped and fp8 and not prefill else "")
+        + ("e" if skip_empty else ""),
         "splits": "auto" if num_splits is None else num_splits,
         "us": us,
         "TFLOPs": flops / (us * 1e-6) / 1e12,
@@ -124,6 +128,9 @@ def main() -> None:
         if not args.quick:
             rows.append(measure(64, 64, fp8, best[fp8][0], ceil, logical=True))
             print(rows[-1], flush=True)
+        # The cost of testing every block for -1 entries (suffix "e"), on full top-k lists.
+        rows.append(measure(64, 64, fp8, best[fp8][0][:3] + (False,), ceil, skip_empty=True))
+        print(rows[-1], flush=True)
         rows.append(measure(PREFILL_TOKENS, 64, fp8, best[fp8][0], ceil, prefill=True))
         print(rows[-1], flush=True)
     cols = [
