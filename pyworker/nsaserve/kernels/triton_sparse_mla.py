@@ -344,6 +344,9 @@ def sparse_mla_decode(
 # From this many query tokens in a step, the step is treated as prefill: no splits are needed to fill
 # the GPU, and blocks of -1 entries (rows with short causal contexts) are worth testing for.
 PREFILL_TOKENS = 256
+# Launch options of the registry backend (bench/kernels/bench_sparse_mla.py sweeps the others).
+DECODE_OPTIONS: dict = {}
+PREFILL_OPTIONS: dict = {}
 
 
 def sparse_mla_prefill(q_lat, q_pe, latent_cache, indices, softmax_scale, token_kv_base=None, kv_slots=None, **kw):
@@ -358,5 +361,5 @@ def sparse_mla_prefill(q_lat, q_pe, latent_cache, indices, softmax_scale, token_
 def sparse_mla_triton(q_lat, q_pe, latent_cache, slots, softmax_scale) -> torch.Tensor:
     """The registry's ("attention", "triton") backend: same arguments as sparse_mla_torch."""
     if q_lat.shape[0] >= PREFILL_TOKENS:
-        return sparse_mla_prefill(q_lat, q_pe, latent_cache, slots, softmax_scale)
-    return sparse_mla_decode(q_lat, q_pe, latent_cache, slots, softmax_scale)
+        return sparse_mla_prefill(q_lat, q_pe, latent_cache, slots, softmax_scale, **PREFILL_OPTIONS)
+    return sparse_mla_decode(q_lat, q_pe, latent_cache, slots, softmax_scale, **DECODE_OPTIONS)
