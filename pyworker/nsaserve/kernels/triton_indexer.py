@@ -53,14 +53,18 @@ def _load_keys(
         slot = tl.load(kv_slots_ptr + kv_off + offs_n, mask=valid, other=0).to(tl.int64)
         page = slot // PS
         off = slot - page * PS
+    # One return for both layouts: the compiler wants consistent return types even across
+    # constexpr branches.
     if FP8:
         # Page p holds PS rows of D codes, then PS fp32 scales.
         base = page * (PS * (D + 4))
         codes = tl.load(k_ptr + (base + off * D)[:, None] + offs_d[None, :], mask=valid[:, None], other=0)
         k_scale = tl.load(k_scale_ptr + (base + PS * D) // 4 + off, mask=valid, other=0.0)
-        return codes.to(tl.float8e4nv, bitcast=True), k_scale
-    keys = tl.load(k_ptr + (page * PS + off)[:, None] * D + offs_d[None, :], mask=valid[:, None], other=0.0)
-    return keys, keys
+        keys = codes.to(tl.float8e4nv, bitcast=True)
+    else:
+        keys = tl.load(k_ptr + (page * PS + off)[:, None] * D + offs_d[None, :], mask=valid[:, None], other=0.0)
+        k_scale = keys
+    return keys, k_scale
 
 
 @triton.jit
@@ -238,9 +242,13 @@ def _max_pair(a1, b1, a2, b2):
 
 
 @triton.jit
-def _radix_hist(u, valid, prefix, SHIFT: tl.constexpr, WIDTH: tl.constexpr, BITS: tl.constexpr):
-    """Histogram (2^BITS bins) of the WIDTH-bit digit at SHIFT over valid keys whose bits above the
-    digit equal prefix's."""
+def _radix_hist(u, valid, prefix, PASS: tl.constexpr, BITS: tl.constexpr):
+    """Histogram (2^BITS bins) of pass PASS's digit over valid keys whose bits above the digit equal
+    prefix's. Pass 0 takes the top 32 - BITS * (passes - 1) bits, every later pass BITS bits."""
+    NPASS: tl.constexpr = (32 + BITS - 1) // BITS
+    FIRST: tl.constexpr = 32 - BITS * (NPASS - 1)
+    WIDTH: tl.constexpr = FIRST * (PASS == 0) + BITS * (PASS != 0)
+    SHIFT: tl.constexpr = 32 - FIRST - BITS * PASS
     match = valid
     if SHIFT + WIDTH < 32:
         match = match & ((u >> (SHIFT + WIDTH)) == (prefix >> (SHIFT + WIDTH)))
@@ -275,15 +283,14 @@ def _topk32_kernel(
         if NCHUNK == 1:
             u, valid = _order_keys(row_logits, offs, pos)
         for i in tl.static_range(NPASS):
-            WIDTH: tl.constexpr = FIRST if i == 0 else BITS
-            SHIFT: tl.constexpr = 32 - FIRST - BITS * i
+            shift = 32 - FIRST - BITS * i  # of this pass's digit (constexpr: i is)
             if NCHUNK == 1:
-                hist = _radix_hist(u, valid, prefix, SHIFT, WIDTH, BITS)
+                hist = _radix_hist(u, valid, prefix, i, BITS)
             else:
                 hist = tl.zeros([1 << BITS], dtype=tl.int32)
                 for c in range(NCHUNK):
                     uc, vc = _order_keys(row_logits, c * CHUNK + offs, pos)
-                    hist += _radix_hist(uc, vc, prefix, SHIFT, WIDTH, BITS)
+                    hist += _radix_hist(uc, vc, prefix, i, BITS)
             at_or_above = tl.cumsum(hist, axis=0, reverse=True)  # keys with digit >= d
             # The chosen digit is the largest d with at_or_above[d] >= k_rem; the keys above it number
             # at_or_above[d + 1], the largest count still below k_rem. One reduction for both.
@@ -293,7 +300,7 @@ def _topk32_kernel(
                 _max_pair,
             )
             k_rem -= above
-            prefix = prefix | (d_sel.to(tl.uint32) << SHIFT)
+            prefix = prefix | (d_sel.to(tl.uint32) << shift)
 
         # Emit in position order: keys above the threshold, and the first k_rem keys equal to it. One
         # scan of (greater, equal) packed in 16-bit halves gives both running counts:
@@ -329,9 +336,8 @@ def _radix_select(u, valid, k, BITS: tl.constexpr):
     prefix = tl.zeros((), dtype=tl.uint32)
     k_rem = k
     for i in tl.static_range(NPASS):
-        WIDTH: tl.constexpr = FIRST if i == 0 else BITS
-        SHIFT: tl.constexpr = 32 - FIRST - BITS * i
-        hist = _radix_hist(u, valid, prefix, SHIFT, WIDTH, BITS)
+        shift = 32 - FIRST - BITS * i  # of this pass's digit (constexpr: i is)
+        hist = _radix_hist(u, valid, prefix, i, BITS)
         at_or_above = tl.cumsum(hist, axis=0, reverse=True)
         d_sel, above = tl.reduce(
             (tl.where(at_or_above >= k_rem, digits, -1), tl.where(at_or_above < k_rem, at_or_above, 0)),
@@ -339,7 +345,7 @@ def _radix_select(u, valid, k, BITS: tl.constexpr):
             _max_pair,
         )
         k_rem -= above
-        prefix = prefix | (d_sel.to(tl.uint32) << SHIFT)
+        prefix = prefix | (d_sel.to(tl.uint32) << shift)
     return prefix, k_rem
 
 

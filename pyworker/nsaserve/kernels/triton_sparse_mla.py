@@ -127,118 +127,6 @@ def _sparse_mla_kernel(
 
 
 @triton.jit
-def _fp8_group(
-    cache_ptr,
-    cache_f32_ptr,
-    slot,
-    valid,
-    g: tl.constexpr,
-    ROW_BYTES: tl.constexpr,
-    R: tl.constexpr,
-    G: tl.constexpr,
-    INTERPRET: tl.constexpr,
-):
-    """Group g of the selected fp8 rows: codes as MMA operands (exact: e4m3 fits bf16) [N, G], and
-    the group's scale per row [N]."""
-    offs = g * G + tl.arange(0, G)
-    codes = tl.load(cache_ptr + slot[:, None] * ROW_BYTES + offs[None, :], mask=valid[:, None], other=0)
-    sc = tl.load(cache_f32_ptr + slot * (ROW_BYTES // 4) + R // 4 + g, mask=valid, other=0.0)
-    return mma_operand(codes.to(tl.float8e4nv, bitcast=True).to(tl.float32), INTERPRET), sc
-
-
-@triton.jit
-def _sparse_mla_fp8_grouped_kernel(
-    q_lat_ptr, q_pe_ptr, cache_ptr, cache_f32_ptr, cache_bf16_ptr, idx_ptr, o_ptr, lse_ptr,
-    heads, topk, num_splits, scale_log2,
-    SPLIT_LEN: tl.constexpr, R: tl.constexpr, P: tl.constexpr, P_PAD: tl.constexpr, G: tl.constexpr,
-    ROW_BYTES: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
-    INTERPRET: tl.constexpr,
-):  # fmt: skip
-    """fp8 cache with the group scales applied after the products instead of to the latent:
-        q . c_j = sum_g scale_jg (q_g . code_jg),   sum_j p_j c_j[g] = sum_j (p_j scale_jg) code_jg
-    so the codes go to the tensor cores as they are (no float32 latent tile), one accumulator per
-    group. Up to 4 groups (R <= 4 G), physical slots."""
-    NG: tl.constexpr = R // G
-    t = tl.program_id(0)
-    sp = tl.program_id(1)
-    h0 = tl.program_id(2) * BLOCK_H
-    offs_h = h0 + tl.arange(0, BLOCK_H)
-    hmask = offs_h < heads
-    offs_gc = tl.arange(0, G)
-    offs_p = tl.arange(0, P_PAD)
-    pmask = offs_p < P
-    q_rows = (t * heads + offs_h).to(tl.int64)
-    qp = q_lat_ptr + q_rows[:, None] * R + offs_gc[None, :]
-    q0 = mma_operand(tl.load(qp, mask=hmask[:, None], other=0.0), INTERPRET)
-    q1 = q0
-    q2 = q0
-    q3 = q0
-    if NG >= 2:
-        q1 = mma_operand(tl.load(qp + G, mask=hmask[:, None], other=0.0), INTERPRET)
-    if NG >= 4:
-        q2 = mma_operand(tl.load(qp + 2 * G, mask=hmask[:, None], other=0.0), INTERPRET)
-        q3 = mma_operand(tl.load(qp + 3 * G, mask=hmask[:, None], other=0.0), INTERPRET)
-    q_pe = tl.load(q_pe_ptr + q_rows[:, None] * P + offs_p[None, :], mask=hmask[:, None] & pmask[None, :], other=0.0)
-    q_pe = mma_operand(q_pe, INTERPRET)
-
-    m_i = tl.full([BLOCK_H], -1.0e30, dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
-    acc0 = tl.zeros([BLOCK_H, G], dtype=tl.float32)
-    acc1 = tl.zeros([BLOCK_H, G], dtype=tl.float32)
-    acc2 = tl.zeros([BLOCK_H, G], dtype=tl.float32)
-    acc3 = tl.zeros([BLOCK_H, G], dtype=tl.float32)
-    j0 = sp * SPLIT_LEN
-    j1 = tl.minimum(j0 + SPLIT_LEN, topk)
-    pe_at = (R + 4 * NG) // 2
-    for n in range(0, SPLIT_LEN, BLOCK_N):
-        offs_n = j0 + n + tl.arange(0, BLOCK_N)
-        idx = tl.load(idx_ptr + t.to(tl.int64) * topk + offs_n, mask=offs_n < j1, other=-1)
-        valid = idx >= 0
-        slot = tl.where(valid, idx, 0).to(tl.int64)
-        k_pe = tl.load(
-            cache_bf16_ptr + slot[:, None] * (ROW_BYTES // 2) + pe_at + offs_p[None, :], mask=pmask[None, :], other=0.0
-        )
-        s = tl.dot(q_pe, tl.trans(mma_operand(k_pe, INTERPRET)))
-        c0, s0 = _fp8_group(cache_ptr, cache_f32_ptr, slot, valid, 0, ROW_BYTES, R, G, INTERPRET)
-        s += tl.dot(q0, tl.trans(c0)) * s0[None, :]
-        if NG >= 2:
-            c1, s1 = _fp8_group(cache_ptr, cache_f32_ptr, slot, valid, 1, ROW_BYTES, R, G, INTERPRET)
-            s += tl.dot(q1, tl.trans(c1)) * s1[None, :]
-        if NG >= 4:
-            c2, s2 = _fp8_group(cache_ptr, cache_f32_ptr, slot, valid, 2, ROW_BYTES, R, G, INTERPRET)
-            s += tl.dot(q2, tl.trans(c2)) * s2[None, :]
-            c3, s3 = _fp8_group(cache_ptr, cache_f32_ptr, slot, valid, 3, ROW_BYTES, R, G, INTERPRET)
-            s += tl.dot(q3, tl.trans(c3)) * s3[None, :]
-        s = tl.where(valid[None, :], s * scale_log2, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc0 = acc0 * alpha[:, None] + tl.dot(mma_operand(p * s0[None, :], INTERPRET), c0)
-        if NG >= 2:
-            acc1 = acc1 * alpha[:, None] + tl.dot(mma_operand(p * s1[None, :], INTERPRET), c1)
-        if NG >= 4:
-            acc2 = acc2 * alpha[:, None] + tl.dot(mma_operand(p * s2[None, :], INTERPRET), c2)
-            acc3 = acc3 * alpha[:, None] + tl.dot(mma_operand(p * s3[None, :], INTERPRET), c3)
-        m_i = m_new
-
-    has = l_i > 0.0
-    inv = 1.0 / tl.where(has, l_i, 1.0)
-    if SPLIT:
-        rows = (t * num_splits + sp).to(tl.int64) * heads + offs_h
-        tl.store(lse_ptr + rows, tl.where(has, m_i + tl.log2(l_i), float("-inf")), mask=hmask)
-    else:
-        rows = q_rows
-    op = o_ptr + rows[:, None] * R + offs_gc[None, :]
-    tl.store(op, acc0 * inv[:, None], mask=hmask[:, None])
-    if NG >= 2:
-        tl.store(op + G, acc1 * inv[:, None], mask=hmask[:, None])
-    if NG >= 4:
-        tl.store(op + 2 * G, acc2 * inv[:, None], mask=hmask[:, None])
-        tl.store(op + 3 * G, acc3 * inv[:, None], mask=hmask[:, None])
-
-
-@triton.jit
 def _combine_kernel(o_part_ptr, lse_ptr, out_ptr, heads, num_splits, R: tl.constexpr, BLOCK_S: tl.constexpr):
     """out[t, h] = sum_s 2^(lse_s - lse) o_s over the splits of (t, h)."""
     t = tl.program_id(0)
@@ -275,14 +163,11 @@ def sparse_mla_decode(
     num_warps: int = 8,
     num_stages: int = 2,
     skip_empty: bool = False,
-    fp8_grouped: bool = False,
 ) -> torch.Tensor:
     """-> o_lat float32 [T, H, R]. Device-only (no host sync): CUDA-graph capturable.
 
     skip_empty: test each block of indices and skip those that are all -1 (costs a reduction per
-    block; pays off in prefill, where early rows select fewer than top-k keys).
-    fp8_grouped: an fp8 cache goes through _sparse_mla_fp8_grouped_kernel (scales applied after
-    the products); physical indices and at most 4 scale groups only, no skip_empty."""
+    block; pays off in prefill, where early rows select fewer than top-k keys)."""
     tokens, heads, rank = q_lat.shape
     rope = q_pe.shape[2]
     topk = indices.shape[1]
@@ -317,23 +202,14 @@ def sparse_mla_decode(
         o_part, lse = out, out
     idx = indices.contiguous()
     interp = q_lat.device.type != "cuda"
-    if fp8 and fp8_grouped and not logical and rank // group in (1, 2, 4):
-        _sparse_mla_fp8_grouped_kernel[(tokens, num_splits, head_blocks)](
-            q_lat.contiguous(), q_pe.contiguous(), cache, f32_view, bf16_view, idx, o_part, lse,
-            heads, topk, num_splits, softmax_scale * 1.4426950408889634,
-            SPLIT_LEN=split_len, R=rank, P=rope, P_PAD=max(16, triton.next_power_of_2(rope)), G=group,
-            ROW_BYTES=row_bytes, BLOCK_H=block_h, BLOCK_N=block_n, SPLIT=split, INTERPRET=interp,
-            num_warps=num_warps, num_stages=num_stages,
-        )  # fmt: skip
-    else:
-        _sparse_mla_kernel[(tokens, num_splits, head_blocks)](
-            q_lat.contiguous(), q_pe.contiguous(), cache, f32_view, bf16_view,
-            idx, token_kv_base if logical else idx, kv_slots if logical else idx, o_part, lse,
-            heads, topk, num_splits, softmax_scale * 1.4426950408889634,
-            SPLIT_LEN=split_len, R=rank, P=rope, P_PAD=max(16, triton.next_power_of_2(rope)), G=group,
-            ROW_BYTES=row_bytes, BLOCK_H=block_h, BLOCK_N=block_n, FP8=fp8, LOGICAL=logical, SPLIT=split,
-            SKIP_EMPTY=skip_empty, INTERPRET=interp, num_warps=num_warps, num_stages=num_stages,
-        )  # fmt: skip
+    _sparse_mla_kernel[(tokens, num_splits, head_blocks)](
+        q_lat.contiguous(), q_pe.contiguous(), cache, f32_view, bf16_view,
+        idx, token_kv_base if logical else idx, kv_slots if logical else idx, o_part, lse,
+        heads, topk, num_splits, softmax_scale * 1.4426950408889634,
+        SPLIT_LEN=split_len, R=rank, P=rope, P_PAD=max(16, triton.next_power_of_2(rope)), G=group,
+        ROW_BYTES=row_bytes, BLOCK_H=block_h, BLOCK_N=block_n, FP8=fp8, LOGICAL=logical, SPLIT=split,
+        SKIP_EMPTY=skip_empty, INTERPRET=interp, num_warps=num_warps, num_stages=num_stages,
+    )  # fmt: skip
     if split:
         _combine_kernel[(tokens, heads)](
             o_part, lse, out, heads, num_splits, R=rank, BLOCK_S=triton.next_power_of_2(num_splits), num_warps=4
