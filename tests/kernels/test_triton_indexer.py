@@ -166,7 +166,7 @@ def test_whole_prompt(fp8):
     assert_same_sets(*run_both(case, topk, page_size))
 
 
-@pytest.mark.parametrize("bits,sampled", [(None, False), (8, False), (6, True), (4, True)])
+@pytest.mark.parametrize("bits,sampled", [(None, False), (8, False), (4, False), (6, True), (4, True)])
 def test_topk_kernels_on_hard_rows(bits, sampled):
     # Rows of 3000 logits, top 700: random; few distinct values (ties everywhere); constant (the
     # sampled bracket then holds every key, more than it compacts: the full-row fallback runs);
