@@ -4,15 +4,23 @@ Same contract as indexer.indexer_topk_torch (scores, causal mask, "lower positio
 except that each row's positions come out in ascending position order rather than by score: the
 set is what attention consumes, and emitting in position order is what makes the selection cheap.
 
-1. _logits_kernel, grid (rows, key spans): gathers BLOCK_N keys at a time of the row's request
-   through kv_slots (bf16 rows, or DeepGEMM's fp8 paged layout: codes then one fp32 scale per
-   key) and multiplies them with the row's [heads, D] query on the tensor cores. The products must
-   be float32-accurate, or the selected set drifts from the float32 reference at its boundary:
-   fp8 and bf16 keys are exact in bf16 and the query is split exactly into three bf16 parts
-   (3 bf16 MMAs); other key dtypes use 3xTF32. Then ReLU, the head weights, one logit per key.
-2. _topk_kernel, one program per row: maps each logit to an order-preserving integer, finds the
-   k-th largest by radix select (four 8-bit histogram passes), then emits every key above it plus
-   the lowest-position keys equal to it, compacted with a prefix sum.
+1. _logits_kernel, grid (row blocks, key spans): reads BLOCK_N keys at a time of the rows'
+   request (bf16 rows, or DeepGEMM's fp8 paged layout: a page's codes, then one fp32 scale per
+   key). kv_slots are page-aligned (position p at page * page_size + p % page_size, as the
+   worker builds them), so a block inside one page is one kv_slots lookup and one contiguous
+   tile. Keys go on the MMA's M side against the query's [heads, D] (decode: one row per
+   program; prefill: ROWS rows of one request share each key tile, N = ROWS x heads). The
+   products must be float32-accurate, or the chosen set drifts from the float32 reference at its
+   boundary: fp8 keys are exact in fp16 and the query, scaled by a power of two, is split into two
+   fp16 parts (22 significant bits; "fp16x2"), or exact in bf16 with a three-part bf16 split
+   ("bf16x3", also bf16 keys); other key dtypes use 3xTF32. A one-pass fp16 query ("fp16") is
+   available where speed matters more than exact ties. Then ReLU, head weights, one logit a key.
+2. _topk32_kernel, one program per row: maps each logit to an order-preserving uint32, finds the
+   k-th largest by radix select (TOPK_BITS-bit histogram passes), then emits every key above it
+   plus the lowest-position keys equal to it, compacted with one prefix sum. Rows whose context
+   fits in top-k take everything. _topk_sampled_kernel first brackets the k-th value between two
+   of 256 sorted samples and runs the radix select over the keys inside the bracket only (the
+   whole row when the bracket misses). _topk_kernel is the first version (int64 keys, 8 bits).
 """
 
 from __future__ import annotations
@@ -27,7 +35,7 @@ from .triton_common import mma_operand
 _TOPK_CHUNK = 8192
 # Logits programs to aim for (about two per multiprocessor of an H100/H200).
 _PROGRAMS_WANTED = 264
-# Options of the device path (indexer_topk_rows); bench/kernels/sweep_indexer.py measures the others.
+# Options of the device path (indexer_topk_rows); bench/kernels/bench_indexer.py times the others.
 LOGITS_OPTIONS: dict = {"split": "fp16x2", "paged": True}
 # Query rows of one request per logits program in prefill (the MMA's N side is this x heads).
 PREFILL_ROWS = 4

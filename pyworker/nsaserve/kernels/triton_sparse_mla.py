@@ -16,6 +16,11 @@ registers (code x group scale, in fp32, then rounded) before both products.
 
 Indices are either physical slots (the registry's interface), or, with the slot transform fused,
 logical top-k positions p that the kernel maps to kv_slots[token_kv_base[t] + p] itself.
+
+Prefill (sparse_mla_prefill, and the registry backend from PREFILL_TOKENS query tokens) is the same
+kernel launched without splits and testing each block of indices for -1 entries: rows early in a
+prompt select fewer than top-k keys. The rope part is zero-padded to an MMA-sized K (>= 16) so
+small test models run compiled too.
 """
 
 from __future__ import annotations
