@@ -36,11 +36,14 @@ _TOPK_CHUNK = 8192
 # Logits programs to aim for (about two per multiprocessor of an H100/H200).
 _PROGRAMS_WANTED = 264
 # Options of the device path (indexer_topk_rows); bench/kernels/bench_indexer.py times the others.
+# fp16x2 with page-contiguous loads: 21.7 us at batch 64, 4K on the H200 (v1's gather, bf16x3: 30.8).
 LOGITS_OPTIONS: dict = {"split": "fp16x2", "paged": True}
 # Query rows of one request per logits program in prefill (the MMA's N side is this x heads).
 PREFILL_ROWS = 4
-TOPK_BITS: int | None = 6  # digit width of the int32 radix select; None: the int64 8-bit kernel
-TOPK_SAMPLED = False  # bracket the k-th value with sorted samples before the radix select
+# Top-k: the fastest on the H200 by batch 1 + batch 64 at 4K (bench/results/2026-11-29-triton-indexer-v2):
+# 4-bit digits after the sampled bracket, 11.1 + 14.9 us (8-bit int64, the first version: 15.0 + 16.8).
+TOPK_BITS: int | None = 4  # digit width of the int32 radix select; None: the int64 8-bit kernel
+TOPK_SAMPLED = True  # bracket the k-th value with sorted samples before the radix select
 
 
 @triton.jit
