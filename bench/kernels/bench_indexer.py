@@ -30,8 +30,8 @@ from nsaserve.kernels.triton_indexer import (
     indexer_topk_rows,
     indexer_topk_triton,
     row_blocks,
-    topk_of_logits,
 )
+from nsaserve.kernels.triton_topk import topk_of_logits
 
 HEADS, DIM, TOPK, PAGE = 32, 128, 2048, 64
 L2_BYTES = 60 << 20
@@ -162,7 +162,7 @@ LOGITS_VARIANTS = [  # (name, indexer_logits options)
     ("fp16x2 paged", {"split": "fp16x2"}),
     ("fp16x2 paged w8", {"split": "fp16x2", "num_warps": 8}),
 ]
-TOPK_VARIANTS = [(None, False), (8, False), (6, False), (4, False), (6, True), (4, True)]  # (bits, sampled)
+TOPK_VARIANTS = [(8, False), (6, False), (4, False), (6, True), (4, True)]  # (bits, sampled)
 
 
 def pick_variants() -> list[dict]:
@@ -182,7 +182,7 @@ def pick_variants() -> list[dict]:
         logits = [indexer_logits(q, w, cache, kv_slots, off, row_pos, ctx, scale, PAGE) for q, w, off in sets]
         for bits, sampled in TOPK_VARIANTS:
             calls = [partial(topk_of_logits, lg, row_pos, TOPK, bits=bits, sampled=sampled) for lg in logits]
-            name = f"bits {bits}" + (" sampled" if sampled else "") + (" (v1 int64)" if bits is None else "")
+            name = f"bits {bits}" + (" sampled" if sampled else "")
             out.append({"kernel": "topk", "batch": batch, "variant": name, "us": graph_time_us(calls)})
             print(out[-1], flush=True)
         del cache, kv_slots, sets, logits

@@ -15,6 +15,7 @@ from triton.compiler import ASTSource
 
 from nsaserve.kernels import triton_indexer as ti
 from nsaserve.kernels import triton_sparse_mla as tm
+from nsaserve.kernels import triton_topk as tk
 
 TARGET = GPUTarget("cuda", 90, 32)
 F32 = "*fp32"
@@ -44,19 +45,19 @@ def indexer_cases():
     }  # fmt: skip
     for bits, nchunk in ((8, 1), (5, 2)):
         yield (
-            f"topk32 bits={bits} chunks={nchunk}",
-            ti._topk32_kernel,
+            f"topk bits={bits} chunks={nchunk}",
+            tk._topk_kernel,
             sig,
             dict(CHUNK=4096, NCHUNK=nchunk, BITS=bits),
             8,
         )
-    sig_s = {**sig, "scratch_ptr": "*i32"}
-    sig_s = {
-        k: sig_s[k]
-        for k in ("logits_ptr", "row_pos_ptr", "out_ptr", "scratch_ptr", "logits_stride", "out_stride", "topk", "width")
-    }
+    names = ("logits_ptr", "row_pos_ptr", "out_ptr", "scratch_ptr", "logits_stride", "out_stride", "topk", "width")
+    sig_s = {k: sig.get(k, "*i32") for k in names}  # the sampled kernel adds an int32 scratch row
     consts = dict(CHUNK=4096, SAMPLES=256, MARGIN=16, CAND=1024, BITS=6)
-    yield "topk sampled", ti._topk_sampled_kernel, sig_s, consts, 8
+    yield "topk sampled", tk._topk_sampled_kernel, sig_s, consts, 8
+    # A tiny test model's rows (tens of keys).
+    consts = dict(CHUNK=32, SAMPLES=32, MARGIN=16, CAND=32, BITS=4)
+    yield "topk sampled, 32 keys", tk._topk_sampled_kernel, sig_s, consts, 4
 
 
 def sparse_mla_cases():

@@ -15,7 +15,7 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from nsaserve.kernels import kv_cache_format as fmt  # noqa: E402
-from nsaserve.kernels import triton_indexer  # noqa: E402
+from nsaserve.kernels import triton_indexer, triton_topk  # noqa: E402
 from nsaserve.kernels.indexer import indexer_topk_torch  # noqa: E402
 from nsaserve.kernels.registry import available, get_backend  # noqa: E402
 
@@ -88,7 +88,7 @@ def test_registered():
 # Variants of the device path: (logits options, top-k digit bits). The first is the default.
 VARIANTS = {
     "default": ({}, triton_indexer.TOPK_BITS, triton_indexer.TOPK_SAMPLED),
-    "bf16x3-gather-int64": ({"split": "bf16x3", "paged": False}, None, False),
+    "bf16x3-gather-bits8": ({"split": "bf16x3", "paged": False}, 8, False),
     "fp16x2-bits8": ({"split": "fp16x2"}, 8, False),
     "bf16x3-bits4-sampled": ({"split": "bf16x3"}, 4, True),
     # Blocks as large as a CPU test's pages: the one-lookup-per-page load runs there too.
@@ -130,7 +130,7 @@ def decode_case(fp8, seed, dtype):
 def test_prefill_and_chunked_rows(fp8, monkeypatch, variant):
     # Several query rows per request (causal within the chunk), and rows longer than one top-k
     # chunk so that the re-reading path runs too; few logits programs, so each loops over blocks.
-    monkeypatch.setattr(triton_indexer, "_TOPK_CHUNK", 1024 if GPU else 32)
+    monkeypatch.setattr(triton_topk, "CHUNK", 1024 if GPU else 32)
     monkeypatch.setattr(triton_indexer, "_PROGRAMS_WANTED", 8)
     if GPU:
         seq_lens, new, heads, dim, page_size, topk = [3000, 5000], [40, 3], 32, 128, 64, 2048
@@ -166,7 +166,7 @@ def test_whole_prompt(fp8):
     assert_same_sets(*run_both(case, topk, page_size))
 
 
-@pytest.mark.parametrize("bits,sampled", [(None, False), (8, False), (4, False), (6, True), (4, True)])
+@pytest.mark.parametrize("bits,sampled", [(8, False), (4, False), (6, True), (4, True)])
 def test_topk_kernels_on_hard_rows(bits, sampled):
     # Rows of 3000 logits, top 700: random; few distinct values (ties everywhere); constant (the
     # sampled bracket then holds every key, more than it compacts: the full-row fallback runs);
@@ -182,5 +182,5 @@ def test_topk_kernels_on_hard_rows(bits, sampled):
     x[3, ::5] = 0.0
     x[3, 1::5] = -0.0
     pos = torch.tensor([n - 1, n - 1, n - 1, 2500, 600], dtype=torch.int32)
-    got = triton_indexer.topk_of_logits(x.to(DEV), pos.to(DEV), k, bits=bits, sampled=sampled).cpu()
+    got = triton_topk.topk_of_logits(x.to(DEV), pos.to(DEV), k, bits=bits, sampled=sampled).cpu()
     assert_same_sets(got, select_topk(x, pos.long(), k))

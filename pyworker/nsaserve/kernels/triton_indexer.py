@@ -15,12 +15,7 @@ set is what attention consumes, and emitting in position order is what makes the
    fp16 parts (22 significant bits; "fp16x2"), or exact in bf16 with a three-part bf16 split
    ("bf16x3", also bf16 keys); other key dtypes use 3xTF32. A one-pass fp16 query ("fp16") is
    available where speed matters more than exact ties. Then ReLU, head weights, one logit a key.
-2. _topk32_kernel, one program per row: maps each logit to an order-preserving uint32, finds the
-   k-th largest by radix select (TOPK_BITS-bit histogram passes), then emits every key above it
-   plus the lowest-position keys equal to it, compacted with one prefix sum. Rows whose context
-   fits in top-k take everything. _topk_sampled_kernel first brackets the k-th value between two
-   of 256 sorted samples and runs the radix select over the keys inside the bracket only (the
-   whole row when the bracket misses). _topk_kernel is the first version (int64 keys, 8 bits).
+2. triton_topk.topk_of_logits: the exact per-row top-k of those logits, emitted in position order.
 """
 
 from __future__ import annotations
@@ -30,9 +25,8 @@ import triton
 import triton.language as tl
 
 from .triton_common import mma_operand
+from .triton_topk import topk_of_logits
 
-# Largest row the top-k kernel keeps in registers; longer rows are re-read in chunks of this size.
-_TOPK_CHUNK = 8192
 # Logits programs to aim for (about two per multiprocessor of an H100/H200).
 _PROGRAMS_WANTED = 264
 # Options of the device path (indexer_topk_rows); bench/kernels/bench_indexer.py times the others.
@@ -42,7 +36,7 @@ LOGITS_OPTIONS: dict = {"split": "fp16x2", "paged": True}
 PREFILL_ROWS = 4
 # Top-k: the fastest on the H200 by batch 1 + batch 64 at 4K (bench/results/2026-11-29-triton-indexer-v2):
 # 4-bit digits after the sampled bracket, 11.1 + 14.9 us (8-bit int64, the first version: 15.0 + 16.8).
-TOPK_BITS: int | None = 4  # digit width of the int32 radix select; None: the int64 8-bit kernel
+TOPK_BITS = 4  # digit width of the radix select (triton_topk)
 TOPK_SAMPLED = True  # bracket the k-th value with sorted samples before the radix select
 
 
@@ -165,256 +159,6 @@ def _logits_kernel(
             tl.store(ptrs, logit, mask=(offs_n[:, None] <= pos_j[None, :]) & (offs_j[None, :] < nrows))
 
 
-@triton.jit
-def _sort_keys(logits_ptr, offs, pos):
-    """Logits -> int64 keys whose order is the float order; keys after `pos` become -1."""
-    valid = offs <= pos
-    x = tl.load(logits_ptr + offs, mask=valid, other=0.0)
-    x = tl.where(x == 0.0, 0.0, x)  # -0.0 and +0.0 must tie, as they do for torch.sort
-    b = x.to(tl.int32, bitcast=True)
-    # Negative floats: flip the magnitude bits so that larger magnitude sorts lower.
-    k = (b ^ ((b >> 31) & 0x7FFFFFFF)).to(tl.int64) + 2147483648  # now in [0, 2^32)
-    return tl.where(valid, k, -1)
-
-
-@triton.jit
-def _digit_hist(keys, prefix, shift):
-    """Histogram of the 8-bit digit at `shift` over keys whose higher bits equal prefix's."""
-    match = (keys >> (shift + 8)) == (prefix >> (shift + 8))  # masked keys (-1) never match
-    return tl.histogram(((keys >> shift) & 255).to(tl.int32), 256, mask=match)
-
-
-@triton.jit
-def _topk_kernel(
-    logits_ptr, row_pos_ptr, out_ptr, logits_stride, out_stride, topk, width,
-    CHUNK: tl.constexpr, NCHUNK: tl.constexpr,
-):  # fmt: skip
-    row = tl.program_id(0)
-    pos = tl.load(row_pos_ptr + row)
-    k_eff = tl.minimum(topk, pos + 1)
-    row_logits = logits_ptr + row * logits_stride
-    offs = tl.arange(0, CHUNK)
-    digits = tl.arange(0, 256)
-
-    # Radix select, 8 bits a pass from the top: thr ends as the k_eff-th largest key, and k_rem as
-    # how many keys equal to thr belong to the top k_eff.
-    thr = tl.zeros((), dtype=tl.int64)
-    k_rem = k_eff
-    if NCHUNK == 1:
-        keys = _sort_keys(row_logits, offs, pos)
-    for radix_pass in tl.static_range(4):
-        shift = 24 - 8 * radix_pass
-        if NCHUNK == 1:
-            hist = _digit_hist(keys, thr, shift)
-        else:
-            hist = tl.zeros([256], dtype=tl.int32)
-            for c in range(NCHUNK):
-                hist += _digit_hist(_sort_keys(row_logits, c * CHUNK + offs, pos), thr, shift)
-        at_or_above = tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0) + hist  # keys with digit >= d
-        d_sel = tl.max(tl.where(at_or_above >= k_rem, digits, -1), axis=0)
-        k_rem -= tl.sum(tl.where(digits > d_sel, hist, 0), axis=0)
-        thr = thr | (d_sel.to(tl.int64) << shift)
-
-    # Emit, in position order: every key above thr, and the first k_rem keys equal to it.
-    ties_seen = 0
-    emitted = 0
-    for c in range(NCHUNK):
-        p = c * CHUNK + offs
-        keys = _sort_keys(row_logits, p, pos)
-        eq = (keys == thr).to(tl.int32)
-        eq_rank = ties_seen + tl.cumsum(eq, axis=0)  # 1-based rank among ties so far
-        take = (keys > thr) | ((eq == 1) & (eq_rank <= k_rem))
-        take_i = take.to(tl.int32)
-        dst = emitted + tl.cumsum(take_i, axis=0) - 1
-        tl.store(out_ptr + row * out_stride + dst, p.to(tl.int64), mask=take)
-        ties_seen += tl.sum(eq, axis=0)
-        emitted += tl.sum(take_i, axis=0)
-    # Pad the rest of the row with -1 here rather than in a separate fill launch.
-    for c in range(NCHUNK):
-        p = c * CHUNK + offs
-        tl.store(out_ptr + row * out_stride + p, tl.full([CHUNK], -1, tl.int64), mask=(p >= emitted) & (p < width))
-
-
-@triton.jit
-def _order_keys(logits_ptr, offs, pos):
-    """Logits -> (uint32 keys whose unsigned order is the float order, valid = offs <= pos)."""
-    valid = offs <= pos
-    x = tl.load(logits_ptr + offs, mask=valid, other=0.0)
-    x = tl.where(x == 0.0, 0.0, x)  # -0.0 and +0.0 must tie, as they do for torch.sort
-    b = x.to(tl.int32, bitcast=True)
-    k = b ^ ((b >> 31) & 0x7FFFFFFF)  # signed int order == float order (negatives: magnitude flipped)
-    u = k.to(tl.uint32, bitcast=True) ^ tl.full([], 0x80000000, tl.uint32)  # sign bit flipped: unsigned
-    return u, valid
-
-
-@triton.jit
-def _max_pair(a1, b1, a2, b2):
-    return tl.maximum(a1, a2), tl.maximum(b1, b2)
-
-
-@triton.jit
-def _radix_hist(u, valid, prefix, PASS: tl.constexpr, BITS: tl.constexpr):
-    """Histogram (2^BITS bins) of pass PASS's digit over valid keys whose bits above the digit equal
-    prefix's. Pass 0 takes the top 32 - BITS * (passes - 1) bits, every later pass BITS bits."""
-    NPASS: tl.constexpr = (32 + BITS - 1) // BITS
-    FIRST: tl.constexpr = 32 - BITS * (NPASS - 1)
-    WIDTH: tl.constexpr = FIRST * (PASS == 0) + BITS * (PASS != 0)
-    SHIFT: tl.constexpr = 32 - FIRST - BITS * PASS
-    match = valid
-    if SHIFT + WIDTH < 32:
-        match = match & ((u >> (SHIFT + WIDTH)) == (prefix >> (SHIFT + WIDTH)))
-    digit = ((u >> SHIFT) & ((1 << WIDTH) - 1)).to(tl.int32)
-    return tl.histogram(digit, 1 << BITS, mask=match)
-
-
-@triton.jit
-def _topk32_kernel(
-    logits_ptr, row_pos_ptr, out_ptr, logits_stride, out_stride, topk, width,
-    CHUNK: tl.constexpr, NCHUNK: tl.constexpr, BITS: tl.constexpr,
-):  # fmt: skip
-    """Per row: radix select of the k-th largest over uint32 keys, BITS bits a pass from the top
-    (the first pass takes the remainder), then one emit pass in position order."""
-    row = tl.program_id(0)
-    pos = tl.load(row_pos_ptr + row)
-    k_eff = tl.minimum(topk, pos + 1)
-    row_logits = logits_ptr + row * logits_stride
-    offs = tl.arange(0, CHUNK)
-    digits = tl.arange(0, 1 << BITS)
-    NPASS: tl.constexpr = (32 + BITS - 1) // BITS
-    FIRST: tl.constexpr = 32 - BITS * (NPASS - 1)
-
-    if pos + 1 <= topk:
-        # The whole causal context fits: every position is chosen (prompt rows early in a prefill).
-        for c in range(NCHUNK):
-            p = c * CHUNK + offs
-            tl.store(out_ptr + row * out_stride + p, tl.where(p <= pos, p, -1).to(tl.int64), mask=p < width)
-    else:
-        prefix = tl.zeros((), dtype=tl.uint32)
-        k_rem = k_eff
-        if NCHUNK == 1:
-            u, valid = _order_keys(row_logits, offs, pos)
-        for i in tl.static_range(NPASS):
-            shift = 32 - FIRST - BITS * i  # of this pass's digit (constexpr: i is)
-            if NCHUNK == 1:
-                hist = _radix_hist(u, valid, prefix, i, BITS)
-            else:
-                hist = tl.zeros([1 << BITS], dtype=tl.int32)
-                for c in range(NCHUNK):
-                    uc, vc = _order_keys(row_logits, c * CHUNK + offs, pos)
-                    hist += _radix_hist(uc, vc, prefix, i, BITS)
-            at_or_above = tl.cumsum(hist, axis=0, reverse=True)  # keys with digit >= d
-            # The chosen digit is the largest d with at_or_above[d] >= k_rem; the keys above it number
-            # at_or_above[d + 1], the largest count still below k_rem. One reduction for both.
-            d_sel, above = tl.reduce(
-                (tl.where(at_or_above >= k_rem, digits, -1), tl.where(at_or_above < k_rem, at_or_above, 0)),
-                0,
-                _max_pair,
-            )
-            k_rem -= above
-            prefix = prefix | (d_sel.to(tl.uint32) << shift)
-
-        # Emit in position order: keys above the threshold, and the first k_rem keys equal to it. One
-        # scan of (greater, equal) packed in 16-bit halves gives both running counts:
-        # destination = greater so far + min(equal so far, k_rem) - 1.
-        gt_seen = 0
-        eq_seen = 0
-        for c in range(NCHUNK):
-            p = c * CHUNK + offs
-            if NCHUNK != 1:
-                u, valid = _order_keys(row_logits, p, pos)
-            gt = valid & (u > prefix)
-            eq = valid & (u == prefix)
-            packed = tl.cumsum(gt.to(tl.int32) + (eq.to(tl.int32) << 16), axis=0)
-            c_gt = gt_seen + (packed & 0xFFFF)
-            c_eq = eq_seen + (packed >> 16)
-            take = gt | (eq & (c_eq <= k_rem))
-            dst = c_gt + tl.minimum(c_eq, k_rem) - 1
-            tl.store(out_ptr + row * out_stride + dst, p.to(tl.int64), mask=take)
-            gt_seen += tl.sum(gt.to(tl.int32), axis=0)
-            eq_seen += tl.sum(eq.to(tl.int32), axis=0)
-        # Pad the rest of the row with -1 here rather than in a separate fill launch.
-        for c in range(NCHUNK):
-            p = c * CHUNK + offs
-            tl.store(out_ptr + row * out_stride + p, tl.full([CHUNK], -1, tl.int64), mask=(p >= k_eff) & (p < width))
-
-
-@triton.jit
-def _radix_select(u, valid, k, BITS: tl.constexpr):
-    """(k-th largest of the valid uint32 keys u, how many keys equal to it are among the top k)."""
-    digits = tl.arange(0, 1 << BITS)
-    NPASS: tl.constexpr = (32 + BITS - 1) // BITS
-    FIRST: tl.constexpr = 32 - BITS * (NPASS - 1)
-    prefix = tl.zeros((), dtype=tl.uint32)
-    k_rem = k
-    for i in tl.static_range(NPASS):
-        shift = 32 - FIRST - BITS * i  # of this pass's digit (constexpr: i is)
-        hist = _radix_hist(u, valid, prefix, i, BITS)
-        at_or_above = tl.cumsum(hist, axis=0, reverse=True)
-        d_sel, above = tl.reduce(
-            (tl.where(at_or_above >= k_rem, digits, -1), tl.where(at_or_above < k_rem, at_or_above, 0)),
-            0,
-            _max_pair,
-        )
-        k_rem -= above
-        prefix = prefix | (d_sel.to(tl.uint32) << shift)
-    return prefix, k_rem
-
-
-@triton.jit
-def _topk_sampled_kernel(
-    logits_ptr, row_pos_ptr, out_ptr, scratch_ptr, logits_stride, out_stride, topk, width,
-    CHUNK: tl.constexpr, SAMPLES: tl.constexpr, MARGIN: tl.constexpr, CAND: tl.constexpr, BITS: tl.constexpr,
-):  # fmt: skip
-    """Per row (at most CHUNK keys): the k-th largest bracketed by SAMPLES sorted samples (ranks
-    +-MARGIN around the expected one), the keys inside the bracket (usually a few hundred)
-    compacted to scratch, and the radix select run over those alone; when the bracket misses or
-    holds more than CAND keys, the radix select runs over the whole row. Same result as
-    _topk32_kernel."""
-    row = tl.program_id(0)
-    pos = tl.load(row_pos_ptr + row)
-    k_eff = tl.minimum(topk, pos + 1)
-    row_logits = logits_ptr + row * logits_stride
-    offs = tl.arange(0, CHUNK)
-    if pos + 1 <= topk:
-        tl.store(out_ptr + row * out_stride + offs, tl.where(offs <= pos, offs, -1).to(tl.int64), mask=offs < width)
-    else:
-        u, valid = _order_keys(row_logits, offs, pos)
-        n = pos + 1
-        j = tl.arange(0, SAMPLES)
-        su, _ = _order_keys(row_logits, (j * n) // SAMPLES, pos)
-        ss = tl.sort(su, dim=0, descending=True)
-        r = (k_eff * SAMPLES) // n  # expected rank of the k-th largest among the samples
-        zero = tl.zeros_like(ss)
-        hi = tl.max(tl.where(j == tl.maximum(r - MARGIN, 0), ss, zero), axis=0)
-        lo = tl.max(tl.where(j == tl.minimum(r + MARGIN, SAMPLES - 1), ss, zero), axis=0)
-        above_hi = valid & (u > hi)
-        inside = valid & (u >= lo) & (u <= hi)
-        # Both counts from one reduction (16-bit halves: rows are at most CHUNK <= 32K keys).
-        counts = tl.sum(above_hi.to(tl.int32) + (inside.to(tl.int32) << 16), axis=0)
-        n_above = counts & 0xFFFF
-        n_inside = counts >> 16
-        if (n_above < k_eff) & (n_above + n_inside >= k_eff) & (n_inside <= CAND):
-            dst = tl.cumsum(inside.to(tl.int32), axis=0) - 1
-            tl.store(scratch_ptr + row * CAND + dst, u.to(tl.int32, bitcast=True), mask=inside)
-            tl.debug_barrier()  # the compacted keys are read back by other threads of this program
-            c = tl.arange(0, CAND)
-            cvalid = c < n_inside
-            cu = tl.load(scratch_ptr + row * CAND + c, mask=cvalid, other=0).to(tl.uint32, bitcast=True)
-            thr, k_rem = _radix_select(cu, cvalid, k_eff - n_above, BITS)
-        else:
-            thr, k_rem = _radix_select(u, valid, k_eff, BITS)
-        gt = valid & (u > thr)
-        eq = valid & (u == thr)
-        packed = tl.cumsum(gt.to(tl.int32) + (eq.to(tl.int32) << 16), axis=0)
-        c_gt = packed & 0xFFFF
-        c_eq = packed >> 16
-        take = gt | (eq & (c_eq <= k_rem))
-        tl.store(out_ptr + row * out_stride + c_gt + tl.minimum(c_eq, k_rem) - 1, offs.to(tl.int64), mask=take)
-        tl.store(
-            out_ptr + row * out_stride + offs, tl.full([CHUNK], -1, tl.int64), mask=(offs >= k_eff) & (offs < width)
-        )
-
-
 def row_metadata(
     query_start: list[int], cached_lens: list[int], seq_lens: list[int], device
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -496,50 +240,6 @@ def indexer_logits(
         INTERPRET=interp, num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     return logits
-
-
-def _topk_warps(chunk: int) -> int:
-    # Measured on an H200: a 4K row was fastest with 8 warps (15.7 us vs 17.3 with 16, 33 with 4);
-    # an 8K row with 16 (29 us vs 41 with 8, where the int64 keys no longer fit in registers).
-    return 16 if chunk >= 8192 else 8 if chunk >= 4096 else 4
-
-
-def topk_of_logits(
-    logits: torch.Tensor,
-    row_pos: torch.Tensor,
-    topk: int,
-    num_warps: int | None = None,
-    bits: int | None = None,
-    sampled: bool = False,
-) -> torch.Tensor:
-    """Positions [T, min(topk, L)] of each row's top-k among logits[t, :row_pos[t] + 1]; -1 padded.
-
-    bits: digit width of the int32 radix select (None: the older int64 8-bit kernel).
-    sampled: bracket the k-th value with sorted samples first (rows up to _TOPK_CHUNK keys)."""
-    rows, max_len = logits.shape
-    width = min(topk, max_len)
-    out = torch.empty((rows, width), dtype=torch.int64, device=logits.device)  # every entry is written
-    chunk = min(_TOPK_CHUNK, triton.next_power_of_2(max_len))
-    if sampled and bits is not None and max_len <= chunk:
-        cand = min(chunk, 1024)
-        scratch = torch.empty((rows, cand), dtype=torch.int32, device=logits.device)
-        _topk_sampled_kernel[(rows,)](
-            logits, row_pos, out, scratch, logits.stride(0), out.stride(0), topk, width,
-            CHUNK=chunk, SAMPLES=min(chunk, 256), MARGIN=16, CAND=cand, BITS=bits,
-            num_warps=num_warps or _topk_warps(chunk),
-        )  # fmt: skip
-        return out
-    if bits is not None:
-        _topk32_kernel[(rows,)](
-            logits, row_pos, out, logits.stride(0), out.stride(0), topk, width,
-            CHUNK=chunk, NCHUNK=triton.cdiv(max_len, chunk), BITS=bits, num_warps=num_warps or _topk_warps(chunk),
-        )  # fmt: skip
-        return out
-    _topk_kernel[(rows,)](
-        logits, row_pos, out, logits.stride(0), out.stride(0), topk, width,
-        CHUNK=chunk, NCHUNK=triton.cdiv(max_len, chunk), num_warps=num_warps or _topk_warps(chunk),
-    )  # fmt: skip
-    return out
 
 
 def indexer_topk_rows(
