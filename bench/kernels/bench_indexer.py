@@ -2,24 +2,36 @@
 
     PYTHONPATH=pyworker python bench/kernels/bench_indexer.py [--out bench/results]
 
-One query row per request (32 heads x 128, top-k 2048, pages of 64), fp8 (DeepGEMM's 132-byte
-paged layout) and bf16 key caches, batch 1..256, context 4K and 8K. Times are CUDA-graph replays of
-the device-only path (`indexer_topk_rows`), rotating over enough cache copies that the keys do not
-sit in L2; "logits" is the first kernel alone. The roofline is the fewest bytes (keys, their slot
-ids, the queries) over the copy bandwidth measured in the same run. Targets: <= 20 us at batch 1
-and <= 40 us at batch 64 with 4K context.
+Decode: one query row per request (32 heads x 128, top-k 2048, pages of 64), fp8 (DeepGEMM's
+132-byte paged layout) and bf16 key caches, batch 1..256, context 4K and 8K. Prefill: one prompt
+of 8K tokens from position 0 (every row causal, rows in blocks that share key tiles). Times are
+CUDA-graph replays of the device-only path (`indexer_topk_rows`), rotating over enough cache
+copies that the keys do not sit in L2; "logits" is the first kernel alone. The decode roofline is
+the fewest bytes (keys, their slot ids, the queries) over the copy bandwidth measured in the same
+run; the prefill one is the score products (2 x heads x 128 per visible key, counted once) over
+the bf16 matmul rate. Targets: <= 20 us at batch 1 and <= 40 us at batch 64 with 4K context;
+<= 1 ms for the 8K-token prefill.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+from functools import partial
 
 import torch
 from bench_common import bf16_matmul_rate, copy_bandwidth, eager_time_us, graph_time_us, print_table, write_results
 
 from nsaserve.kernels import kv_cache_format as fmt
-from nsaserve.kernels.triton_indexer import indexer_logits, indexer_topk_rows, indexer_topk_triton
+from nsaserve.kernels import triton_indexer
+from nsaserve.kernels.triton_indexer import (
+    PREFILL_ROWS,
+    indexer_logits,
+    indexer_topk_rows,
+    indexer_topk_triton,
+    row_blocks,
+)
+from nsaserve.kernels.triton_topk import topk_of_logits
 
 HEADS, DIM, TOPK, PAGE = 32, 128, 2048, 64
 L2_BYTES = 60 << 20
@@ -55,7 +67,9 @@ def run_case(batch: int, ctx: int, fp8: bool, copy_bps: float) -> dict:
         return lambda: indexer_topk_rows(q, w, cache, kv_slots, off, row_pos, ctx, TOPK, scale, PAGE)
 
     def logits(q, w, off):
-        return lambda: indexer_logits(q, w, cache, kv_slots, off, row_pos, ctx, scale, PAGE)
+        return lambda: indexer_logits(
+            q, w, cache, kv_slots, off, row_pos, ctx, scale, PAGE, **triton_indexer.LOGITS_OPTIONS
+        )
 
     t_full = graph_time_us([full(*s) for s in sets])
     t_logits = graph_time_us([logits(*s) for s in sets])
@@ -81,25 +95,162 @@ def run_case(batch: int, ctx: int, fp8: bool, copy_bps: float) -> dict:
     }
 
 
+def build_prompt(prompt: int, fp8: bool):
+    """One request whose `prompt` tokens all run now (positions 0..prompt-1), pages scattered."""
+    num_pages = prompt // PAGE
+    cache = fmt.alloc_index_k(num_pages, PAGE, DIM, fp8, torch.bfloat16, "cuda")
+    pages = torch.randperm(num_pages, device="cuda")
+    kv_slots = (pages[:, None] * PAGE + torch.arange(PAGE, device="cuda")).flatten()
+    fmt.write_index_k(cache, kv_slots, torch.randn(prompt, DIM, device="cuda"), PAGE)
+    row_pos = torch.arange(prompt, dtype=torch.int32, device="cuda")
+    row_kv_off = torch.zeros(prompt, dtype=torch.int32, device="cuda")
+    q = torch.randn(prompt, HEADS, DIM, device="cuda")
+    w = torch.randn(prompt, HEADS, device="cuda") * HEADS**-0.5
+    return cache, kv_slots, row_pos, row_kv_off, q, w
+
+
+def run_prefill(prompt: int, fp8: bool, ceil: dict, split: str | None = None) -> dict:
+    """split: the query split of the fp8 logits for this case (None: the module's choice)."""
+    cache, kv_slots, row_pos, row_kv_off, q, w = build_prompt(prompt, fp8)
+    blocks = row_blocks([0, prompt], PREFILL_ROWS, "cuda")
+    scale = DIM**-0.5
+    saved = dict(triton_indexer.LOGITS_OPTIONS)
+    if split:
+        triton_indexer.LOGITS_OPTIONS["split"] = split
+    logit_opts = dict(triton_indexer.LOGITS_OPTIONS)
+    t_full = graph_time_us(
+        [lambda: indexer_topk_rows(q, w, cache, kv_slots, row_kv_off, row_pos, prompt, TOPK, scale, PAGE, blocks)],
+        reps=10,
+    )
+    t_logits = graph_time_us(
+        [
+            lambda: indexer_logits(
+                q, w, cache, kv_slots, row_kv_off, row_pos, prompt, scale, PAGE, row_blocks=blocks, **logit_opts
+            )
+        ],
+        reps=10,
+    )
+    differ = None
+    if split and split != saved.get("split"):
+        # Rows whose chosen set differs from the module's own (exact) split.
+        got = indexer_topk_rows(q, w, cache, kv_slots, row_kv_off, row_pos, prompt, TOPK, scale, PAGE, blocks)
+        triton_indexer.LOGITS_OPTIONS.clear()
+        triton_indexer.LOGITS_OPTIONS.update(saved)
+        ref = indexer_topk_rows(q, w, cache, kv_slots, row_kv_off, row_pos, prompt, TOPK, scale, PAGE, blocks)
+        differ = float((got.sort(dim=1).values != ref.sort(dim=1).values).any(dim=1).float().mean())
+    triton_indexer.LOGITS_OPTIONS.clear()
+    triton_indexer.LOGITS_OPTIONS.update(saved)
+    flops = 2 * HEADS * DIM * prompt * (prompt + 1) / 2
+    floor_us = flops / ceil["bf16_TFLOPs"] / 1e6
+    return {
+        "cache": ("fp8" if fp8 else "bf16") + (f" ({split} query)" if split else ""),
+        "rows_differing": differ,
+        "batch": f"prefill {prompt}",
+        "ctx": prompt,
+        "us": t_full,
+        "logits_us": t_logits,
+        "topk_us": t_full - t_logits,
+        "TFLOPs": flops / (t_full * 1e-6) / 1e12,
+        "floor_us": floor_us,
+        "roofline_frac": floor_us / t_full,
+    }
+
+
+LOGITS_VARIANTS = [  # (name, indexer_logits options)
+    ("bf16x3 gather (v1)", {"split": "bf16x3", "paged": False}),
+    ("bf16x3 paged", {"split": "bf16x3"}),
+    ("fp16x2 paged", {"split": "fp16x2"}),
+    ("fp16x2 paged w8", {"split": "fp16x2", "num_warps": 8}),
+]
+TOPK_VARIANTS = [(8, False), (6, False), (4, False), (6, True), (4, True)]  # (bits, sampled)
+
+
+def pick_variants() -> list[dict]:
+    """Times the logits and top-k variants alone at 4K fp8, batch 1 and 64, and makes the fastest
+    (by the sum of both batches) the module's options for the rest of the run."""
+    out = []
+    ctx, scale = 4096, DIM**-0.5
+    for batch, copies in ((1, 64), (64, 4)):
+        cache, kv_slots, row_pos, sets = build(batch, ctx, True, copies)
+        for name, opts in LOGITS_VARIANTS:
+            calls = [
+                partial(indexer_logits, q, w, cache, kv_slots, off, row_pos, ctx, scale, PAGE, **opts)
+                for q, w, off in sets
+            ]
+            out.append({"kernel": "logits", "batch": batch, "variant": name, "us": graph_time_us(calls)})
+            print(out[-1], flush=True)
+        logits = [indexer_logits(q, w, cache, kv_slots, off, row_pos, ctx, scale, PAGE) for q, w, off in sets]
+        for bits, sampled in TOPK_VARIANTS:
+            calls = [partial(topk_of_logits, lg, row_pos, TOPK, bits=bits, sampled=sampled) for lg in logits]
+            name = f"bits {bits}" + (" sampled" if sampled else "")
+            out.append({"kernel": "topk", "batch": batch, "variant": name, "us": graph_time_us(calls)})
+            print(out[-1], flush=True)
+        del cache, kv_slots, sets, logits
+        torch.cuda.empty_cache()
+
+    def total(kernel, name):
+        return sum(r["us"] for r in out if r["kernel"] == kernel and r["variant"] == name)
+
+    best_logits = min(LOGITS_VARIANTS, key=lambda v: total("logits", v[0]))
+    topk_names = {
+        r["variant"]: (b, smp) for r, (b, smp) in zip([r for r in out if r["kernel"] == "topk"], TOPK_VARIANTS * 2)
+    }
+    best_topk = min(topk_names, key=lambda n: total("topk", n))
+    triton_indexer.LOGITS_OPTIONS.update(best_logits[1])
+    triton_indexer.TOPK_BITS, triton_indexer.TOPK_SAMPLED = topk_names[best_topk]
+    print(f"picked logits {best_logits[0]!r}, top-k {best_topk!r}", flush=True)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="bench/results")
+    ap.add_argument("--name", default="triton-indexer-v2", help="results file stem after the date")
     args = ap.parse_args()
     torch.manual_seed(0)
     ceilings = {"copy_TBps": copy_bandwidth() / 1e12, "bf16_TFLOPs": bf16_matmul_rate() / 1e12}
+    picks = pick_variants()
+    chosen = {"logits": dict(triton_indexer.LOGITS_OPTIONS), "topk_bits": triton_indexer.TOPK_BITS,
+              "topk_sampled": triton_indexer.TOPK_SAMPLED}  # fmt: skip
     rows = []
-    for fp8 in (True, False):
-        for batch, ctx in ((1, 4096), (8, 4096), (64, 4096), (256, 4096), (1, 8192), (64, 8192)):
-            rows.append(run_case(batch, ctx, fp8, ceilings["copy_TBps"] * 1e12))
-            print(rows[-1], flush=True)
-            torch.cuda.empty_cache()  # the case's buffers are gone with its frame
-    cols = ["cache", "batch", "ctx", "us", "logits_us", "topk_us", "eager_us", "GBps", "floor_us", "roofline_frac"]
+    cases = [(True, b, c) for b, c in ((1, 4096), (8, 4096), (64, 4096), (256, 4096), (1, 8192), (64, 8192))]
+    cases += [(False, 1, 4096), (False, 64, 4096)]
+    for fp8, batch, ctx in cases:
+        rows.append(run_case(batch, ctx, fp8, ceilings["copy_TBps"] * 1e12))
+        print(rows[-1], flush=True)
+        torch.cuda.empty_cache()  # the case's buffers are gone with its frame
+    for fp8, split in ((True, None), (True, "fp16"), (False, None)):
+        rows.append(run_prefill(8192, fp8, ceilings, split))
+        print(rows[-1], flush=True)
+        torch.cuda.empty_cache()
+    cols = [
+        "cache",
+        "batch",
+        "ctx",
+        "us",
+        "logits_us",
+        "topk_us",
+        "eager_us",
+        "GBps",
+        "TFLOPs",
+        "floor_us",
+        "roofline_frac",
+        "rows_differing",
+        "variant",
+    ]
     notes = (
         "us: CUDA-graph replay of logits + top-k (device-only path); eager_us: the registry backend "
         "called back to back from Python (host metadata and launches included). Targets: <= 20 us "
-        "at batch 1 and <= 40 us at batch 64, 4K context."
+        "at batch 1 and <= 40 us at batch 64, 4K context; prefill of 8K tokens <= 1 ms (floor: its "
+        "products once over the bf16 matmul rate); rows_differing: prefill rows whose chosen set "
+        "differs from the exact split's. Variants timed alone first (fp8, 4K; the fastest by the sum of "
+        "batch 1 and 64 is used for the table): "
+        + "; ".join(f"{r['kernel']} b{r['batch']} {r['variant']} {r['us']:.1f} us" for r in picks)
+        + f". Chosen: {chosen}."
     )
-    write_results("triton-indexer", args.out, ceilings, rows, cols, notes)
+    write_results(
+        args.name, args.out, ceilings, rows + [dict(r, cache=f"{r['kernel']} alone") for r in picks], cols, notes
+    )
     print(f"copy {ceilings['copy_TBps']:.2f} TB/s, bf16 matmul {ceilings['bf16_TFLOPs']:.0f} TFLOP/s")
     print_table(rows, cols)
 

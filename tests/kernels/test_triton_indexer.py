@@ -15,7 +15,7 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from nsaserve.kernels import kv_cache_format as fmt  # noqa: E402
-from nsaserve.kernels import triton_indexer  # noqa: E402
+from nsaserve.kernels import triton_indexer, triton_topk  # noqa: E402
 from nsaserve.kernels.indexer import indexer_topk_torch  # noqa: E402
 from nsaserve.kernels.registry import available, get_backend  # noqa: E402
 
@@ -85,10 +85,30 @@ def test_registered():
     assert "triton" in available("indexer")
 
 
+# Variants of the device path: (logits options, top-k digit bits). The first is the default.
+VARIANTS = {
+    "default": ({}, triton_indexer.TOPK_BITS, triton_indexer.TOPK_SAMPLED),
+    "bf16x3-gather-bits8": ({"split": "bf16x3", "paged": False}, 8, False),
+    "fp16x2-bits8": ({"split": "fp16x2"}, 8, False),
+    "bf16x3-bits4-sampled": ({"split": "bf16x3"}, 4, True),
+    # Blocks as large as a CPU test's pages: the one-lookup-per-page load runs there too.
+    "page-blocks-sampled": ({"block_n": 8} if not GPU else {"block_n": 64}, 5, True),
+}
+
+
+# On the GPU every variant costs compiles: the default and one other there.
+@pytest.fixture(params=["default", "bf16x3-bits4-sampled"] if GPU else list(VARIANTS))
+def variant(request, monkeypatch):
+    opts, bits, sampled = VARIANTS[request.param]
+    monkeypatch.setattr(triton_indexer, "TOPK_SAMPLED", sampled)
+    monkeypatch.setattr(triton_indexer, "LOGITS_OPTIONS", {**triton_indexer.LOGITS_OPTIONS, **opts})
+    monkeypatch.setattr(triton_indexer, "TOPK_BITS", bits)
+    return request.param
+
+
 @pytest.mark.parametrize("fp8", [False, True])
-@pytest.mark.parametrize("seed", [1, 2])
-def test_decode_matches_reference(fp8, seed):
-    decode_case(fp8, seed, torch.bfloat16)
+def test_decode_matches_reference(fp8, variant):
+    decode_case(fp8, 1 + fp8 + 2 * list(VARIANTS).index(variant), torch.bfloat16)  # fresh inputs per case
 
 
 def test_float32_keys_match_reference():
@@ -107,10 +127,10 @@ def decode_case(fp8, seed, dtype):
 
 
 @pytest.mark.parametrize("fp8", [False, True])
-def test_prefill_and_chunked_rows(fp8, monkeypatch):
+def test_prefill_and_chunked_rows(fp8, monkeypatch, variant):
     # Several query rows per request (causal within the chunk), and rows longer than one top-k
     # chunk so that the re-reading path runs too; few logits programs, so each loops over blocks.
-    monkeypatch.setattr(triton_indexer, "_TOPK_CHUNK", 1024 if GPU else 32)
+    monkeypatch.setattr(triton_topk, "CHUNK", 1024 if GPU else 32)
     monkeypatch.setattr(triton_indexer, "_PROGRAMS_WANTED", 8)
     if GPU:
         seq_lens, new, heads, dim, page_size, topk = [3000, 5000], [40, 3], 32, 128, 64, 2048
@@ -120,7 +140,7 @@ def test_prefill_and_chunked_rows(fp8, monkeypatch):
     assert_same_sets(*run_both(case, topk, page_size))
 
 
-def test_ties_prefer_lower_positions():
+def test_ties_prefer_lower_positions(variant):
     # Keys mostly pointing away from the query: ReLU zeroes most scores, so the k-th score is an
     # exact 0 shared by many keys and the choice among them must follow the lower-position rule.
     heads, dim, page_size, topk = 4, 32, 8, 16
@@ -132,3 +152,35 @@ def test_ties_prefer_lower_positions():
     assert 0 < int((scores > 0).sum()) < topk  # some clear winners, the rest tied at 0
     got, want = run_both((q, w, cache, kv_slots, qs, cached), topk, page_size)
     assert_same_sets(got, want)
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_whole_prompt(fp8):
+    # A prompt from position 0: early rows take their whole context, later ones really select;
+    # rows go through the logits kernel in blocks that share key tiles.
+    if GPU:
+        seq_lens, heads, dim, page_size, topk = [2600], 32, 128, 64, 2048
+    else:
+        seq_lens, heads, dim, page_size, topk = [44], 4, 32, 8, 16
+    case = make_case(seq_lens, seq_lens, heads, dim, page_size, fp8, seed=9)
+    assert_same_sets(*run_both(case, topk, page_size))
+
+
+@pytest.mark.parametrize("bits,sampled", [(8, False), (4, False), (6, True), (4, True)])
+def test_topk_kernels_on_hard_rows(bits, sampled):
+    # Rows of 3000 logits, top 700: random; few distinct values (ties everywhere); constant (the
+    # sampled bracket then holds every key, more than it compacts: the full-row fallback runs);
+    # negative and zero logits of both signs; and a row whose context fits (all positions taken).
+    from nsaserve.kernels.indexer import select_topk
+
+    g = torch.Generator().manual_seed(17)
+    n, k = 3000, 700
+    x = torch.randn(5, n, generator=g)
+    x[1] = torch.randint(-3, 3, (n,), generator=g).float()
+    x[2] = 0.25
+    x[3] = -x[3].abs()
+    x[3, ::5] = 0.0
+    x[3, 1::5] = -0.0
+    pos = torch.tensor([n - 1, n - 1, n - 1, 2500, 600], dtype=torch.int32)
+    got = triton_topk.topk_of_logits(x.to(DEV), pos.to(DEV), k, bits=bits, sampled=sampled).cpu()
+    assert_same_sets(got, select_topk(x, pos.long(), k))

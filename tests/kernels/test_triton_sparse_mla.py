@@ -17,7 +17,7 @@ from nsaserve.kernels import kv_cache_format as fmt  # noqa: E402
 from nsaserve.kernels.indexer import topk_to_slots  # noqa: E402
 from nsaserve.kernels.registry import available, get_backend  # noqa: E402
 from nsaserve.kernels.sparse_mla import sparse_mla_torch  # noqa: E402
-from nsaserve.kernels.triton_sparse_mla import sparse_mla_decode  # noqa: E402
+from nsaserve.kernels.triton_sparse_mla import sparse_mla_decode, sparse_mla_prefill  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 GPU = DEV == "cuda"
@@ -82,4 +82,65 @@ def test_split_counts_agree(num_splits):
     want = sparse_mla_torch(q_lat, q_pe, cache, slots, 0.1)
     d = lambda t: t.to(DEV)  # noqa: E731
     got = sparse_mla_decode(d(q_lat), d(q_pe), d(cache), d(slots), 0.1, num_splits=num_splits, block_n=16)
+    assert rel_err(got.cpu(), want) < 1e-2
+
+
+def prefill_case(prompt, cached, heads, rank, rope, topk, fp8, seed):
+    """One request's prompt chunk: token i (position cached + i) selects min(topk, pos + 1) of its
+    causal positions in ascending order, then -1 (as the indexer emits them)."""
+    g = torch.Generator().manual_seed(seed)
+    ctx = cached + prompt
+    num_slots = ctx + 11
+    kv_slots = torch.randperm(num_slots, generator=g)[:ctx]
+    cache = fmt.alloc_latent(num_slots, rank, rope, fp8, torch.bfloat16, "cpu")
+    fmt.write_latent(
+        cache,
+        torch.arange(num_slots),
+        torch.randn(num_slots, rank, generator=g),
+        torch.randn(num_slots, rope, generator=g),
+    )
+    pos = torch.full((prompt, topk), -1, dtype=torch.int64)
+    for i in range(prompt):
+        p = cached + i
+        chosen = torch.randperm(p + 1, generator=g)[: min(topk, p + 1)].sort().values
+        pos[i, : chosen.numel()] = chosen
+    base = torch.zeros(prompt, dtype=torch.int64)
+    q_lat = torch.randn(prompt, heads, rank, generator=g).bfloat16()
+    q_pe = torch.randn(prompt, heads, rope, generator=g).bfloat16()
+    return q_lat, q_pe, cache, pos, base, kv_slots
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("logical", [False, True])
+def test_prefill_matches_reference(fp8, logical):
+    # GLM-5 shapes on the GPU (a chunk crossing top-k); a tiny model's (rope 8: padded to an MMA K) on CPU.
+    if GPU:
+        prompt, cached, heads, rank, rope, topk = 700, 1800, 64, 512, 64, 2048
+    else:
+        prompt, cached, heads, rank, rope, topk = 20, 4, 4, 32, 8, 24
+    q_lat, q_pe, cache, pos, base, kv_slots = prefill_case(prompt, cached, heads, rank, rope, topk, fp8, seed=11 + fp8)
+    slots = topk_to_slots(pos, base, kv_slots)
+    want = sparse_mla_torch(q_lat, q_pe, cache, slots, 0.0625)
+    d = lambda t: t.to(DEV)  # noqa: E731
+    if logical:
+        got = sparse_mla_prefill(
+            d(q_lat), d(q_pe), d(cache), d(pos), 0.0625, token_kv_base=d(base), kv_slots=d(kv_slots)
+        )
+    else:
+        got = sparse_mla_prefill(d(q_lat), d(q_pe), d(cache), d(slots), 0.0625, block_n=16 if not GPU else 64)
+    got = got.cpu()
+    assert torch.isfinite(got).all()
+    assert rel_err(got, want) < 1e-2
+
+
+def test_backend_takes_the_prefill_path(monkeypatch):
+    # Enough tokens that the registry backend switches to the prefill launch: same result.
+    from nsaserve.kernels import triton_sparse_mla
+
+    monkeypatch.setattr(triton_sparse_mla, "PREFILL_TOKENS", 4)
+    q_lat, q_pe, cache, pos, base, kv_slots = prefill_case(6, 10, 4, 32, 8, 8, True, seed=5)
+    slots = topk_to_slots(pos, base, kv_slots)
+    want = sparse_mla_torch(q_lat, q_pe, cache, slots, 0.2)
+    d = lambda t: t.to(DEV)  # noqa: E731
+    got = get_backend("attention", "triton")(d(q_lat), d(q_pe), d(cache), d(slots), 0.2)
     assert rel_err(got.cpu(), want) < 1e-2

@@ -92,3 +92,19 @@ def get_backend(kind: str, name: str = "torch") -> Callable:
 def available(kind: str) -> list[str]:
     _load_builtins()
     return sorted(n for k, n in _BACKENDS if k == kind)
+
+
+# Kinds whose "auto" backend is Triton on CUDA for 16-bit models (tested and measured there
+# against the torch references: tests/kernels/test_triton_*.py, tests/model/test_triton_backend.py);
+# torch elsewhere. A float32 model keeps torch: the kernels feed the tensor cores bf16 operands.
+AUTO_TRITON_ON_CUDA = frozenset({"attention", "indexer"})
+
+
+def resolve(kind: str, name: str, device_type: str, model_bits: int = 16) -> str:
+    """A backend name for `kind`, with "auto" replaced by the choice for this device type and
+    model dtype width."""
+    if name != "auto":
+        return name
+    if device_type == "cuda" and model_bits <= 16 and kind in AUTO_TRITON_ON_CUDA and "triton" in available(kind):
+        return "triton"
+    return "torch"

@@ -16,6 +16,11 @@ registers (code x group scale, in fp32, then rounded) before both products.
 
 Indices are either physical slots (the registry's interface), or, with the slot transform fused,
 logical top-k positions p that the kernel maps to kv_slots[token_kv_base[t] + p] itself.
+
+Prefill (sparse_mla_prefill, and the registry backend from PREFILL_TOKENS query tokens) is the same
+kernel launched without splits and testing each block of indices for -1 entries: rows early in a
+prompt select fewer than top-k keys. The rope part is zero-padded to an MMA-sized K (>= 16) so
+small test models run compiled too.
 """
 
 from __future__ import annotations
@@ -28,13 +33,52 @@ from .triton_common import mma_operand
 
 
 @triton.jit
+def _attend_block(
+    q_lat, q_pe, idx, valid, m_i, l_i, acc, kv_base, kv_slots_ptr, cache_ptr, cache_f32_ptr, cache_bf16_ptr,
+    scale_log2, offs_r, offs_p, pmask,
+    R: tl.constexpr, P: tl.constexpr, G: tl.constexpr, ROW_BYTES: tl.constexpr, BLOCK_N: tl.constexpr,
+    FP8: tl.constexpr, LOGICAL: tl.constexpr, INTERPRET: tl.constexpr,
+):  # fmt: skip
+    """One block of BLOCK_N selected rows: gather, (dequantise), both products, online softmax."""
+    if LOGICAL:
+        slot = tl.load(kv_slots_ptr + kv_base + idx, mask=valid, other=0)
+    else:
+        slot = idx
+    slot = tl.where(valid, slot, 0).to(tl.int64)
+    if FP8:
+        codes = tl.load(cache_ptr + slot[:, None] * ROW_BYTES + offs_r[None, :], mask=valid[:, None], other=0)
+        offs_g = tl.arange(0, R // G)
+        sc = tl.load(cache_f32_ptr + slot[:, None] * (ROW_BYTES // 4) + R // 4 + offs_g[None, :])
+        vals = codes.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        vals = tl.reshape(vals, [BLOCK_N, R // G, G]) * sc[:, :, None]
+        c = mma_operand(tl.reshape(vals, [BLOCK_N, R]), INTERPRET)
+        pe_at = (R + 4 * (R // G)) // 2
+        k_pe = tl.load(
+            cache_bf16_ptr + slot[:, None] * (ROW_BYTES // 2) + pe_at + offs_p[None, :], mask=pmask[None, :], other=0.0
+        )
+    else:
+        row = slot[:, None] * (R + P)
+        c = mma_operand(tl.load(cache_ptr + row + offs_r[None, :], mask=valid[:, None], other=0.0), INTERPRET)
+        k_pe = tl.load(cache_ptr + row + R + offs_p[None, :], mask=pmask[None, :], other=0.0)
+    s = tl.dot(q_lat, tl.trans(c)) + tl.dot(q_pe, tl.trans(mma_operand(k_pe, INTERPRET)))  # [BLOCK_H, BLOCK_N]
+    s = tl.where(valid[None, :], s * scale_log2, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(mma_operand(p, INTERPRET), c)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _sparse_mla_kernel(
     q_lat_ptr, q_pe_ptr, cache_ptr, cache_f32_ptr, cache_bf16_ptr,
     idx_ptr, kv_base_ptr, kv_slots_ptr, o_ptr, lse_ptr,
     heads, topk, num_splits, scale_log2,
-    SPLIT_LEN: tl.constexpr, R: tl.constexpr, P: tl.constexpr, G: tl.constexpr, ROW_BYTES: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-    FP8: tl.constexpr, LOGICAL: tl.constexpr, SPLIT: tl.constexpr, INTERPRET: tl.constexpr,
+    SPLIT_LEN: tl.constexpr, R: tl.constexpr, P: tl.constexpr, P_PAD: tl.constexpr, G: tl.constexpr,
+    ROW_BYTES: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+    FP8: tl.constexpr, LOGICAL: tl.constexpr, SPLIT: tl.constexpr, SKIP_EMPTY: tl.constexpr,
+    INTERPRET: tl.constexpr,
 ):  # fmt: skip
     t = tl.program_id(0)
     sp = tl.program_id(1)
@@ -42,12 +86,14 @@ def _sparse_mla_kernel(
     offs_h = h0 + tl.arange(0, BLOCK_H)
     hmask = offs_h < heads
     offs_r = tl.arange(0, R)
-    offs_p = tl.arange(0, P)
+    offs_p = tl.arange(0, P_PAD)  # the rope part, zero-padded to an MMA-sized K (>= 16)
+    pmask = offs_p < P
     q_rows = (t * heads + offs_h).to(tl.int64)
     q_lat = tl.load(q_lat_ptr + q_rows[:, None] * R + offs_r[None, :], mask=hmask[:, None], other=0.0)
-    q_pe = tl.load(q_pe_ptr + q_rows[:, None] * P + offs_p[None, :], mask=hmask[:, None], other=0.0)
+    q_pe = tl.load(q_pe_ptr + q_rows[:, None] * P + offs_p[None, :], mask=hmask[:, None] & pmask[None, :], other=0.0)
     q_lat = mma_operand(q_lat, INTERPRET)
     q_pe = mma_operand(q_pe, INTERPRET)
+    kv_base = 0
     if LOGICAL:
         kv_base = tl.load(kv_base_ptr + t)
 
@@ -60,32 +106,20 @@ def _sparse_mla_kernel(
         offs_n = j0 + n + tl.arange(0, BLOCK_N)
         idx = tl.load(idx_ptr + t.to(tl.int64) * topk + offs_n, mask=offs_n < j1, other=-1)
         valid = idx >= 0
-        if LOGICAL:
-            slot = tl.load(kv_slots_ptr + kv_base + idx, mask=valid, other=0)
+        if SKIP_EMPTY:
+            # Rows early in a prompt select fewer than top-k keys (-1 padded): a block with nothing
+            # valid would add nothing, so its loads and products are skipped.
+            if tl.max(idx, axis=0) >= 0:
+                m_i, l_i, acc = _attend_block(
+                    q_lat, q_pe, idx, valid, m_i, l_i, acc, kv_base, kv_slots_ptr, cache_ptr, cache_f32_ptr,
+                    cache_bf16_ptr, scale_log2, offs_r, offs_p, pmask, R, P, G, ROW_BYTES, BLOCK_N, FP8, LOGICAL,
+                    INTERPRET,
+                )  # fmt: skip
         else:
-            slot = idx
-        slot = tl.where(valid, slot, 0).to(tl.int64)
-        if FP8:
-            codes = tl.load(cache_ptr + slot[:, None] * ROW_BYTES + offs_r[None, :], mask=valid[:, None], other=0)
-            offs_g = tl.arange(0, R // G)
-            sc = tl.load(cache_f32_ptr + slot[:, None] * (ROW_BYTES // 4) + R // 4 + offs_g[None, :])
-            vals = codes.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-            vals = tl.reshape(vals, [BLOCK_N, R // G, G]) * sc[:, :, None]
-            c = mma_operand(tl.reshape(vals, [BLOCK_N, R]), INTERPRET)
-            pe_at = (R + 4 * (R // G)) // 2
-            k_pe = tl.load(cache_bf16_ptr + slot[:, None] * (ROW_BYTES // 2) + pe_at + offs_p[None, :])
-        else:
-            row = slot[:, None] * (R + P)
-            c = mma_operand(tl.load(cache_ptr + row + offs_r[None, :], mask=valid[:, None], other=0.0), INTERPRET)
-            k_pe = tl.load(cache_ptr + row + R + offs_p[None, :])
-        s = tl.dot(q_lat, tl.trans(c)) + tl.dot(q_pe, tl.trans(mma_operand(k_pe, INTERPRET)))  # [BLOCK_H, BLOCK_N]
-        s = tl.where(valid[None, :], s * scale_log2, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(mma_operand(p, INTERPRET), c)
-        m_i = m_new
+            m_i, l_i, acc = _attend_block(
+                q_lat, q_pe, idx, valid, m_i, l_i, acc, kv_base, kv_slots_ptr, cache_ptr, cache_f32_ptr,
+                cache_bf16_ptr, scale_log2, offs_r, offs_p, pmask, R, P, G, ROW_BYTES, BLOCK_N, FP8, LOGICAL, INTERPRET,
+            )  # fmt: skip
 
     has = l_i > 0.0
     out = acc / tl.where(has, l_i, 1.0)[:, None]
@@ -133,8 +167,12 @@ def sparse_mla_decode(
     block_n: int = 64,
     num_warps: int = 8,
     num_stages: int = 2,
+    skip_empty: bool = False,
 ) -> torch.Tensor:
-    """-> o_lat float32 [T, H, R]. Device-only (no host sync): CUDA-graph capturable."""
+    """-> o_lat float32 [T, H, R]. Device-only (no host sync): CUDA-graph capturable.
+
+    skip_empty: test each block of indices and skip those that are all -1 (costs a reduction per
+    block; pays off in prefill, where early rows select fewer than top-k keys)."""
     tokens, heads, rank = q_lat.shape
     rope = q_pe.shape[2]
     topk = indices.shape[1]
@@ -168,12 +206,14 @@ def sparse_mla_decode(
     else:
         o_part, lse = out, out
     idx = indices.contiguous()
+    interp = q_lat.device.type != "cuda"
     _sparse_mla_kernel[(tokens, num_splits, head_blocks)](
         q_lat.contiguous(), q_pe.contiguous(), cache, f32_view, bf16_view,
         idx, token_kv_base if logical else idx, kv_slots if logical else idx, o_part, lse,
         heads, topk, num_splits, softmax_scale * 1.4426950408889634,
-        SPLIT_LEN=split_len, R=rank, P=rope, G=group, ROW_BYTES=row_bytes, BLOCK_H=block_h, BLOCK_N=block_n,
-        FP8=fp8, LOGICAL=logical, SPLIT=split, INTERPRET=q_lat.device.type != "cuda", num_warps=num_warps, num_stages=num_stages,
+        SPLIT_LEN=split_len, R=rank, P=rope, P_PAD=max(16, triton.next_power_of_2(rope)), G=group,
+        ROW_BYTES=row_bytes, BLOCK_H=block_h, BLOCK_N=block_n, FP8=fp8, LOGICAL=logical, SPLIT=split,
+        SKIP_EMPTY=skip_empty, INTERPRET=interp, num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     if split:
         _combine_kernel[(tokens, heads)](
@@ -182,6 +222,25 @@ def sparse_mla_decode(
     return out
 
 
+# From this many query tokens in a step, the step is treated as prefill: no splits are needed to fill
+# the GPU, and blocks of -1 entries (rows with short causal contexts) are worth testing for.
+PREFILL_TOKENS = 256
+# Launch options of the registry backend (bench/kernels/bench_sparse_mla.py sweeps the others).
+DECODE_OPTIONS: dict = {}
+PREFILL_OPTIONS: dict = {}
+
+
+def sparse_mla_prefill(q_lat, q_pe, latent_cache, indices, softmax_scale, token_kv_base=None, kv_slots=None, **kw):
+    """Sparse MLA over many query tokens (a prompt chunk): every (token, head block) is one
+    program walking its own top-k list, skipping the all -1 blocks of early rows. Same math and
+    arguments as sparse_mla_decode."""
+    kw.setdefault("skip_empty", True)
+    kw.setdefault("num_splits", 1)
+    return sparse_mla_decode(q_lat, q_pe, latent_cache, indices, softmax_scale, token_kv_base, kv_slots, **kw)
+
+
 def sparse_mla_triton(q_lat, q_pe, latent_cache, slots, softmax_scale) -> torch.Tensor:
     """The registry's ("attention", "triton") backend: same arguments as sparse_mla_torch."""
-    return sparse_mla_decode(q_lat, q_pe, latent_cache, slots, softmax_scale)
+    if q_lat.shape[0] >= PREFILL_TOKENS:
+        return sparse_mla_prefill(q_lat, q_pe, latent_cache, slots, softmax_scale, **PREFILL_OPTIONS)
+    return sparse_mla_decode(q_lat, q_pe, latent_cache, slots, softmax_scale, **DECODE_OPTIONS)

@@ -80,9 +80,11 @@ class ModelRunner:
         return pages
 
     def set_backend(self, kind: str, name: str) -> None:
-        """Pick a registered kernel backend for one kernel kind (see kernels.registry)."""
-        from ..kernels.registry import get_backend
+        """Pick a registered kernel backend for one kernel kind (see kernels.registry); "auto"
+        picks the one preferred on this device."""
+        from ..kernels.registry import get_backend, resolve
 
+        name = resolve(kind, name, self.device.type, self.dtype.itemsize * 8)
         get_backend(kind, name)  # fails now, not mid-step, when the name is unknown
         self.model.backends[kind] = name
 

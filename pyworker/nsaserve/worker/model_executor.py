@@ -60,6 +60,8 @@ class ModelExecutor:
         )
         for kind in ("moe_route", "moe_experts"):  # --moe-backend picks both MoE kernels
             runner.set_backend(kind, args.moe_backend)
+        for kind in ("attention", "indexer"):
+            runner.set_backend(kind, getattr(args, "attention_backend", "auto"))
         return cls(runner, device)
 
     def run(self, plan: Plan, is_rank0: bool) -> StepResult:

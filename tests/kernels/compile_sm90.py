@@ -1,0 +1,96 @@
+"""Compile every Triton attention kernel for sm_90 (Hopper) without a GPU: the whole pipeline
+through ptxas. Triton's CPU interpreter runs code the compiler rejects (a helper returning
+different types from two constexpr branches, a constexpr reassigned in an unrolled loop), so
+the tests run this in a process of its own, without TRITON_INTERPRET.
+
+    python tests/kernels/compile_sm90.py       (prints one line per kernel, exits 1 on a failure)
+"""
+
+import os
+import sys
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from nsaserve.kernels import triton_indexer as ti
+from nsaserve.kernels import triton_sparse_mla as tm
+from nsaserve.kernels import triton_topk as tk
+
+TARGET = GPUTarget("cuda", 90, 32)
+F32 = "*fp32"
+
+
+def indexer_cases():
+    # (fp8 keys, query split mode, rows per program, one lookup per page): every mode and both
+    # load paths at least once.
+    for fp8, mode, rows, one_page in (
+        (True, 2, 1, True), (True, 3, 4, True), (True, 1, 1, False), (False, 1, 4, True), (False, 0, 1, False)
+    ):  # fmt: skip
+        k_ty = "*u8" if fp8 else ("*bf16" if mode else F32)
+        sig = {
+            "q_ptr": F32, "w_ptr": F32, "kv_slots_ptr": "*i64", "row_kv_off_ptr": "*i32",
+            "row_pos_ptr": "*i32", "blk_row0_ptr": "*i32", "blk_rows_ptr": "*i32", "k_ptr": k_ty,
+            "k_scale_ptr": F32 if fp8 else k_ty, "out_ptr": F32, "out_stride": "i32", "heads": "i32",
+            "scale": "fp32",
+        }  # fmt: skip
+        consts = dict(
+            D=128, PS=64, BLOCK_H=32, BLOCK_N=64, SPAN_BLOCKS=4, ROWS=rows, FP8=fp8, MODE=mode,
+            ONE_PAGE=one_page, PRECISION="tf32x3", INTERPRET=False,
+        )  # fmt: skip
+        yield f"logits fp8={fp8} mode={mode} rows={rows} one_page={one_page}", ti._logits_kernel, sig, consts, 4
+    sig = {
+        "logits_ptr": F32, "row_pos_ptr": "*i32", "out_ptr": "*i64", "logits_stride": "i32",
+        "out_stride": "i32", "topk": "i32", "width": "i32",
+    }  # fmt: skip
+    for bits, nchunk in ((8, 1), (5, 2)):
+        yield (
+            f"topk bits={bits} chunks={nchunk}",
+            tk._topk_kernel,
+            sig,
+            dict(CHUNK=4096, NCHUNK=nchunk, BITS=bits),
+            8,
+        )
+    names = ("logits_ptr", "row_pos_ptr", "out_ptr", "scratch_ptr", "logits_stride", "out_stride", "topk", "width")
+    sig_s = {k: sig.get(k, "*i32") for k in names}  # the sampled kernel adds an int32 scratch row
+    consts = dict(CHUNK=4096, SAMPLES=256, MARGIN=16, CAND=1024, BITS=6)
+    yield "topk sampled", tk._topk_sampled_kernel, sig_s, consts, 8
+    # A tiny test model's rows (tens of keys).
+    consts = dict(CHUNK=32, SAMPLES=32, MARGIN=16, CAND=32, BITS=4)
+    yield "topk sampled, 32 keys", tk._topk_sampled_kernel, sig_s, consts, 4
+
+
+def sparse_mla_cases():
+    for fp8 in (True, False):
+        for logical, split, skip in ((False, True, False), (True, False, True)):
+            cache_ty = "*u8" if fp8 else "*bf16"
+            sig = {
+                "q_lat_ptr": "*bf16", "q_pe_ptr": "*bf16", "cache_ptr": cache_ty,
+                "cache_f32_ptr": F32 if fp8 else cache_ty, "cache_bf16_ptr": "*bf16", "idx_ptr": "*i64",
+                "kv_base_ptr": "*i64", "kv_slots_ptr": "*i64", "o_ptr": F32, "lse_ptr": F32, "heads": "i32",
+                "topk": "i32", "num_splits": "i32", "scale_log2": "fp32",
+            }  # fmt: skip
+            consts = dict(
+                SPLIT_LEN=1024, R=512, P=64, P_PAD=64, G=128, ROW_BYTES=656 if fp8 else 576, BLOCK_H=64,
+                BLOCK_N=64, FP8=fp8, LOGICAL=logical, SPLIT=split, SKIP_EMPTY=skip, INTERPRET=False,
+            )  # fmt: skip
+            yield f"sparse mla fp8={fp8} logical={logical} skip={skip}", tm._sparse_mla_kernel, sig, consts, 8
+    sig = {"o_part_ptr": F32, "lse_ptr": F32, "out_ptr": F32, "heads": "i32", "num_splits": "i32"}
+    yield "sparse mla combine", tm._combine_kernel, sig, dict(R=512, BLOCK_S=8), 4
+
+
+def main() -> int:
+    assert not os.environ.get("TRITON_INTERPRET"), "run without TRITON_INTERPRET"
+    failed = 0
+    for name, fn, sig, consts, warps in [*indexer_cases(), *sparse_mla_cases()]:
+        try:
+            triton.compile(ASTSource(fn, sig, consts), target=TARGET, options={"num_warps": warps, "num_stages": 2})
+            print("ok  ", name, flush=True)
+        except Exception as e:  # report every kernel, not just the first failure
+            failed += 1
+            print("FAIL", name, f"{type(e).__name__}: {str(e)[:2000]}", flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
