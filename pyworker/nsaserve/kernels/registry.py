@@ -16,11 +16,12 @@ from collections.abc import Callable
 #   "indexer":   lightning-indexer scores + causal top-k over paged index keys  (indexer.py)
 #   "moe_route": sigmoid / bias / group-limited expert choice  (moe.py)
 #   "moe_experts": routed expert MLPs for the experts this rank owns  (moe.py)
+#   "rmsnorm", "rope", "kv_store", "index_key_store": the small per-layer ops  (small_ops.py)
 _BACKENDS: dict[tuple[str, str], Callable] = {}
 
 # Modules holding the built-in torch references; imported on first lookup so that importing the
 # registry alone stays cheap and free of cycles.
-_BUILTIN_MODULES = ("sparse_mla", "indexer", "moe")
+_BUILTIN_MODULES = ("sparse_mla", "indexer", "moe", "small_ops")
 _builtins_loaded = False
 
 # Triton backends: (kind, name) -> "module:function". Registered only where Triton is installed,
@@ -29,6 +30,10 @@ _builtins_loaded = False
 _TRITON_BACKENDS = {
     ("indexer", "triton"): "triton_indexer:indexer_topk_triton",
     ("attention", "triton"): "triton_sparse_mla:sparse_mla_triton",
+    ("rmsnorm", "triton"): "triton_norm_rope:rmsnorm_triton",
+    ("rope", "triton"): "triton_norm_rope:rope_triton",
+    ("kv_store", "triton"): "triton_kv_store:kv_store_triton",
+    ("index_key_store", "triton"): "triton_kv_store:index_key_store_triton",
 }
 
 

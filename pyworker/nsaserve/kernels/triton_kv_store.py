@@ -1,0 +1,138 @@
+"""Triton KV-cache stores: the MLA latent row and the indexer key, quantised to FP8 on the way in.
+
+One program per token: it reads the token's values once, computes each group's scale, and writes
+codes, scales (and, for the latent, the bf16 k_pe) straight to the token's slot, where the torch
+references (kv_cache_format.write_latent / write_index_k) take several launches and temporaries.
+Layouts are kv_cache_format's (and, with scale_fmt="ue8m0" and R = 512, P = 64, D = 128,
+kernels.quant's 656-byte MLA row and 132-byte paged indexer key):
+
+- latent, fp8: row of R e4m3 codes | R/G float32 scales | P bfloat16 k_pe; model dtype: c | k_pe.
+- indexer key, fp8: page p = page_size rows of D codes, then page_size float32 scales; model
+  dtype: [slots, D].
+
+Device-only (no host sync): safe inside a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .kv_cache_format import latent_group
+from .triton_rounding import cast, quantize_groups, scale_code
+
+
+@triton.jit
+def _latent_store_kernel(
+    c_ptr, pe_ptr, slots_ptr, cache_ptr, cache_f32_ptr, cache_bf16_ptr, c_stride, pe_stride,
+    R: tl.constexpr, P: tl.constexpr, G: tl.constexpr, ROW: tl.constexpr,
+    FP8: tl.constexpr, SCALE_FMT: tl.constexpr, INTERPRET: tl.constexpr,
+):  # fmt: skip
+    t = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slots_ptr + t).to(tl.int64)
+    offs_r = tl.arange(0, R)
+    offs_p = tl.arange(0, P)
+    c = tl.load(c_ptr + t * c_stride + offs_r).to(tl.float32)
+    pe = tl.load(pe_ptr + t * pe_stride + offs_p)
+    if FP8:
+        codes, scale = quantize_groups(c, R // G, G, SCALE_FMT, INTERPRET)
+        tl.store(cache_ptr + slot * ROW + offs_r, codes)
+        tl.store(cache_f32_ptr + slot * (ROW // 4) + R // 4 + tl.arange(0, R // G), scale)
+        tl.store(
+            cache_bf16_ptr + slot * (ROW // 2) + (R + 4 * (R // G)) // 2 + offs_p,
+            cast(pe.to(tl.float32), tl.bfloat16, INTERPRET),
+        )
+    else:
+        dtype = cache_ptr.dtype.element_ty
+        tl.store(cache_ptr + slot * ROW + offs_r, cast(c, dtype, INTERPRET))
+        tl.store(cache_ptr + slot * ROW + R + offs_p, cast(pe.to(tl.float32), dtype, INTERPRET))
+
+
+@triton.jit
+def _index_k_store_kernel(
+    k_ptr, slots_ptr, cache_ptr, cache_f32_ptr, k_stride, page_size,
+    D: tl.constexpr, FP8: tl.constexpr, SCALE_FMT: tl.constexpr, INTERPRET: tl.constexpr,
+):  # fmt: skip
+    t = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slots_ptr + t).to(tl.int64)
+    offs = tl.arange(0, D)
+    k = tl.load(k_ptr + t * k_stride + offs)
+    if FP8:
+        page = slot // page_size
+        off = slot - page * page_size
+        base = page * page_size * (D + 4)
+        codes, scale = quantize_groups(k.to(tl.float32), 1, D, SCALE_FMT, INTERPRET)
+        tl.store(cache_ptr + base + off * D + offs, codes)
+        tl.store(cache_f32_ptr + (base + page_size * D) // 4 + off + tl.arange(0, 1), scale)
+    else:
+        tl.store(cache_ptr + slot * D + offs, cast(k.to(tl.float32), cache_ptr.dtype.element_ty, INTERPRET))
+
+
+def _pow2(n: int, what: str) -> None:
+    if n <= 0 or n & (n - 1):
+        raise ValueError(f"the Triton KV store needs {what} to be a power of two, got {n}")
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """Rows may be strided (a slice of a wider projection); elements within a row must not be."""
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def store_latent(
+    cache: torch.Tensor, slots: torch.Tensor, c: torch.Tensor, k_pe: torch.Tensor, scale_fmt: str = "cache"
+) -> None:
+    """cache[slots] = (c, k_pe) in the cache's layout: fp8 rows for a uint8 cache, else the model dtype."""
+    n, rank = c.shape
+    rope = k_pe.shape[1]
+    if n == 0:
+        return
+    _pow2(rank, "kv_lora_rank")
+    _pow2(rope, "the rope dim")
+    fp8 = cache.dtype == torch.uint8
+    rows = cache.view(-1, cache.shape[-1])
+    row = rows.shape[1]
+    group = latent_group(rank)
+    if fp8:
+        want = rank + 4 * (rank // group) + 2 * rope
+        if row != want:
+            raise ValueError(f"fp8 latent rows are {want} bytes for R={rank}, P={rope}; cache rows are {row}")
+        f32, bf16 = rows.view(torch.float32), rows.view(torch.bfloat16)
+    else:
+        if row != rank + rope:
+            raise ValueError(f"latent rows are R + P = {rank + rope} wide; cache rows are {row}")
+        f32 = bf16 = rows
+    c, k_pe = _rows(c), _rows(k_pe)
+    _latent_store_kernel[(n,)](
+        c, k_pe, slots, rows, f32, bf16, c.stride(0), k_pe.stride(0),
+        R=rank, P=rope, G=group, ROW=row, FP8=fp8, SCALE_FMT=scale_code(scale_fmt),
+        INTERPRET=c.device.type != "cuda", num_warps=4 if rank >= 512 else 1,
+    )  # fmt: skip
+
+
+def store_index_k(
+    cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, page_size: int, scale_fmt: str = "cache"
+) -> None:
+    """Index keys k [N, D] into the fp8 paged layout (uint8 [pages, page_size, D + 4]) or [slots, D]."""
+    n, dim = k.shape
+    if n == 0:
+        return
+    _pow2(dim, "index_head_dim")
+    fp8 = cache.dtype == torch.uint8
+    if fp8 and (cache.dim() != 3 or cache.shape[1] != page_size or cache.shape[2] != dim + 4):
+        raise ValueError(f"fp8 index-key cache must be [pages, {page_size}, {dim + 4}], got {tuple(cache.shape)}")
+    k = _rows(k)
+    _index_k_store_kernel[(n,)](
+        k, slots, cache, cache.view(torch.float32) if fp8 else cache, k.stride(0), page_size,
+        D=dim, FP8=fp8, SCALE_FMT=scale_code(scale_fmt), INTERPRET=k.device.type != "cuda", num_warps=1,
+    )  # fmt: skip
+
+
+def kv_store_triton(cache, slots, c, k_pe) -> None:
+    """The registry's ("kv_store", "triton") backend: same arguments as small_ops.kv_store_torch."""
+    store_latent(cache, slots, c, k_pe)
+
+
+def index_key_store_triton(cache, slots, k, page_size) -> None:
+    """The registry's ("index_key_store", "triton") backend: same as small_ops.index_key_store_torch."""
+    store_index_k(cache, slots, k, page_size)
