@@ -32,6 +32,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--max-prefill-tokens", type=int, default=16384, help="prompt tokens per step")
     s.add_argument("--chunked-prefill-size", type=int, default=8192, help="split longer prompts into chunks of this size; -1 disables")
     s.add_argument("--disable-radix-cache", action="store_true", help="do not reuse cached prompt prefixes")
+    s.add_argument("--disable-cuda-graph", action="store_true", help="run decode steps eagerly, without CUDA graphs")
+    s.add_argument("--cuda-graph-max-bs", type=int, default=128, help="largest decode batch captured as a CUDA graph (graphs need graph-safe kernel backends)")
 
     h = p.add_argument_group("HTTP")
     h.add_argument("--host", default="127.0.0.1", help="address to bind (use 0.0.0.0 to listen on all interfaces)")

@@ -17,11 +17,14 @@ from collections.abc import Callable
 #   "moe_route": sigmoid / bias / group-limited expert choice  (moe.py)
 #   "moe_experts": routed expert MLPs for the experts this rank owns  (moe.py)
 #   "rmsnorm", "rope", "kv_store", "index_key_store": the small per-layer ops  (small_ops.py)
+#   "indexer_rows": the indexer with its per-row metadata on the device (a fixed per-request KV
+#                   layout, as CUDA graphs need): the backend of the same name as "indexer"'s
+#                   serves it  (indexer_rows.py)
 _BACKENDS: dict[tuple[str, str], Callable] = {}
 
 # Modules holding the built-in torch references; imported on first lookup so that importing the
 # registry alone stays cheap and free of cycles.
-_BUILTIN_MODULES = ("sparse_mla", "indexer", "moe", "small_ops")
+_BUILTIN_MODULES = ("sparse_mla", "indexer", "moe", "small_ops", "indexer_rows", "moe_dense")
 _builtins_loaded = False
 
 # Triton backends: (kind, name) -> "module:function". Registered only where Triton is installed,
@@ -34,7 +37,21 @@ _TRITON_BACKENDS = {
     ("rope", "triton"): "triton_norm_rope:rope_triton",
     ("kv_store", "triton"): "triton_kv_store:kv_store_triton",
     ("index_key_store", "triton"): "triton_kv_store:index_key_store_triton",
+    ("indexer_rows", "triton"): "triton_indexer:indexer_topk_rows",
 }
+
+# Backends whose calls neither synchronise with the host nor size a tensor from device data, so a
+# CUDA graph may capture them (the worker's decode graphs check every backend the model uses).
+# "indexer" is captured through its "indexer_rows" form. Not here: the torch "moe_experts"
+# reference (torch.unique / nonzero pick the experts that got tokens).
+_GRAPH_SAFE = {
+    ("attention", "torch"), ("attention", "triton"),
+    ("indexer", "torch"), ("indexer", "triton"),
+    ("moe_route", "torch"),
+    ("moe_experts", "torch_dense"),
+    ("rmsnorm", "torch"), ("rmsnorm", "triton"), ("rope", "torch"), ("rope", "triton"),
+    ("kv_store", "torch"), ("kv_store", "triton"), ("index_key_store", "torch"), ("index_key_store", "triton"),
+}  # fmt: skip
 
 
 def register(kind: str, name: str) -> Callable[[Callable], Callable]:
@@ -87,6 +104,11 @@ def get_backend(kind: str, name: str = "torch") -> Callable:
     except KeyError:
         have = sorted(n for k, n in _BACKENDS if k == kind)
         raise KeyError(f"no kernel backend {name!r} for {kind!r}; registered: {have}") from None
+
+
+def graph_safe(kind: str, name: str) -> bool:
+    """Whether backend `name` of `kind` may run inside a CUDA graph."""
+    return (kind, name) in _GRAPH_SAFE
 
 
 def available(kind: str) -> list[str]:
