@@ -92,7 +92,9 @@ class _Graph:
 class DecodeGraphs:
     """Captures decode graphs for a ModelRunner and replays them (see the module docstring)."""
 
-    def __init__(self, runner, max_bs: int, max_len: int | None = None, log=print):
+    def __init__(self, runner, max_bs: int, max_len: int | None = None, log=print, capture: bool | None = None):
+        """capture=False (the default off CUDA) builds no graphs: run() then executes the same static
+        batch eagerly, which is how CPU tests check the padded layout and buffers."""
         self.runner = runner
         self.ps = runner.page_size
         self.scratch_page = runner.pool.scratch_page
@@ -107,14 +109,16 @@ class DecodeGraphs:
         self.static = torch.zeros(words, dtype=torch.int64, device=dev)
         # Two pinned staging buffers, alternated, so that the host never rewrites one whose copy
         # may still be pending.
-        self.staging = [torch.zeros(words, dtype=torch.int64).pin_memory() for _ in range(2)]
+        cuda = dev.type == "cuda"
+        self.staging = [torch.zeros(words, dtype=torch.int64, pin_memory=cuda) for _ in range(2)]
         self.copied = [None, None]
         self.turn = 0
         self.graphs = {(b, n): _Graph(b, n, n // self.ps) for b in self.bs_buckets for n in lens}
         self.capture_s = 0.0
         self.capture_bytes = 0
         self.replays = 0
-        self._capture(log)
+        if cuda if capture is None else capture:
+            self._capture(log)
 
     # ---- building the static batch (inside the capture) ------------------------------------------
 
@@ -221,6 +225,8 @@ class DecodeGraphs:
             self.copied[k].synchronize()  # the copy that last read this staging buffer is done
         self._pack(self.staging[k][: g.words].numpy(), g, plan)
         self.static[: g.words].copy_(self.staging[k][: g.words], non_blocking=True)
+        if g.graph is None:  # not captured: the same static batch, eagerly
+            return self._forward(g)[: plan.num_reqs]
         ev = torch.cuda.Event()
         ev.record()
         self.copied[k] = ev
