@@ -86,7 +86,6 @@ class _Graph:
         self.bs, self.len, self.n_pages = bs, length, n_pages
         self.words = 4 * bs + bs * n_pages  # int64 words of static input
         self.graph: torch.cuda.CUDAGraph | None = None
-        self.logits: torch.Tensor | None = None
 
 
 class DecodeGraphs:
@@ -107,6 +106,9 @@ class DecodeGraphs:
         dev = runner.device
         # Static input: one int64 buffer; each graph views its first `words` as its own layout.
         self.static = torch.zeros(words, dtype=torch.int64, device=dev)
+        # Every graph ends by copying its logits here: one [max_bs, vocab] buffer for all graphs
+        # rather than one per graph (at a 150K vocabulary those add up to gigabytes).
+        self.out = torch.zeros(max_bs, runner.vocab_size, dtype=torch.float32, device=dev)
         # Two pinned staging buffers, alternated, so that the host never rewrites one whose copy
         # may still be pending.
         cuda = dev.type == "cuda"
@@ -172,7 +174,7 @@ class DecodeGraphs:
             torch.cuda.current_stream(dev).wait_stream(side)
             g.graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g.graph, pool=pool):
-                g.logits = self._forward(g)
+                self.out[: g.bs].copy_(self._forward(g))
         torch.cuda.synchronize(dev)
         self.capture_s = time.perf_counter() - t0
         self.capture_bytes = free0 - torch.cuda.mem_get_info(dev)[0]
@@ -232,5 +234,5 @@ class DecodeGraphs:
         self.copied[k] = ev
         g.graph.replay()
         self.replays += 1
-        # A copy: the graph's output buffer is overwritten by the next replay.
-        return g.logits[: plan.num_reqs].clone()
+        # A copy: the graphs' output buffer is overwritten by the next replay.
+        return self.out[: plan.num_reqs].clone()
