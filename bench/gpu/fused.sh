@@ -9,15 +9,15 @@ tmp=$(mktemp -d)
 log=$out/log.txt
 python3 -c 'import torch; print(torch.__version__, torch.cuda.get_device_name(0))' > "$log" 2>&1
 
-timeout 65 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_triton_small_ops.py \
-  tests/kernels/test_graph_safe_references.py tests/model/test_small_op_backends.py tests/model/test_cuda_graphs.py \
+timeout 70 python3 -m pytest -q -p no:cacheprovider tests/model/test_cuda_graphs.py tests/kernels/test_triton_small_ops.py \
+  tests/kernels/test_graph_safe_references.py tests/model/test_small_op_backends.py \
   > "$tmp/pytest.txt" 2>&1
 echo "pytest exit $?" >> "$tmp/pytest.txt"
 cat "$tmp/pytest.txt" >> "$log"
 
-timeout 45 python3 bench/kernels/bench_small_ops.py --out "$tmp" --tokens 1,64,1024,16384 > "$tmp/small_ops.txt" 2>&1
+timeout 40 python3 bench/kernels/bench_small_ops.py --out "$tmp" --tokens 1,64,1024,16384 > "$tmp/small_ops.txt" 2>&1
 echo "bench_small_ops exit $?" >> "$tmp/small_ops.txt"
-timeout 35 python3 bench/kernels/bench_decode_graphs.py --out "$tmp" --batches 1,8,32,64 > "$tmp/graphs.txt" 2>&1
+timeout 33 python3 bench/kernels/bench_decode_graphs.py --out "$tmp" --batches 1,8,32,64 > "$tmp/graphs.txt" 2>&1
 echo "bench_decode_graphs exit $?" >> "$tmp/graphs.txt"
 cat "$tmp/small_ops.txt" "$tmp/graphs.txt" "$tmp"/*.md >> "$log" 2>/dev/null
 python3 - "$tmp" "$out/results.json" <<'PY'
@@ -26,7 +26,7 @@ tmp, dst = sys.argv[1:]
 json.dump({p.rsplit("/", 1)[1]: json.load(open(p)) for p in sorted(glob.glob(tmp + "/*.json"))}, open(dst, "w"), indent=1)
 PY
 echo "== fused summary =="
-grep -E "passed|failed|error" "$tmp/pytest.txt" | tail -3
+grep -E "passed|failed|error|Error|exit" "$tmp/pytest.txt" | tail -6
 tail -n 48 "$tmp/small_ops.txt" | cut -c1-110
 tail -n 8 "$tmp/graphs.txt" | cut -c1-140
 rm -rf "$tmp"

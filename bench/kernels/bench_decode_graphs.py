@@ -89,7 +89,7 @@ def main() -> None:
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--batches", default="1,8,32,64")
     ap.add_argument("--context", type=int, default=1000)
-    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--name", default="decode-graphs")
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
@@ -123,6 +123,7 @@ def main() -> None:
         runner.model.backends.update(saved)
         row["eager/graph"] = row["eager_ms"] / row["graph_ms"]
         row["graph/floor"] = row["graph_ms"] / row["replay_gpu_ms"]
+        print(row, flush=True)  # partial results survive a timeout
         rows.append(row)
     cols = [
         "batch",

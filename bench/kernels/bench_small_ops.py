@@ -86,6 +86,7 @@ def measure(n: int, copy_bps: float) -> list[dict]:
         row["speedup"] = row["torch_us"] / row["triton_us"]
         row["GBps"] = nbytes / (row["triton_us"] * 1e-6) / 1e9
         row["of_copy"] = nbytes / (row["triton_us"] * 1e-6) / copy_bps
+        print(row, flush=True)  # partial results survive a timeout
         rows.append(row)
         del inputs
         torch.cuda.empty_cache()

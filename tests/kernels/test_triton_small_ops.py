@@ -42,7 +42,7 @@ def test_registered(kind):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("residual", [False, True])
-@pytest.mark.parametrize("hidden", [6144, 512, 2048] if GPU else [64, 96])
+@pytest.mark.parametrize("hidden", [6144, 512] if GPU else [64, 96])
 def test_rmsnorm(dtype, residual, hidden):
     rows = 37 if GPU else 5
     wide = randn(rows, hidden + 64, seed=1, dtype=dtype, scale=3.0)
@@ -65,7 +65,7 @@ def test_rmsnorm(dtype, residual, hidden):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("interleaved", [True, False])
-@pytest.mark.parametrize("heads", [None, 64, 32] if GPU else [None, 3])
+@pytest.mark.parametrize("heads", [None, 64] if GPU else [None, 3])
 def test_rope(dtype, interleaved, heads):
     from nsaserve.kernels.rope import rope_cos_sin
 
