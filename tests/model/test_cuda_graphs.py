@@ -32,8 +32,8 @@ def test_buckets():
     assert batch_buckets(64) == [1, 2, 4, 8, 16, 32, 48, 64]
     assert batch_buckets(40) == [1, 2, 4, 8, 16, 32, 40]
     assert len_buckets(128, 4) == [128]
-    assert len_buckets(202752, 64) == [4096, 8192, 16384, 32768, 65536, 131072, 202752]
-    assert len_buckets(5000, 64) == [4096, 5056]  # whole pages
+    assert len_buckets(202752, 64) == [1024 << k for k in range(8)] + [202752]
+    assert len_buckets(5000, 64) == [1024, 2048, 4096, 5056]  # whole pages
 
 
 def _runner(path, device, dtype=torch.float32, kv="auto", backends=()):

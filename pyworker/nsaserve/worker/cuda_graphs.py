@@ -30,8 +30,9 @@ from ..kernels.registry import graph_safe
 from ..protocol.messages import Plan
 from .batch import ForwardBatch
 
-# Context buckets start here (or at the model's max context if smaller) and double up to it.
-MIN_LEN_BUCKET = 4096
+# Context buckets start here (or at the model's max context if smaller) and double up to it. A
+# graph's indexer scores and top-k run over its whole bucket, so short contexts want small ones.
+MIN_LEN_BUCKET = 1024
 
 
 def batch_buckets(max_bs: int) -> list[int]:
