@@ -38,7 +38,7 @@ def test_buckets():
 
 def _runner(path, device, dtype=torch.float32, kv="auto", backends=()):
     r = ModelRunner(
-        path, device=torch.device(device), dtype=dtype, kv_cache_dtype=kv, num_pages=64, page_size=4,
+        path, device=torch.device(device), dtype=dtype, kv_cache_dtype=kv, num_pages=160, page_size=4,
         show_progress=False,
     )  # fmt: skip
     for kind, name in dict(backends).items():
