@@ -59,15 +59,11 @@ def cases(n: int):
         )  # fmt: skip
     yield "rope k_pe 64 interleaved", rope_bytes(1), lambda: (rnd(n, KV_LORA + ROPE)[:, KV_LORA:], *cs(), True), "rope"
     yield "rope indexer q 32x64", rope_bytes(IDX_HEADS), lambda: (rnd(n, IDX_HEADS, ROPE), *cs(), True), "rope"
-    store_in = n * (KV_LORA + ROPE) * 2 + n * 8
-    yield (
-        "kv_store fp8 656 B", store_in + n * fmt.latent_fp8_row_bytes(KV_LORA, ROPE),
-        lambda: (latent_fp8, slots(), rnd(n, KV_LORA + ROPE)[:, :KV_LORA], rnd(n, ROPE)), "kv_store",
-    )  # fmt: skip
-    yield (
-        "kv_store bf16 1152 B", store_in + n * (KV_LORA + ROPE) * 2,
-        lambda: (latent_bf16, slots(), rnd(n, KV_LORA), rnd(n, ROPE)), "kv_store",
-    )  # fmt: skip
+    # kv_store = kv_a_layernorm of the latent + RoPE of k_pe + the store (kv_a_proj output in).
+    store_in = n * (KV_LORA + ROPE) * 2 + n * 8 + n * ROPE * 4
+    kv_args = lambda cache: (cache, slots(), rnd(n, KV_LORA + ROPE), w(KV_LORA), 1e-6, *cs(), True)  # noqa: E731
+    yield "kv_store fp8 656 B (norm+rope+store)", store_in + n * 656, lambda: kv_args(latent_fp8), "kv_store"
+    yield "kv_store bf16 1152 B (norm+rope+store)", store_in + n * 1152, lambda: kv_args(latent_bf16), "kv_store"
     yield (
         "index_key_store fp8 132 B", n * IDX_DIM * 2 + n * 8 + n * (IDX_DIM + 4),
         lambda: (index_fp8, slots(), rnd(n, IDX_DIM), PAGE), "index_key_store",

@@ -4,8 +4,10 @@ Kinds (every backend of a kind takes these arguments and returns this):
     "rmsnorm":         (x [N, H], weight [H], eps, residual=None) -> y, or with a residual
                        (y, s) where s = x + residual is the new residual stream and y = RMSNorm(s)
     "rope":            (x [T, d] or [T, heads, d], cos [T, d/2], sin [T, d/2], interleaved) -> roped x
-    "kv_store":        (latent_cache, slots [N], c [N, R], k_pe [N, P]) -> None: stores the MLA
-                       latent rows in place (fp8 rows are quantised; kv_cache_format's layout)
+    "kv_store":        (latent_cache, slots [N], kv [N, R + P], weight [R], eps, cos, sin, interleaved)
+                       -> None: kv is kv_a_proj_with_mqa's output; stores RMSNorm(kv[:, :R]) * weight
+                       and RoPE(kv[:, R:]) as the MLA latent rows, in place (fp8 rows are quantised;
+                       kv_cache_format's layout)
     "index_key_store": (index_k_cache, slots [N], k [N, D], page_size) -> None: stores indexer keys
                        in place (fp8: DeepGEMM's paged layout, one scale per key)
 
@@ -37,8 +39,10 @@ def rope_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave
 
 
 @register("kv_store", "torch")
-def kv_store_torch(cache: torch.Tensor, slots: torch.Tensor, c: torch.Tensor, k_pe: torch.Tensor) -> None:
-    fmt.write_latent(cache, slots, c, k_pe)
+def kv_store_torch(cache, slots, kv, weight, eps, cos, sin, interleaved) -> None:
+    rank = weight.shape[0]
+    c = rms_norm(kv[:, :rank], weight, eps)
+    fmt.write_latent(cache, slots, c, apply_rope(kv[:, rank:], cos, sin, interleaved))
 
 
 @register("index_key_store", "torch")

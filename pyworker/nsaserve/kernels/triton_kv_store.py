@@ -3,6 +3,8 @@
 One program per token: it reads the token's values once, computes each group's scale, and writes
 codes, scales (and, for the latent, the bf16 k_pe) straight to the token's slot, where the torch
 references (kv_cache_format.write_latent / write_index_k) take several launches and temporaries.
+The model's latent store also applies kv_a_layernorm to the latent and RoPE to k_pe on the way
+(three ops of the reference in one launch).
 Layouts are kv_cache_format's (and, with scale_fmt="ue8m0" and R = 512, P = 64, D = 128,
 kernels.quant's 656-byte MLA row and 132-byte paged indexer key):
 
@@ -26,27 +28,46 @@ from .triton_rounding import cast, quantize_groups, scale_code
 @triton.jit
 def _latent_store_kernel(
     c_ptr, pe_ptr, slots_ptr, cache_ptr, cache_f32_ptr, cache_bf16_ptr, c_stride, pe_stride,
+    w_ptr, cos_ptr, sin_ptr, cs_stride, eps,
     R: tl.constexpr, P: tl.constexpr, G: tl.constexpr, ROW: tl.constexpr,
-    FP8: tl.constexpr, SCALE_FMT: tl.constexpr, INTERPRET: tl.constexpr,
+    FP8: tl.constexpr, SCALE_FMT: tl.constexpr, FUSED: tl.constexpr, INTERLEAVED: tl.constexpr,
+    INTERPRET: tl.constexpr,
 ):  # fmt: skip
+    """FUSED: c <- RMSNorm(c) * w and k_pe <- RoPE(k_pe) first, rounded as small_ops' references."""
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slots_ptr + t).to(tl.int64)
     offs_r = tl.arange(0, R)
-    offs_p = tl.arange(0, P)
+    i = tl.arange(0, P // 2)
+    # k_pe as its two halves of rotation pairs (interleaved: even/odd dims; else first/second half).
+    if INTERLEAVED:
+        a_off, b_off = 2 * i, 2 * i + 1
+    else:
+        a_off, b_off = i, i + P // 2
+    x_dtype = c_ptr.dtype.element_ty
     c = tl.load(c_ptr + t * c_stride + offs_r).to(tl.float32)
-    pe = tl.load(pe_ptr + t * pe_stride + offs_p)
+    a = tl.load(pe_ptr + t * pe_stride + a_off).to(tl.float32)
+    b = tl.load(pe_ptr + t * pe_stride + b_off).to(tl.float32)
+    if FUSED:
+        inv = tl.math.div_rn(1.0, tl.sqrt_rn(tl.math.div_rn(tl.sum(c * c, axis=0), R * 1.0) + eps))
+        w = tl.load(w_ptr + offs_r).to(tl.float32)
+        c = cast(cast(c * inv, x_dtype, INTERPRET).to(tl.float32) * w, x_dtype, INTERPRET).to(tl.float32)
+        cos = tl.load(cos_ptr + t * cs_stride + i)
+        sin = tl.load(sin_ptr + t * cs_stride + i)
+        a, b = a * cos - b * sin, b * cos + a * sin
+        a = cast(a, x_dtype, INTERPRET).to(tl.float32)
+        b = cast(b, x_dtype, INTERPRET).to(tl.float32)
     if FP8:
         codes, scale = quantize_groups(c, R // G, G, SCALE_FMT, INTERPRET)
         tl.store(cache_ptr + slot * ROW + offs_r, codes)
         tl.store(cache_f32_ptr + slot * (ROW // 4) + R // 4 + tl.arange(0, R // G), scale)
-        tl.store(
-            cache_bf16_ptr + slot * (ROW // 2) + (R + 4 * (R // G)) // 2 + offs_p,
-            cast(pe.to(tl.float32), tl.bfloat16, INTERPRET),
-        )
+        pe_row = cache_bf16_ptr + slot * (ROW // 2) + (R + 4 * (R // G)) // 2
+        tl.store(pe_row + a_off, cast(a, tl.bfloat16, INTERPRET))
+        tl.store(pe_row + b_off, cast(b, tl.bfloat16, INTERPRET))
     else:
         dtype = cache_ptr.dtype.element_ty
         tl.store(cache_ptr + slot * ROW + offs_r, cast(c, dtype, INTERPRET))
-        tl.store(cache_ptr + slot * ROW + R + offs_p, cast(pe.to(tl.float32), dtype, INTERPRET))
+        tl.store(cache_ptr + slot * ROW + R + a_off, cast(a, dtype, INTERPRET))
+        tl.store(cache_ptr + slot * ROW + R + b_off, cast(b, dtype, INTERPRET))
 
 
 @triton.jit
@@ -80,33 +101,48 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 
 
 def store_latent(
-    cache: torch.Tensor, slots: torch.Tensor, c: torch.Tensor, k_pe: torch.Tensor, scale_fmt: str = "cache"
-) -> None:
-    """cache[slots] = (c, k_pe) in the cache's layout: fp8 rows for a uint8 cache, else the model dtype."""
+    cache: torch.Tensor, slots: torch.Tensor, c: torch.Tensor, k_pe: torch.Tensor, scale_fmt: str = "cache",
+    norm: tuple | None = None, rope: tuple | None = None,
+) -> None:  # fmt: skip
+    """cache[slots] = (c, k_pe) in the cache's layout: fp8 rows for a uint8 cache, else the model dtype.
+
+    norm = (weight, eps) stores RMSNorm(c) * weight instead of c; rope = (cos, sin, interleaved)
+    stores RoPE(k_pe) instead of k_pe (both need each other: the model's kv_store does both)."""
     n, rank = c.shape
-    rope = k_pe.shape[1]
+    rope_dim = k_pe.shape[1]
     if n == 0:
         return
     _pow2(rank, "kv_lora_rank")
-    _pow2(rope, "the rope dim")
+    _pow2(rope_dim, "the rope dim")
+    if (norm is None) != (rope is None):
+        raise ValueError("the fused latent store takes both the norm and the rope, or neither")
+    if norm is not None and (norm[0].dtype != c.dtype or k_pe.dtype != c.dtype):
+        raise ValueError(f"the fused latent store needs one dtype, got {c.dtype}, {k_pe.dtype}, {norm[0].dtype}")
     fp8 = cache.dtype == torch.uint8
     rows = cache.view(-1, cache.shape[-1])
     row = rows.shape[1]
     group = latent_group(rank)
     if fp8:
-        want = rank + 4 * (rank // group) + 2 * rope
+        want = rank + 4 * (rank // group) + 2 * rope_dim
         if row != want:
-            raise ValueError(f"fp8 latent rows are {want} bytes for R={rank}, P={rope}; cache rows are {row}")
+            raise ValueError(f"fp8 latent rows are {want} bytes for R={rank}, P={rope_dim}; cache rows are {row}")
         f32, bf16 = rows.view(torch.float32), rows.view(torch.bfloat16)
     else:
-        if row != rank + rope:
-            raise ValueError(f"latent rows are R + P = {rank + rope} wide; cache rows are {row}")
+        if row != rank + rope_dim:
+            raise ValueError(f"latent rows are R + P = {rank + rope_dim} wide; cache rows are {row}")
         f32 = bf16 = rows
     c, k_pe = _rows(c), _rows(k_pe)
+    fused = norm is not None
+    if fused:
+        (weight, eps), (cos, sin, interleaved) = norm, rope
+        cos, sin = cos.float().contiguous(), sin.float().contiguous()
+    else:
+        weight, eps, cos, sin, interleaved = c, 0.0, c, c, False  # unused
     _latent_store_kernel[(n,)](
         c, k_pe, slots, rows, f32, bf16, c.stride(0), k_pe.stride(0),
-        R=rank, P=rope, G=group, ROW=row, FP8=fp8, SCALE_FMT=scale_code(scale_fmt),
-        INTERPRET=c.device.type != "cuda", num_warps=4 if rank >= 512 else 1,
+        weight, cos, sin, cos.stride(0) if fused else 0, eps,
+        R=rank, P=rope_dim, G=group, ROW=row, FP8=fp8, SCALE_FMT=scale_code(scale_fmt), FUSED=fused,
+        INTERLEAVED=interleaved, INTERPRET=c.device.type != "cuda", num_warps=4 if rank >= 512 else 1,
     )  # fmt: skip
 
 
@@ -128,9 +164,11 @@ def store_index_k(
     )  # fmt: skip
 
 
-def kv_store_triton(cache, slots, c, k_pe) -> None:
-    """The registry's ("kv_store", "triton") backend: same arguments as small_ops.kv_store_torch."""
-    store_latent(cache, slots, c, k_pe)
+def kv_store_triton(cache, slots, kv, weight, eps, cos, sin, interleaved) -> None:
+    """The registry's ("kv_store", "triton") backend: same arguments as small_ops.kv_store_torch
+    (the latent's RMSNorm, k_pe's RoPE and the store in one launch)."""
+    rank = weight.shape[0]
+    store_latent(cache, slots, kv[:, :rank], kv[:, rank:], norm=(weight, eps), rope=(cos, sin, interleaved))
 
 
 def index_key_store_triton(cache, slots, k, page_size) -> None:

@@ -115,11 +115,12 @@ class MLAttention(nn.Module):
         qr = rms_norm(self.q_a_proj(x), self.q_a_layernorm.weight, LORA_NORM_EPS)
         q = self.q_b_proj(qr).view(num_tokens, self.heads, self.nope + self.rope_dim)
         q_nope, q_pe = q[..., : self.nope], q[..., self.nope :]
-        ckv = self.kv_a_proj_with_mqa(x)
-        c = rms_norm(ckv[:, : self.rank], self.kv_a_layernorm.weight, LORA_NORM_EPS)
         q_pe = rope(q_pe, meta.cos, meta.sin, self.mla_interleaved)
-        k_pe = rope(ckv[:, self.rank :], meta.cos, meta.sin, self.mla_interleaved)
-        pool.write_latent(self.layer, batch.out_slots, c, k_pe, get_backend("kv_store", backends["kv_store"]))
+        # kv_a_layernorm of the latent c, RoPE of k_pe, and both into the cache at the tokens' slots.
+        get_backend("kv_store", backends["kv_store"])(
+            pool.latent[self.layer], batch.out_slots, self.kv_a_proj_with_mqa(x), self.kv_a_layernorm.weight,
+            LORA_NORM_EPS, meta.cos, meta.sin, self.mla_interleaved,
+        )  # fmt: skip
 
         if self.indexer is not None:
             topk_slots = self.indexer(x, qr, self.layer, batch, meta, pool, backends)

@@ -57,10 +57,10 @@ class KVPool:
             for kind in config.indexer_types
         ]
 
-    # `store` is a "kv_store" / "index_key_store" kernel backend (kernels.small_ops); the default is
-    # the torch reference.
-    def write_latent(self, layer: int, slots: torch.Tensor, c: torch.Tensor, k_pe: torch.Tensor, store=None) -> None:
-        (store or fmt.write_latent)(self.latent[layer], slots, c, k_pe)
+    def write_latent(self, layer: int, slots: torch.Tensor, c: torch.Tensor, k_pe: torch.Tensor) -> None:
+        fmt.write_latent(self.latent[layer], slots, c, k_pe)
 
+    # `store` is an "index_key_store" kernel backend (kernels.small_ops); the default is the torch
+    # reference. (The latent store goes through the "kv_store" backend, which also norms and ropes.)
     def write_index_k(self, layer: int, slots: torch.Tensor, k: torch.Tensor, store=None) -> None:
         (store or fmt.write_index_k)(self.index_k[layer], slots, k, self.page_size)
