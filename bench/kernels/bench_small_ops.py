@@ -58,7 +58,10 @@ def cases(n: int):
             lambda inter=inter: (rnd(n, HEADS, NOPE + ROPE)[..., NOPE:], *cs(), inter), "rope",
         )  # fmt: skip
     yield "rope k_pe 64 interleaved", rope_bytes(1), lambda: (rnd(n, KV_LORA + ROPE)[:, KV_LORA:], *cs(), True), "rope"
-    yield "rope indexer q 32x64", rope_bytes(IDX_HEADS), lambda: (rnd(n, IDX_HEADS, ROPE), *cs(), True), "rope"
+    yield (
+        "rope indexer q 32x128 (first 64)", n * IDX_HEADS * IDX_DIM * 2 * 2 + n * ROPE * 4,
+        lambda: (rnd(n, IDX_HEADS, IDX_DIM), *cs(), True), "rope",
+    )  # fmt: skip
     # kv_store = kv_a_layernorm of the latent + RoPE of k_pe + the store (kv_a_proj output in).
     store_in = n * (KV_LORA + ROPE) * 2 + n * 8 + n * ROPE * 4
     kv_args = lambda cache: (cache, slots(), rnd(n, KV_LORA + ROPE), w(KV_LORA), 1e-6, *cs(), True)  # noqa: E731

@@ -65,16 +65,21 @@ def test_rmsnorm(dtype, residual, hidden):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("interleaved", [True, False])
-@pytest.mark.parametrize("heads", [None, 64] if GPU else [None, 3])
-def test_rope(dtype, interleaved, heads):
+@pytest.mark.parametrize("heads", [64] if GPU else [None, 3])  # (fewer GPU compiles; 2-D runs on CPU)
+@pytest.mark.parametrize("partial", [False, True])
+def test_rope(dtype, interleaved, heads, partial):
+    """Full: the rope part of a wider row, as MLA's q[..., nope:]. Partial: the first dims of
+    whole rows roped, the rest passed through, as the indexer's q and k."""
     from nsaserve.kernels.rope import rope_cos_sin
 
     tokens, rope, nope = (41, 64, 192) if GPU else (6, 16, 8)
+    rest = (64 if GPU else 24) if partial else 0  # (24: not a power of two, as a tiny model's 32 - 8)
     pos = torch.randint(0, 100000, (tokens,), generator=gen(4), device=DEV)
     inv_freq = 1e4 ** (-torch.arange(0, rope, 2, dtype=torch.float32, device=DEV) / rope)
     cos, sin = rope_cos_sin(pos, inv_freq, 1.3)
-    shape = (tokens, nope + rope) if heads is None else (tokens, heads, nope + rope)
-    x = randn(*shape, seed=5, dtype=dtype)[..., nope:]  # the rope part of a wider row, as q[..., nope:]
+    width = rope + rest
+    shape = (tokens, nope + width) if heads is None else (tokens, heads, nope + width)
+    x = randn(*shape, seed=5, dtype=dtype)[..., nope:]
     want = get_backend("rope", "torch")(x, cos, sin, interleaved)
     got = get_backend("rope", "triton")(x, cos, sin, interleaved)
     assert got.shape == want.shape and got.dtype == want.dtype

@@ -39,8 +39,10 @@ def _rmsnorm_kernel(
 @triton.jit
 def _rope_kernel(
     x_ptr, cos_ptr, sin_ptr, out_ptr, heads, x_stride_t, x_stride_h, cs_stride,
-    HALF: tl.constexpr, BLOCK_H: tl.constexpr, INTERLEAVED: tl.constexpr, INTERPRET: tl.constexpr,
+    HALF: tl.constexpr, REST: tl.constexpr, BLOCK_REST: tl.constexpr, BLOCK_H: tl.constexpr,
+    INTERLEAVED: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
+    """Rotates dims [0, 2 HALF) of each head row and copies the REST dims after them."""
     t = tl.program_id(0).to(tl.int64)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = offs_h < heads
@@ -54,10 +56,14 @@ def _rope_kernel(
     src = x_ptr + t * x_stride_t + offs_h[:, None].to(tl.int64) * x_stride_h
     a = tl.load(src + a_off[None, :], mask=hmask[:, None]).to(tl.float32)
     b = tl.load(src + b_off[None, :], mask=hmask[:, None]).to(tl.float32)
-    dst = out_ptr + (t * heads + offs_h[:, None]) * (2 * HALF)
+    dst = out_ptr + (t * heads + offs_h[:, None]) * (2 * HALF + REST)
     dtype = out_ptr.dtype.element_ty
     tl.store(dst + a_off[None, :], cast(a * c - b * s, dtype, INTERPRET), mask=hmask[:, None])
     tl.store(dst + b_off[None, :], cast(b * c + a * s, dtype, INTERPRET), mask=hmask[:, None])
+    if REST > 0:
+        r = 2 * HALF + tl.arange(0, BLOCK_REST)
+        rmask = hmask[:, None] & (r < 2 * HALF + REST)[None, :]
+        tl.store(dst + r[None, :], tl.load(src + r[None, :], mask=rmask), mask=rmask)
 
 
 def rmsnorm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
@@ -93,9 +99,10 @@ def rope_triton(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleav
     squeeze = x.dim() == 2
     x3 = x.unsqueeze(1) if squeeze else x
     tokens, heads, dim = x3.shape
-    half = dim // 2
-    if dim % 2 or half & (half - 1):
-        raise ValueError(f"the Triton RoPE needs a rope dim of twice a power of two, got {dim}")
+    half = cos.shape[-1]
+    if half & (half - 1) or 2 * half > dim:
+        raise ValueError(f"the Triton RoPE needs a rotary dim of twice a power of two, at most {dim}; got {2 * half}")
+    rest = dim - 2 * half
     if x3.stride(-1) != 1:
         x3 = x3.contiguous()
     cos, sin = cos.float().contiguous(), sin.float().contiguous()
@@ -104,7 +111,8 @@ def rope_triton(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleav
         block_h = min(triton.next_power_of_2(heads), max(1, 4096 // dim))
         _rope_kernel[(tokens, triton.cdiv(heads, block_h))](
             x3, cos, sin, out, heads, x3.stride(0), x3.stride(1), cos.stride(0),
-            HALF=half, BLOCK_H=block_h, INTERLEAVED=interleaved, INTERPRET=x.device.type != "cuda",
+            HALF=half, REST=rest, BLOCK_REST=triton.next_power_of_2(max(rest, 1)), BLOCK_H=block_h,
+            INTERLEAVED=interleaved, INTERPRET=x.device.type != "cuda",
             num_warps=4 if block_h * dim >= 2048 else 1,
         )  # fmt: skip
     return out.squeeze(1) if squeeze else out

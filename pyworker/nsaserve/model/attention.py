@@ -43,17 +43,17 @@ class Indexer(nn.Module):
         # Kept in float32 like the reference (weights_proj is never quantised).
         self.weights_proj = wf.linear(prefix + "weights_proj", cfg.hidden_size, self.n_heads, dtype=torch.float32)
 
-    def _rope(self, x, meta, rope):
-        # The indexer ropes the FIRST rope_dim dims (MLA ropes the last ones).
-        rot = rope(x[..., : self.rope_dim], meta.cos, meta.sin, self.interleaved)
-        return torch.cat((rot, x[..., self.rope_dim :]), dim=-1)
-
     def forward(self, x, qr, layer, batch, meta, pool, backends):
         num_tokens = x.shape[0]
         backend = backends["indexer"]
         rope = get_backend("rope", backends["rope"])
-        q = self._rope(self.wq_b(qr).view(num_tokens, self.n_heads, self.head_dim), meta, rope)
-        k = self._rope(layer_norm(self.wk(x), self.k_norm.weight, self.k_norm.bias, INDEXER_NORM_EPS), meta, rope)
+        # The indexer ropes the FIRST rope_dim dims of its heads (MLA ropes the last ones): the rope
+        # kernels rotate the first 2 * cos.shape[1] dims and pass the rest through.
+        q = rope(self.wq_b(qr).view(num_tokens, self.n_heads, self.head_dim), meta.cos, meta.sin, self.interleaved)
+        k = rope(
+            layer_norm(self.wk(x), self.k_norm.weight, self.k_norm.bias, INDEXER_NORM_EPS),
+            meta.cos, meta.sin, self.interleaved,
+        )  # fmt: skip
         if pool.fp8:
             # As DeepSeek's reference does before fp8-quantising the keys: same scores, smaller error.
             q, k = hadamard_rotate(q), hadamard_rotate(k)
