@@ -25,6 +25,8 @@ from nsaserve.worker.cuda_graphs import batch_buckets, graph_blockers, len_bucke
 CUDA = torch.cuda.is_available()
 GRAPH_SAFE = {"moe_experts": "torch_dense"}
 TRITON = {k: "triton" for k in ("attention", "indexer", "rmsnorm", "rope", "kv_store", "index_key_store")}
+# The Triton sparse MLA's q_pe . k_pe product is an MMA, which needs a rope dim of at least 16.
+TRITON_DIMS = {"qk_rope_head_dim": 16}
 
 
 def test_buckets():
@@ -95,7 +97,9 @@ def test_static_batch_equals_packed_batch_on_cpu(dtype, kv, backends, tmp_path):
 def test_graph_replay_equals_eager(dtype, kv, backends, tmp_path):
     from nsaserve.worker.cuda_graphs import DecodeGraphs
 
-    make_checkpoint("glm_moe_dsa", str(tmp_path), seed=2, initializer_range=0.06, confident_embedding=0.12)
+    make_checkpoint(
+        "glm_moe_dsa", str(tmp_path), seed=2, initializer_range=0.06, confident_embedding=0.12, **TRITON_DIMS
+    )
     r = _runner(str(tmp_path), "cuda", dtype, kv, backends)
     assert graph_blockers(r) == []
     graphs = DecodeGraphs(r, max_bs=8, log=lambda m: None)
@@ -131,7 +135,9 @@ def _compare(r, graphs, steps, exact):
 def test_executor_samples_the_same_with_graphs(tmp_path):
     from nsaserve.worker.model_executor import ModelExecutor, decode_graphs
 
-    make_checkpoint("glm_moe_dsa", str(tmp_path), seed=3, initializer_range=0.06, confident_embedding=0.12)
+    make_checkpoint(
+        "glm_moe_dsa", str(tmp_path), seed=3, initializer_range=0.06, confident_embedding=0.12, **TRITON_DIMS
+    )
     results = []
     for disable in (True, False):
         r = _runner(str(tmp_path), "cuda", backends={**GRAPH_SAFE, **TRITON})

@@ -38,15 +38,9 @@ def _latent_store_kernel(
     slot = tl.load(slots_ptr + t).to(tl.int64)
     offs_r = tl.arange(0, R)
     i = tl.arange(0, P // 2)
-    # k_pe as its two halves of rotation pairs (interleaved: even/odd dims; else first/second half).
-    if INTERLEAVED:
-        a_off, b_off = 2 * i, 2 * i + 1
-    else:
-        a_off, b_off = i, i + P // 2
     x_dtype = c_ptr.dtype.element_ty
     c = tl.load(c_ptr + t * c_stride + offs_r).to(tl.float32)
-    a = tl.load(pe_ptr + t * pe_stride + a_off).to(tl.float32)
-    b = tl.load(pe_ptr + t * pe_stride + b_off).to(tl.float32)
+    a, b = _load_pairs(pe_ptr + t * pe_stride, P, INTERLEAVED)
     if FUSED:
         inv = tl.math.div_rn(1.0, tl.sqrt_rn(tl.math.div_rn(tl.sum(c * c, axis=0), R * 1.0) + eps))
         w = tl.load(w_ptr + offs_r).to(tl.float32)
@@ -61,13 +55,34 @@ def _latent_store_kernel(
         tl.store(cache_ptr + slot * ROW + offs_r, codes)
         tl.store(cache_f32_ptr + slot * (ROW // 4) + R // 4 + tl.arange(0, R // G), scale)
         pe_row = cache_bf16_ptr + slot * (ROW // 2) + (R + 4 * (R // G)) // 2
-        tl.store(pe_row + a_off, cast(a, tl.bfloat16, INTERPRET))
-        tl.store(pe_row + b_off, cast(b, tl.bfloat16, INTERPRET))
+        _store_pairs(pe_row, cast(a, tl.bfloat16, INTERPRET), cast(b, tl.bfloat16, INTERPRET), P, INTERLEAVED)
     else:
         dtype = cache_ptr.dtype.element_ty
         tl.store(cache_ptr + slot * ROW + offs_r, cast(c, dtype, INTERPRET))
-        tl.store(cache_ptr + slot * ROW + R + a_off, cast(a, dtype, INTERPRET))
-        tl.store(cache_ptr + slot * ROW + R + b_off, cast(b, dtype, INTERPRET))
+        _store_pairs(cache_ptr + slot * ROW + R, cast(a, dtype, INTERPRET), cast(b, dtype, INTERPRET), P, INTERLEAVED)
+
+
+@triton.jit
+def _load_pairs(ptr, P: tl.constexpr, INTERLEAVED: tl.constexpr):
+    """A P-vector as the two members (a, b) of its rotation pairs, float32: interleaved pairs are
+    dims (2i, 2i+1), split in registers after one contiguous load; else dims (i, i + P/2)."""
+    if INTERLEAVED:
+        a, b = tl.split(tl.reshape(tl.load(ptr + tl.arange(0, P)).to(tl.float32), [P // 2, 2]))
+    else:
+        i = tl.arange(0, P // 2)
+        a, b = tl.load(ptr + i).to(tl.float32), tl.load(ptr + P // 2 + i).to(tl.float32)
+    return a, b
+
+
+@triton.jit
+def _store_pairs(ptr, a, b, P: tl.constexpr, INTERLEAVED: tl.constexpr):
+    """The inverse of _load_pairs."""
+    if INTERLEAVED:
+        tl.store(ptr + tl.arange(0, P), tl.reshape(tl.join(a, b), [P]))
+    else:
+        i = tl.arange(0, P // 2)
+        tl.store(ptr + i, a)
+        tl.store(ptr + P // 2 + i, b)
 
 
 @triton.jit

@@ -49,17 +49,23 @@ def _rope_kernel(
     i = tl.arange(0, HALF)
     c = tl.load(cos_ptr + t * cs_stride + i)[None, :]
     s = tl.load(sin_ptr + t * cs_stride + i)[None, :]
-    if INTERLEAVED:  # pair i = dims (2i, 2i+1)
-        a_off, b_off = 2 * i, 2 * i + 1
-    else:  # pair i = dims (i, i + d/2)
-        a_off, b_off = i, i + HALF
     src = x_ptr + t * x_stride_t + offs_h[:, None].to(tl.int64) * x_stride_h
-    a = tl.load(src + a_off[None, :], mask=hmask[:, None]).to(tl.float32)
-    b = tl.load(src + b_off[None, :], mask=hmask[:, None]).to(tl.float32)
     dst = out_ptr + (t * heads + offs_h[:, None]) * (2 * HALF + REST)
     dtype = out_ptr.dtype.element_ty
-    tl.store(dst + a_off[None, :], cast(a * c - b * s, dtype, INTERPRET), mask=hmask[:, None])
-    tl.store(dst + b_off[None, :], cast(b * c + a * s, dtype, INTERPRET), mask=hmask[:, None])
+    if INTERLEAVED:
+        # Pair i = dims (2i, 2i+1): load the rows whole and split the pairs in registers (two
+        # stride-2 loads ran 14x slower on an H200 than this layout's contiguous halves).
+        d = tl.arange(0, 2 * HALF)
+        x = tl.load(src + d[None, :], mask=hmask[:, None]).to(tl.float32)
+        a, b = tl.split(tl.reshape(x, [BLOCK_H, HALF, 2]))
+        ra = cast(a * c - b * s, dtype, INTERPRET)
+        rb = cast(b * c + a * s, dtype, INTERPRET)
+        tl.store(dst + d[None, :], tl.reshape(tl.join(ra, rb), [BLOCK_H, 2 * HALF]), mask=hmask[:, None])
+    else:  # pair i = dims (i, i + d/2): two contiguous halves
+        a = tl.load(src + i[None, :], mask=hmask[:, None]).to(tl.float32)
+        b = tl.load(src + HALF + i[None, :], mask=hmask[:, None]).to(tl.float32)
+        tl.store(dst + i[None, :], cast(a * c - b * s, dtype, INTERPRET), mask=hmask[:, None])
+        tl.store(dst + HALF + i[None, :], cast(b * c + a * s, dtype, INTERPRET), mask=hmask[:, None])
     if REST > 0:
         r = 2 * HALF + tl.arange(0, BLOCK_REST)
         rmask = hmask[:, None] & (r < 2 * HALF + REST)[None, :]

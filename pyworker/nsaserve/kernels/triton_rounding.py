@@ -28,9 +28,14 @@ def cast(x, dtype: tl.constexpr, INTERPRET: tl.constexpr):
 
 
 @triton.jit
-def fp8_scale(amax, SCALE_FMT: tl.constexpr):
-    """Per-group multiplying scale from the group's amax (float32), as the torch quantisers compute it."""
-    s = tl.math.div_rn(amax, 448.0)  # IEEE division, as torch's
+def fp8_scale(amax, SCALE_FMT: tl.constexpr, INTERPRET: tl.constexpr):
+    """Per-group multiplying scale from the group's amax (float32), as the torch quantisers compute it
+    on the same device: torch divides by the Python scalar 448 exactly on the CPU, but on CUDA
+    multiplies by its float32 reciprocal (one bit less precise; BinaryDivTrueKernel.cu)."""
+    if INTERPRET:
+        s = tl.math.div_rn(amax, 448.0)
+    else:
+        s = amax * (1.0 / 448.0)
     if SCALE_FMT == 0:
         s = tl.maximum(s, 1e-10)
     elif SCALE_FMT == 1:
@@ -69,7 +74,7 @@ def e4m3_code(x, INTERPRET: tl.constexpr):
 def quantize_groups(x, GROUPS: tl.constexpr, G: tl.constexpr, SCALE_FMT: tl.constexpr, INTERPRET: tl.constexpr):
     """x float32 [GROUPS * G] -> (e4m3 codes uint8 [GROUPS * G], scales float32 [GROUPS])."""
     xg = tl.reshape(x, [GROUPS, G])
-    scale = fp8_scale(tl.max(tl.abs(xg), axis=1), SCALE_FMT)
+    scale = fp8_scale(tl.max(tl.abs(xg), axis=1), SCALE_FMT, INTERPRET)
     q = tl.minimum(tl.maximum(tl.math.div_rn(xg, scale[:, None]), -448.0), 448.0)
     return tl.reshape(e4m3_code(q, INTERPRET), [GROUPS * G]), scale
 
