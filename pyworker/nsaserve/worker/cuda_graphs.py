@@ -160,7 +160,7 @@ class DecodeGraphs:
     def _capture(self, log) -> None:
         dev = self.runner.device
         torch.cuda.synchronize(dev)
-        free0 = torch.cuda.mem_get_info(dev)[0]
+        reserved0 = torch.cuda.memory_reserved(dev)
         t0 = time.perf_counter()
         pool = torch.cuda.graph_pool_handle()
         side = torch.cuda.Stream(dev)
@@ -178,7 +178,8 @@ class DecodeGraphs:
                 self.out[: g.bs].copy_(self._forward(g))
         torch.cuda.synchronize(dev)
         self.capture_s = time.perf_counter() - t0
-        self.capture_bytes = free0 - torch.cuda.mem_get_info(dev)[0]
+        # What the capture kept: the graphs' shared pool and allocator blocks grown on the way.
+        self.capture_bytes = torch.cuda.memory_reserved(dev) - reserved0
         log(
             f"captured {len(self.graphs)} decode CUDA graphs (batch {self.bs_buckets}, context {self.len_buckets}) "
             f"in {self.capture_s:.1f} s, {self.capture_bytes / 2**20:.0f} MiB"
