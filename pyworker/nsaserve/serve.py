@@ -85,6 +85,9 @@ def worker_command(args, rank: int, runtime_dir: str | None, dist_init: str | No
         f"--mem-fraction-static={args.mem_fraction_static}",
         f"--seed={args.random_seed}",
     ]
+    cmd.append(f"--cuda-graph-max-bs={args.cuda_graph_max_bs}")
+    if args.disable_cuda_graph:
+        cmd.append("--disable-cuda-graph")
     if runtime_dir:
         cmd.append(f"--ipc-dir={runtime_dir}")
     else:

@@ -27,7 +27,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     r.add_argument("--mem-fraction-static", type=float, default=0.85, help="GPU memory fraction for weights plus KV cache")
     r.add_argument("--max-total-tokens", type=int, default=None, help="KV pool size in tokens (default on CPU: 65536; on GPU: from free memory)")
     r.add_argument("--page-size", type=int, default=64, help="tokens per KV page")
-    r.add_argument("--moe-backend", choices=["torch", "triton"], default="torch", help="MoE routing and routed experts: torch (reference) or triton (fused routing, NVFP4 W4A16 expert kernels; NVFP4 experts only)")
+    r.add_argument("--moe-backend", choices=["auto", "torch", "triton"], default="auto", help="MoE routing and routed experts: torch (reference) or triton (fused routing, NVFP4 W4A16 expert kernels; NVFP4 experts only); auto = triton on CUDA for NVFP4 experts, else torch")
 
     s = p.add_argument_group("scheduling")
     s.add_argument("--max-running-requests", type=int, default=256, help="requests decoding at once")
@@ -35,6 +35,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--max-prefill-tokens", type=int, default=16384, help="prompt tokens per step")
     s.add_argument("--chunked-prefill-size", type=int, default=8192, help="split longer prompts into chunks of this size; -1 disables")
     s.add_argument("--disable-radix-cache", action="store_true", help="do not reuse cached prompt prefixes")
+    s.add_argument("--disable-cuda-graph", action="store_true", help="run decode steps eagerly, without CUDA graphs")
+    s.add_argument("--cuda-graph-max-bs", type=int, default=128, help="largest decode batch captured as a CUDA graph (graphs need graph-safe kernel backends)")
 
     h = p.add_argument_group("HTTP")
     h.add_argument("--host", default="127.0.0.1", help="address to bind (use 0.0.0.0 to listen on all interfaces)")

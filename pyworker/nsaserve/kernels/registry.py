@@ -19,11 +19,15 @@ from collections.abc import Callable
 #                  takes dense weights (the MoE dequantises quantised experts for it); every other
 #                  backend takes the two ExpertStacks (model/expert_stack.py) and reads their
 #                  checkpoint layout itself.
+#   "rmsnorm", "rope", "kv_store", "index_key_store": the small per-layer ops  (small_ops.py)
+#   "indexer_rows": the indexer with its per-row metadata on the device (a fixed per-request KV
+#                   layout, as CUDA graphs need): the backend of the same name as "indexer"'s
+#                   serves it  (indexer_rows.py)
 _BACKENDS: dict[tuple[str, str], Callable] = {}
 
 # Modules holding the built-in torch references; imported on first lookup so that importing the
 # registry alone stays cheap and free of cycles.
-_BUILTIN_MODULES = ("sparse_mla", "indexer", "moe")
+_BUILTIN_MODULES = ("sparse_mla", "indexer", "moe", "small_ops", "indexer_rows", "moe_dense")
 _builtins_loaded = False
 
 # Triton backends: (kind, name) -> "module:function". Registered only where Triton is installed,
@@ -34,7 +38,25 @@ _TRITON_BACKENDS = {
     ("attention", "triton"): "triton_sparse_mla:sparse_mla_triton",
     ("moe_experts", "triton"): "triton_moe_w4a16:moe_experts_triton",
     ("moe_route", "triton"): "triton_moe_route:route_noaux_tc_triton",
+    ("rmsnorm", "triton"): "triton_norm_rope:rmsnorm_triton",
+    ("rope", "triton"): "triton_norm_rope:rope_triton",
+    ("kv_store", "triton"): "triton_kv_store:kv_store_triton",
+    ("index_key_store", "triton"): "triton_kv_store:index_key_store_triton",
+    ("indexer_rows", "triton"): "triton_indexer:indexer_topk_rows",
 }
+
+# Backends whose calls neither synchronise with the host nor size a tensor from device data, so a
+# CUDA graph may capture them (the worker's decode graphs check every backend the model uses).
+# "indexer" is captured through its "indexer_rows" form. Not here: the torch "moe_experts"
+# reference (torch.unique / nonzero pick the experts that got tokens).
+_GRAPH_SAFE = {
+    ("attention", "torch"), ("attention", "triton"),
+    ("indexer", "torch"), ("indexer", "triton"),
+    ("moe_route", "torch"), ("moe_route", "triton"),
+    ("moe_experts", "torch_dense"), ("moe_experts", "triton"),
+    ("rmsnorm", "torch"), ("rmsnorm", "triton"), ("rope", "torch"), ("rope", "triton"),
+    ("kv_store", "torch"), ("kv_store", "triton"), ("index_key_store", "torch"), ("index_key_store", "triton"),
+}  # fmt: skip
 
 
 def register(kind: str, name: str) -> Callable[[Callable], Callable]:
@@ -89,6 +111,11 @@ def get_backend(kind: str, name: str = "torch") -> Callable:
         raise KeyError(f"no kernel backend {name!r} for {kind!r}; registered: {have}") from None
 
 
+def graph_safe(kind: str, name: str) -> bool:
+    """Whether backend `name` of `kind` may run inside a CUDA graph."""
+    return (kind, name) in _GRAPH_SAFE
+
+
 def available(kind: str) -> list[str]:
     _load_builtins()
     return sorted(n for k, n in _BACKENDS if k == kind)
@@ -97,7 +124,7 @@ def available(kind: str) -> list[str]:
 # Kinds whose "auto" backend is Triton on CUDA for 16-bit models (tested and measured there
 # against the torch references: tests/kernels/test_triton_*.py, tests/model/test_triton_backend.py);
 # torch elsewhere. A float32 model keeps torch: the kernels feed the tensor cores bf16 operands.
-AUTO_TRITON_ON_CUDA = frozenset({"attention", "indexer"})
+AUTO_TRITON_ON_CUDA = frozenset({"attention", "indexer", "rmsnorm", "rope", "kv_store", "index_key_store"})
 
 
 def resolve(kind: str, name: str, device_type: str, model_bits: int = 16) -> str:

@@ -18,9 +18,8 @@ from torch import nn
 
 from ..kernels.hadamard import hadamard_rotate
 from ..kernels.indexer import topk_to_slots
-from ..kernels.norms import layer_norm, rms_norm
+from ..kernels.norms import layer_norm
 from ..kernels.registry import get_backend
-from ..kernels.rope import apply_rope
 from .linear import Norm
 from .rope_params import mla_softmax_scale
 
@@ -44,20 +43,28 @@ class Indexer(nn.Module):
         # Kept in float32 like the reference (weights_proj is never quantised).
         self.weights_proj = wf.linear(prefix + "weights_proj", cfg.hidden_size, self.n_heads, dtype=torch.float32)
 
-    def _rope(self, x, meta):
-        # The indexer ropes the FIRST rope_dim dims (MLA ropes the last ones).
-        rot = apply_rope(x[..., : self.rope_dim], meta.cos, meta.sin, self.interleaved)
-        return torch.cat((rot, x[..., self.rope_dim :]), dim=-1)
-
-    def forward(self, x, qr, layer, batch, meta, pool, backend: str):
+    def forward(self, x, qr, layer, batch, meta, pool, backends):
         num_tokens = x.shape[0]
-        q = self._rope(self.wq_b(qr).view(num_tokens, self.n_heads, self.head_dim), meta)
-        k = self._rope(layer_norm(self.wk(x), self.k_norm.weight, self.k_norm.bias, INDEXER_NORM_EPS), meta)
+        backend = backends["indexer"]
+        rope = get_backend("rope", backends["rope"])
+        # The indexer ropes the FIRST rope_dim dims of its heads (MLA ropes the last ones): the rope
+        # kernels rotate the first 2 * cos.shape[1] dims and pass the rest through.
+        q = rope(self.wq_b(qr).view(num_tokens, self.n_heads, self.head_dim), meta.cos, meta.sin, self.interleaved)
+        k = rope(
+            layer_norm(self.wk(x), self.k_norm.weight, self.k_norm.bias, INDEXER_NORM_EPS),
+            meta.cos, meta.sin, self.interleaved,
+        )  # fmt: skip
         if pool.fp8:
             # As DeepSeek's reference does before fp8-quantising the keys: same scores, smaller error.
             q, k = hadamard_rotate(q), hadamard_rotate(k)
-        pool.write_index_k(layer, batch.out_slots, k)
+        pool.write_index_k(layer, batch.out_slots, k, get_backend("index_key_store", backends["index_key_store"]))
         weights = self.weights_proj(x.float()) * self.n_heads**-0.5
+        if batch.static_kv_len is not None:  # no host lists (CUDA graphs): row metadata on the device
+            topk_pos = get_backend("indexer_rows", backend)(
+                q.float(), weights.float(), pool.index_k[layer], batch.kv_slots, meta.token_kv_base.to(torch.int32),
+                batch.positions.to(torch.int32), batch.static_kv_len, self.topk, self.head_dim**-0.5, pool.page_size,
+            )  # fmt: skip
+            return topk_to_slots(topk_pos, meta.token_kv_base, batch.kv_slots)
         topk_pos = get_backend("indexer", backend)(
             q.float(),
             weights.float(),
@@ -104,17 +111,19 @@ class MLAttention(nn.Module):
 
     def forward(self, x, batch, meta, pool, prev_topk_slots, backends):
         num_tokens = x.shape[0]
+        rms_norm, rope = get_backend("rmsnorm", backends["rmsnorm"]), get_backend("rope", backends["rope"])
         qr = rms_norm(self.q_a_proj(x), self.q_a_layernorm.weight, LORA_NORM_EPS)
         q = self.q_b_proj(qr).view(num_tokens, self.heads, self.nope + self.rope_dim)
         q_nope, q_pe = q[..., : self.nope], q[..., self.nope :]
-        ckv = self.kv_a_proj_with_mqa(x)
-        c = rms_norm(ckv[:, : self.rank], self.kv_a_layernorm.weight, LORA_NORM_EPS)
-        q_pe = apply_rope(q_pe, meta.cos, meta.sin, self.mla_interleaved)
-        k_pe = apply_rope(ckv[:, self.rank :], meta.cos, meta.sin, self.mla_interleaved)
-        pool.write_latent(self.layer, batch.out_slots, c, k_pe)
+        q_pe = rope(q_pe, meta.cos, meta.sin, self.mla_interleaved)
+        # kv_a_layernorm of the latent c, RoPE of k_pe, and both into the cache at the tokens' slots.
+        get_backend("kv_store", backends["kv_store"])(
+            pool.latent[self.layer], batch.out_slots, self.kv_a_proj_with_mqa(x), self.kv_a_layernorm.weight,
+            LORA_NORM_EPS, meta.cos, meta.sin, self.mla_interleaved,
+        )  # fmt: skip
 
         if self.indexer is not None:
-            topk_slots = self.indexer(x, qr, self.layer, batch, meta, pool, backends["indexer"])
+            topk_slots = self.indexer(x, qr, self.layer, batch, meta, pool, backends)
         elif prev_topk_slots is None:
             raise RuntimeError(f"layer {self.layer} shares top-k but no earlier layer computed one")
         else:

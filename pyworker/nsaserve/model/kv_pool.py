@@ -41,12 +41,17 @@ class KVPool:
         self.num_slots = num_pages * page_size
         self.kv_lora_rank = config.kv_lora_rank
         self.fp8 = fp8
+        # One page beyond those the router hands out: padded rows of a CUDA-graph batch write
+        # their KV here, and positions past a request's end point here (worker/cuda_graphs.py).
+        self.scratch_page = num_pages
         self.latent = [
-            fmt.alloc_latent(self.num_slots, config.kv_lora_rank, config.qk_rope_head_dim, fp8, dtype, device)
+            fmt.alloc_latent(
+                self.num_slots + page_size, config.kv_lora_rank, config.qk_rope_head_dim, fp8, dtype, device
+            )
             for _ in range(config.num_hidden_layers)
         ]
         self.index_k = [
-            fmt.alloc_index_k(num_pages, page_size, config.index_head_dim, fp8, dtype, device)
+            fmt.alloc_index_k(num_pages + 1, page_size, config.index_head_dim, fp8, dtype, device)
             if kind == "full"
             else None
             for kind in config.indexer_types
@@ -55,5 +60,7 @@ class KVPool:
     def write_latent(self, layer: int, slots: torch.Tensor, c: torch.Tensor, k_pe: torch.Tensor) -> None:
         fmt.write_latent(self.latent[layer], slots, c, k_pe)
 
-    def write_index_k(self, layer: int, slots: torch.Tensor, k: torch.Tensor) -> None:
-        fmt.write_index_k(self.index_k[layer], slots, k, self.page_size)
+    # `store` is an "index_key_store" kernel backend (kernels.small_ops); the default is the torch
+    # reference. (The latent store goes through the "kv_store" backend, which also norms and ropes.)
+    def write_index_k(self, layer: int, slots: torch.Tensor, k: torch.Tensor, store=None) -> None:
+        (store or fmt.write_index_k)(self.index_k[layer], slots, k, self.page_size)

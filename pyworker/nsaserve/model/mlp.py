@@ -111,8 +111,8 @@ class MoE(nn.Module):
             logits, self.gate.e_score_correction_bias, c.num_experts_per_tok, c.n_group, c.topk_group,
             c.norm_topk_prob, c.routed_scaling_factor,
         )  # fmt: skip
-        if backends["moe_experts"] == "torch":
-            y = self._routed(x, ids, weights, get_backend("moe_experts", "torch"))
+        if backends["moe_experts"] in ("torch", "torch_dense"):  # torch references take dense weights
+            y = self._routed(x, ids, weights, get_backend("moe_experts", backends["moe_experts"]))
         else:  # fused kernels read the stacks in their checkpoint layout (no dequantised copy)
             y = get_backend("moe_experts", backends["moe_experts"])(
                 x, ids, weights, self.w13, self.w2, self.first_expert

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..kernels.norms import rms_norm
+from ..kernels.registry import get_backend
 from .attention import MLAttention
 from .linear import Norm, empty_param
 from .mlp import DenseMLP, MoE
@@ -21,7 +21,10 @@ from .rope_params import rope_inv_freq
 from .step_meta import build_step_meta
 from .weight_factory import WeightFactory
 
-DEFAULT_BACKENDS = {"attention": "torch", "indexer": "torch", "moe_route": "torch", "moe_experts": "torch"}
+DEFAULT_BACKENDS = {
+    "attention": "torch", "indexer": "torch", "moe_route": "torch", "moe_experts": "torch",
+    "rmsnorm": "torch", "rope": "torch", "kv_store": "torch", "index_key_store": "torch",
+}  # fmt: skip
 
 
 class DecoderLayer(nn.Module):
@@ -37,13 +40,18 @@ class DecoderLayer(nn.Module):
         else:
             self.mlp = DenseMLP(cfg, tp, wf, prefix)
 
-    def forward(self, h, batch, meta, pool, prev_topk_slots, backends):
-        attn, topk_slots = self.self_attn(
-            rms_norm(h, self.input_layernorm.weight, self.eps), batch, meta, pool, prev_topk_slots, backends
-        )
-        h = h + attn
-        h = h + self.mlp(rms_norm(h, self.post_attention_layernorm.weight, self.eps), backends)
-        return h, topk_slots
+    def forward(self, h, pending, batch, meta, pool, prev_topk_slots, backends):
+        """h: the residual stream; pending: the previous layer's MLP output, not yet added to it
+        (None before the first layer). Each residual add is fused into the RMSNorm that follows it.
+        Returns (h, this layer's MLP output, top-k slots)."""
+        rms_norm = get_backend("rmsnorm", backends["rmsnorm"])
+        if pending is None:
+            x = rms_norm(h, self.input_layernorm.weight, self.eps)
+        else:
+            x, h = rms_norm(pending, self.input_layernorm.weight, self.eps, h)
+        attn, topk_slots = self.self_attn(x, batch, meta, pool, prev_topk_slots, backends)
+        x, h = rms_norm(attn, self.post_attention_layernorm.weight, self.eps, h)
+        return h, self.mlp(x, backends), topk_slots
 
 
 class Backbone(nn.Module):
@@ -101,10 +109,14 @@ class CausalLM(nn.Module):
             return torch.zeros(0, cfg.vocab_size, dtype=torch.float32, device=self.inv_freq.device)
         meta = build_step_meta(batch, self.inv_freq, self.rope_attention_factor)
         h = self.model.embed_tokens.weight[batch.input_ids]
-        topk_slots = None
+        pending = topk_slots = None
         for layer in self.model.layers:
-            h, topk_slots = layer(h, batch, meta, pool, topk_slots, self.backends)
-        # Only the rows the sampler needs go through the final norm and lm_head.
-        h = rms_norm(h[batch.logits_index], self.model.norm.weight, cfg.rms_norm_eps)
+            h, pending, topk_slots = layer(h, pending, batch, meta, pool, topk_slots, self.backends)
+        # Only the rows the sampler needs go through the last residual add, the final norm and lm_head.
+        rms_norm, rows = get_backend("rmsnorm", self.backends["rmsnorm"]), batch.logits_index
+        if pending is None:
+            h = rms_norm(h[rows], self.model.norm.weight, cfg.rms_norm_eps)
+        else:
+            h = rms_norm(pending[rows], self.model.norm.weight, cfg.rms_norm_eps, h[rows])[0]
         logits = torch.nn.functional.linear(h, self.lm_head.weight).float()
         return self.tp.all_gather_rows(logits, self.vocab_share, cfg.vocab_size)

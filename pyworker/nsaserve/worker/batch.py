@@ -46,6 +46,12 @@ class ForwardBatch:
     seq_lens_host: list[int]
     cached_lens_host: list[int]
 
+    # Set by CUDA-graph decode batches (worker/cuda_graphs.py): every request's span of kv_slots
+    # is this long (kv_start[i] = i * static_kv_len; slots past its seq_len point at a scratch
+    # slot), so the host lists above are placeholders and the indexer takes its per-row
+    # metadata from the device ("indexer_rows").
+    static_kv_len: int | None = None
+
 
 def sample_rows(plan: Plan) -> np.ndarray:
     """Token index of the last token of each request that samples this step."""

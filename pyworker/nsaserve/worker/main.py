@@ -50,10 +50,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kv-cache-dtype", default="auto")
     p.add_argument("--attention-backend", default="auto", help="sparse MLA + indexer kernels: auto, torch, triton")
     p.add_argument("--page-size", type=int, default=64)
-    p.add_argument("--moe-backend", default="torch")
+    p.add_argument("--moe-backend", default="auto")
     p.add_argument("--num-pages", type=int, default=None)
     p.add_argument("--mem-fraction-static", type=float, default=0.85)
     p.add_argument("--max-context", type=int, default=None)
+    p.add_argument("--disable-cuda-graph", action="store_true")
+    p.add_argument("--cuda-graph-max-bs", type=int, default=128)
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
 

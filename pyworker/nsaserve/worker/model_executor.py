@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 import time
 
 import numpy as np
@@ -26,9 +27,10 @@ def resolve_model_path(path: str | None) -> str:
 
 
 class ModelExecutor:
-    def __init__(self, runner, device: torch.device):
+    def __init__(self, runner, device: torch.device, graphs=None):
         self.runner = runner
         self.device = device
+        self.graphs = graphs  # DecodeGraphs, or None: every step runs eagerly
         self.model_id = runner.model_id
         self.num_pages = runner.num_pages
         self.page_size = runner.page_size
@@ -58,16 +60,24 @@ class ModelExecutor:
             tp_rank=args.rank,
             tp_size=args.tp_size,
         )
+        moe_backend = getattr(args, "moe_backend", "auto")
+        if moe_backend == "auto":  # the Triton expert kernels read NVFP4 stacks only
+            moe_backend = "triton" if device.type == "cuda" and _has_nvfp4_experts(runner) else "torch"
         for kind in ("moe_route", "moe_experts"):  # --moe-backend picks both MoE kernels
-            runner.set_backend(kind, args.moe_backend)
+            runner.set_backend(kind, moe_backend)
         for kind in ("attention", "indexer"):
             runner.set_backend(kind, getattr(args, "attention_backend", "auto"))
-        return cls(runner, device)
+        for kind in ("rmsnorm", "rope", "kv_store", "index_key_store"):  # small ops follow the device
+            runner.set_backend(kind, "auto")
+        return cls(runner, device, decode_graphs(runner, args))
 
     def run(self, plan: Plan, is_rank0: bool) -> StepResult:
         t0 = time.perf_counter()
-        batch = build_forward_batch(plan, self.device)
-        logits = self.runner.forward(batch)  # rows: sampling rows, then prompt-logprob rows
+        if self.graphs is not None and self.graphs.fits(plan):
+            logits = self.graphs.run(plan)  # a decode step: one row per request, all sampling
+        else:
+            logits = self.runner.forward(build_forward_batch(plan, self.device))
+        # rows: sampling rows, then prompt-logprob rows
         result = StepResult(step=plan.step)
         if not is_rank0:
             return result
@@ -94,3 +104,27 @@ class ModelExecutor:
         k = max(0, int(plan.top_logprobs[i]))
         lp, top_ids, top_lps = prompt_logprobs(rows[: len(targets)], torch.from_numpy(targets).to(rows.device), k)
         return PromptLogprobs(int(plan.req_ids[i]), int(plan.cached_lens[i]) + 1, targets.tolist(), prompt_entries(lp, top_ids, top_lps))
+
+
+def decode_graphs(runner, args):
+    """Decode CUDA graphs for this runner, unless disabled, not on CUDA, or blocked by a kernel
+    backend that is not graph-safe (said once on stderr)."""
+    if getattr(args, "disable_cuda_graph", True) or runner.device.type != "cuda":
+        return None
+    from .cuda_graphs import DecodeGraphs, graph_blockers
+
+    def log(message: str) -> None:
+        if runner.tp.rank == 0:
+            print(f"[nsaserve worker] {message}", file=sys.stderr, flush=True)
+
+    blockers = graph_blockers(runner)
+    if blockers:
+        log("CUDA graphs off: " + "; ".join(blockers))
+        return None
+    return DecodeGraphs(runner, args.cuda_graph_max_bs, log=log)
+
+
+def _has_nvfp4_experts(runner) -> bool:
+    from ..kernels.quant import NVFP4
+
+    return any(getattr(getattr(layer.mlp, "w13", None), "precision", None) == NVFP4 for layer in runner.model.model.layers)

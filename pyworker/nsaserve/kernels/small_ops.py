@@ -1,0 +1,55 @@
+"""Torch references of the small per-layer ops, registered as kernel backends.
+
+Kinds (every backend of a kind takes these arguments and returns this):
+    "rmsnorm":         (x [N, H], weight [H], eps, residual=None) -> y, or with a residual
+                       (y, s) where s = x + residual is the new residual stream and y = RMSNorm(s)
+    "rope":            (x [T, d] or [T, heads, d], cos [T, r/2], sin [T, r/2], interleaved) -> x with its
+                       first r <= d dims roped and the rest as they were (r = d for MLA; the
+                       indexer ropes the first half of its head dim)
+    "kv_store":        (latent_cache, slots [N], kv [N, R + P], weight [R], eps, cos, sin, interleaved)
+                       -> None: kv is kv_a_proj_with_mqa's output; stores RMSNorm(kv[:, :R]) * weight
+                       and RoPE(kv[:, R:]) as the MLA latent rows, in place (fp8 rows are quantised;
+                       kv_cache_format's layout)
+    "index_key_store": (index_k_cache, slots [N], k [N, D], page_size) -> None: stores indexer keys
+                       in place (fp8: DeepGEMM's paged layout, one scale per key)
+
+The torch functions are the definitions (kernels.norms, kernels.rope, kernels.kv_cache_format);
+fused GPU versions of the same four live in triton_norm_rope.py and triton_kv_store.py.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import kv_cache_format as fmt
+from .norms import rms_norm
+from .registry import register
+from .rope import apply_rope
+
+
+@register("rmsnorm", "torch")
+def rmsnorm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
+    if residual is None:
+        return rms_norm(x, weight, eps)
+    s = x + residual
+    return rms_norm(s, weight, eps), s
+
+
+@register("rope", "torch")
+def rope_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    rot = 2 * cos.shape[-1]
+    if rot == x.shape[-1]:
+        return apply_rope(x, cos, sin, interleaved)
+    return torch.cat((apply_rope(x[..., :rot], cos, sin, interleaved), x[..., rot:]), dim=-1)
+
+
+@register("kv_store", "torch")
+def kv_store_torch(cache, slots, kv, weight, eps, cos, sin, interleaved) -> None:
+    rank = weight.shape[0]
+    c = rms_norm(kv[:, :rank], weight, eps)
+    fmt.write_latent(cache, slots, c, apply_rope(kv[:, rank:], cos, sin, interleaved))
+
+
+@register("index_key_store", "torch")
+def index_key_store_torch(cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, page_size: int) -> None:
+    fmt.write_index_k(cache, slots, k, page_size)

@@ -1,0 +1,240 @@
+"""CUDA graphs for decode steps: the forward pass captured once per (batch bucket, context bucket)
+at startup and replayed for every decode step that fits, instead of a few hundred kernel launches.
+
+A graph replays fixed kernels on fixed addresses, so each one reads a fixed-shape batch from
+static buffers the step's plan is copied into (one host-to-device copy a step):
+
+    input_ids, positions, out_slots, seq_lens   [bs]          (padded rows: token 0, position 0,
+    page_table                                  [bs, L / ps]   seq_len 1, scratch page)
+
+and expands the page table into kv_slots on the device with a fixed span of L slots per request
+(positions past a request's end point at the pool's scratch page). The batch is marked
+static_kv_len = L, so the indexer takes its row metadata from the device. Padded rows write their
+KV to the scratch page and their logits are dropped; real rows' logits come out in plan order.
+
+Only plans of the kind the graphs were captured for replay: decode (one token per request),
+every request sampling and none asking for prompt logprobs, at most max_bs requests, every context
+within the largest L. Anything else runs eagerly. Graphs are only built when every kernel backend
+the model uses is graph-safe (kernels.registry.graph_safe): a host synchronisation inside a
+capture fails or, worse, bakes one step's data into every replay.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+
+from ..kernels.registry import graph_safe
+from ..protocol.messages import Plan
+from .batch import ForwardBatch
+
+# Context buckets start here (or at the model's max context if smaller) and double up to it. A
+# graph's indexer scores and top-k run over its whole bucket, so short contexts want small ones.
+MIN_LEN_BUCKET = 1024
+
+
+def batch_buckets(max_bs: int) -> list[int]:
+    """1, 2, 4, 8, then every multiple of 16 up to max_bs (and max_bs itself)."""
+    out = [b for b in (1, 2, 4, 8) if b < max_bs] + list(range(16, max_bs, 16))
+    return sorted(set(out + [max_bs]))
+
+
+def len_buckets(max_context: int, page_size: int) -> list[int]:
+    """Per-request kv spans: powers of two from MIN_LEN_BUCKET up to max_context, in whole pages."""
+    whole = lambda n: -(-n // page_size) * page_size  # noqa: E731
+    out, n = [], min(MIN_LEN_BUCKET, max_context)
+    while n < max_context:
+        out.append(whole(n))
+        n *= 2
+    return sorted(set(out + [whole(max_context)]))
+
+
+def graph_blockers(runner) -> list[str]:
+    """Why decode graphs cannot be used with this runner (empty: they can)."""
+    reasons = []
+    if runner.device.type != "cuda":
+        reasons.append(f"the device is {runner.device.type}, not cuda")
+    if runner.tp.size > 1:
+        reasons.append("tensor parallelism > 1 (the all-reduces are not captured yet)")
+    for kind, name in sorted(runner.model.backends.items()):
+        if not graph_safe(kind, name):
+            reasons.append(f"the {kind} backend {name!r} is not graph-safe (it synchronises with the host)")
+    quantized_moe = any(
+        getattr(getattr(layer.mlp, "w13", None), "quantized", False) for layer in runner.model.model.layers
+    )
+    if quantized_moe and runner.model.backends.get("moe_experts") in ("torch", "torch_dense"):
+        reasons.append("quantised experts are dequantised per step for the torch MoE (torch.unique)")
+    return reasons
+
+
+def plan_fits(plan: Plan, max_bs: int, max_len: int) -> bool:
+    """Whether a plan can replay a decode graph (see the module docstring)."""
+    n = plan.num_reqs
+    return (
+        plan.mode == "decode"
+        and 0 < n <= max_bs
+        and plan.num_tokens == n
+        and bool(plan.sample.all())
+        and not plan.prompt_logprobs.any()
+        and int(plan.cached_lens.max()) + 1 <= max_len
+    )
+
+
+class _Graph:
+    def __init__(self, bs: int, length: int, n_pages: int):
+        self.bs, self.len, self.n_pages = bs, length, n_pages
+        self.words = 4 * bs + bs * n_pages  # int64 words of static input
+        self.graph: torch.cuda.CUDAGraph | None = None
+
+
+class DecodeGraphs:
+    """Captures decode graphs for a ModelRunner and replays them (see the module docstring)."""
+
+    def __init__(self, runner, max_bs: int, max_len: int | None = None, log=print, capture: bool | None = None):
+        """capture=False (the default off CUDA) builds no graphs: run() then executes the same static
+        batch eagerly, which is how CPU tests check the padded layout and buffers."""
+        self.runner = runner
+        self.ps = runner.page_size
+        self.scratch_page = runner.pool.scratch_page
+        self.max_bs = max_bs
+        lens = len_buckets(max_len or runner.max_context, self.ps)
+        self.bs_buckets = batch_buckets(max_bs)
+        self.len_buckets = lens
+        self.max_len = lens[-1]
+        words = max_bs * (4 + lens[-1] // self.ps)
+        dev = runner.device
+        # Static input: one int64 buffer; each graph views its first `words` as its own layout.
+        self.static = torch.zeros(words, dtype=torch.int64, device=dev)
+        # Every graph ends by copying its logits here: one [max_bs, vocab] buffer for all graphs
+        # rather than one per graph (at a 150K vocabulary those add up to gigabytes).
+        self.out = torch.zeros(max_bs, runner.vocab_size, dtype=torch.float32, device=dev)
+        # Two pinned staging buffers, alternated, so that the host never rewrites one whose copy
+        # may still be pending.
+        cuda = dev.type == "cuda"
+        self.staging = [torch.zeros(words, dtype=torch.int64, pin_memory=cuda) for _ in range(2)]
+        self.copied = [None, None]
+        self.turn = 0
+        self.graphs = {(b, n): _Graph(b, n, n // self.ps) for b in self.bs_buckets for n in lens}
+        self.capture_s = 0.0
+        self.capture_bytes = 0
+        self.replays = 0
+        if cuda if capture is None else capture:
+            self._capture(log)
+
+    # ---- building the static batch (inside the capture) ------------------------------------------
+
+    def _views(self, g: _Graph):
+        bs = g.bs
+        s = self.static[: g.words]
+        return s[:bs], s[bs : 2 * bs], s[2 * bs : 3 * bs], s[3 * bs : 4 * bs], s[4 * bs :].view(bs, g.n_pages)
+
+    def _forward(self, g: _Graph) -> torch.Tensor:
+        bs, length, dev = g.bs, g.len, self.runner.device
+        input_ids, positions, out_slots, seq_lens, page_table = self._views(g)
+        pos = torch.arange(length, device=dev)
+        slots = page_table[:, pos // self.ps] * self.ps + pos % self.ps
+        scratch = self.scratch_page * self.ps
+        kv_slots = torch.where(pos[None, :] < seq_lens[:, None], slots, scratch).reshape(-1)
+        reqs = torch.arange(bs + 1, device=dev)
+        batch = ForwardBatch(
+            mode="decode", num_reqs=bs, num_tokens=bs, page_size=self.ps,
+            input_ids=input_ids, positions=positions, token_req=reqs[:bs],
+            query_start=reqs.to(torch.int32), cached_lens=(seq_lens - 1).to(torch.int32),
+            seq_lens=seq_lens.to(torch.int32), out_slots=out_slots,
+            kv_start=(reqs * length).to(torch.int32), kv_slots=kv_slots, logits_index=reqs[:bs],
+            query_start_host=list(range(bs + 1)), seq_lens_host=[length] * bs, cached_lens_host=[length - 1] * bs,
+            static_kv_len=length,
+        )  # fmt: skip
+        return self.runner.forward(batch)
+
+    def _fill_idle(self, g: _Graph) -> None:
+        """Every row a padded one (what capture and warm-up run on)."""
+        host = self.staging[0][: g.words].numpy()
+        self._pack(host, g, None)
+        self.static[: g.words].copy_(self.staging[0][: g.words])
+
+    # ---- capture ------------------------------------------------------------------------------------
+
+    def _capture(self, log) -> None:
+        dev = self.runner.device
+        torch.cuda.synchronize(dev)
+        reserved0 = torch.cuda.memory_reserved(dev)
+        t0 = time.perf_counter()
+        pool = torch.cuda.graph_pool_handle()
+        side = torch.cuda.Stream(dev)
+        # Largest first: later (smaller) graphs reuse the pool's blocks.
+        for key in sorted(self.graphs, reverse=True):
+            g = self.graphs[key]
+            self._fill_idle(g)
+            side.wait_stream(torch.cuda.current_stream(dev))
+            with torch.cuda.stream(side):
+                for _ in range(2):  # compiles Triton kernels, settles allocator and cuBLAS state
+                    self._forward(g)
+            torch.cuda.current_stream(dev).wait_stream(side)
+            g.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g.graph, pool=pool):
+                self.out[: g.bs].copy_(self._forward(g))
+        torch.cuda.synchronize(dev)
+        self.capture_s = time.perf_counter() - t0
+        # What the capture kept: the graphs' shared pool and allocator blocks grown on the way.
+        self.capture_bytes = torch.cuda.memory_reserved(dev) - reserved0
+        log(
+            f"captured {len(self.graphs)} decode CUDA graphs (batch {self.bs_buckets}, context {self.len_buckets}) "
+            f"in {self.capture_s:.1f} s, {self.capture_bytes / 2**20:.0f} MiB"
+        )
+
+    # ---- replay -------------------------------------------------------------------------------------
+
+    def fits(self, plan: Plan) -> bool:
+        return plan_fits(plan, self.max_bs, self.max_len)
+
+    def _pick(self, plan: Plan) -> _Graph:
+        n, longest = plan.num_reqs, int(plan.cached_lens.max()) + 1
+        bs = next(b for b in self.bs_buckets if b >= n)
+        length = next(x for x in self.len_buckets if x >= longest)
+        return self.graphs[(bs, length)]
+
+    def _pack(self, host: np.ndarray, g: _Graph, plan: Plan | None) -> None:
+        """The plan's rows into g's static layout (host int64 [g.words]); other rows padded."""
+        bs, n_pages = g.bs, g.n_pages
+        n = 0 if plan is None else plan.num_reqs
+        input_ids, positions, out_slots, seq_lens = (host[k * bs : (k + 1) * bs] for k in range(4))
+        page_table = host[4 * bs : g.words].reshape(bs, n_pages)
+        input_ids[n:] = 0
+        positions[n:] = 0
+        out_slots[n:] = self.scratch_page * self.ps
+        seq_lens[n:] = 1
+        page_table[n:] = self.scratch_page
+        if n:
+            input_ids[:n] = plan.input_ids
+            positions[:n] = plan.positions
+            out_slots[:n] = plan.out_slots
+            seq_lens[:n] = plan.cached_lens.astype(np.int64) + 1
+            # Request i's first n_pages pages (a request may hold fewer: the rest stay scratch).
+            start = plan.page_start[:-1].astype(np.int64)
+            have = np.minimum(np.diff(plan.page_start).astype(np.int64), n_pages)
+            col = np.arange(n_pages)
+            take = col[None, :] < have[:, None]
+            src = np.minimum(start[:, None] + col[None, :], max(len(plan.page_table) - 1, 0))
+            page_table[:n] = np.where(take, plan.page_table[src] if len(plan.page_table) else 0, self.scratch_page)
+
+    def run(self, plan: Plan) -> torch.Tensor:
+        """Logits float32 [num_reqs, vocab] of a plan that fits (a fresh tensor)."""
+        g = self._pick(plan)
+        k = self.turn
+        self.turn ^= 1
+        if self.copied[k] is not None:
+            self.copied[k].synchronize()  # the copy that last read this staging buffer is done
+        self._pack(self.staging[k][: g.words].numpy(), g, plan)
+        self.static[: g.words].copy_(self.staging[k][: g.words], non_blocking=True)
+        if g.graph is None:  # not captured: the same static batch, eagerly
+            return self._forward(g)[: plan.num_reqs]
+        ev = torch.cuda.Event()
+        ev.record()
+        self.copied[k] = ev
+        g.graph.replay()
+        self.replays += 1
+        # A copy: the graphs' output buffer is overwritten by the next replay.
+        return self.out[: plan.num_reqs].clone()

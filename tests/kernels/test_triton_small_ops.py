@@ -1,0 +1,190 @@
+"""Triton small ops (RMSNorm + residual, RoPE, KV and indexer-key stores) against their torch
+references on fresh random inputs.
+
+On the GPU at GLM-5 shapes; without one in Triton's CPU interpreter at small shapes (seconds).
+"""
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # must be set before the kernels are built
+pytest.importorskip("triton")
+
+from nsaserve.kernels import kv_cache_format as fmt  # noqa: E402
+from nsaserve.kernels.quant import write_indexer_k, write_mla_kv  # noqa: E402
+from nsaserve.kernels.registry import available, get_backend  # noqa: E402
+from nsaserve.kernels.triton_kv_store import store_index_k, store_latent  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+GPU = DEV == "cuda"
+SEED = int.from_bytes(os.urandom(4), "little")  # fresh inputs every run; printed on failure
+
+
+def gen(seed):
+    return torch.Generator(device=DEV).manual_seed(SEED + seed)
+
+
+def rel_err(got, want):
+    return float((got.float() - want.float()).norm() / want.float().norm())
+
+
+def randn(*shape, seed, dtype=torch.float32, scale=1.0):
+    return (torch.randn(*shape, generator=gen(seed), device=DEV) * scale).to(dtype)
+
+
+@pytest.mark.parametrize("kind", ["rmsnorm", "rope", "kv_store", "index_key_store"])
+def test_registered(kind):
+    assert {"torch", "triton"} <= set(available(kind))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("residual", [False, True])
+@pytest.mark.parametrize("hidden", [6144, 512] if GPU else [64, 96])
+def test_rmsnorm(dtype, residual, hidden):
+    rows = 37 if GPU else 5
+    wide = randn(rows, hidden + 64, seed=1, dtype=dtype, scale=3.0)
+    x = wide[:, :hidden]  # a strided slice, as the model's ckv[:, :R]
+    w = randn(hidden, seed=2, dtype=dtype) + 1
+    r = randn(rows, hidden, seed=3, dtype=dtype) if residual else None
+    want = get_backend("rmsnorm", "torch")(x, w, 1e-5, r)
+    got = get_backend("rmsnorm", "triton")(x, w, 1e-5, r)
+    if residual:
+        assert torch.equal(got[1], want[1]), f"seed {SEED}: the residual sum must be exact"
+        got, want = got[0], want[0]
+    assert got.dtype == want.dtype and got.shape == want.shape
+    # Only the summation order differs: float32 agrees to rounding, bf16 to one unit in a few elements.
+    if dtype == torch.float32:
+        assert rel_err(got, want) < 1e-6, SEED
+    else:
+        assert rel_err(got, want) < 4e-3, SEED
+        assert (got == want).float().mean() > 0.98, SEED
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("interleaved", [True, False])
+@pytest.mark.parametrize("heads", [64] if GPU else [None, 3])  # (fewer GPU compiles; 2-D runs on CPU)
+@pytest.mark.parametrize("partial", [False, True])
+def test_rope(dtype, interleaved, heads, partial):
+    """Full: the rope part of a wider row, as MLA's q[..., nope:]. Partial: the first dims of
+    whole rows roped, the rest passed through, as the indexer's q and k."""
+    from nsaserve.kernels.rope import rope_cos_sin
+
+    tokens, rope, nope = (41, 64, 192) if GPU else (6, 16, 8)
+    rest = (64 if GPU else 24) if partial else 0  # (24: not a power of two, as a tiny model's 32 - 8)
+    pos = torch.randint(0, 100000, (tokens,), generator=gen(4), device=DEV)
+    inv_freq = 1e4 ** (-torch.arange(0, rope, 2, dtype=torch.float32, device=DEV) / rope)
+    cos, sin = rope_cos_sin(pos, inv_freq, 1.3)
+    width = rope + rest
+    shape = (tokens, nope + width) if heads is None else (tokens, heads, nope + width)
+    x = randn(*shape, seed=5, dtype=dtype)[..., nope:]
+    want = get_backend("rope", "torch")(x, cos, sin, interleaved)
+    got = get_backend("rope", "triton")(x, cos, sin, interleaved)
+    assert got.shape == want.shape and got.dtype == want.dtype
+    assert rel_err(got, want) < (1e-6 if dtype == torch.float32 else 4e-3), SEED
+    if dtype == torch.bfloat16:
+        assert (got == want).float().mean() > 0.98, SEED
+
+
+def _poisoned(shape, dtype, seed):
+    """A cache full of random bytes (random finite values for float caches: NaN payloads do not
+    compare equal), so that a write to the wrong place or a missed one shows."""
+    if dtype == torch.uint8:
+        return torch.randint(0, 256, shape, generator=gen(seed), device=DEV, dtype=torch.uint8)
+    return randn(*shape, seed=seed, dtype=dtype)
+
+
+def _scattered_slots(n, num_slots, seed):
+    return torch.randperm(num_slots, generator=gen(seed), device=DEV)[:n]
+
+
+@pytest.mark.parametrize("fp8", [True, False])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_latent_store_matches_pool_format(fp8, dtype):
+    n, num_slots, rank, rope = (300, 4096, 512, 64) if GPU else (5, 32, 64, 16)
+    cache = fmt.alloc_latent(num_slots, rank, rope, fp8, dtype, DEV)
+    cache.copy_(_poisoned(cache.shape, cache.dtype, 6))
+    ckv = randn(n, rank + rope, seed=7, dtype=dtype, scale=2.0)
+    c, k_pe = ckv[:, :rank], ckv[:, rank:]  # strided, as in the model
+    c[0, :] = 0  # an all-zero group takes the smallest scale
+    slots = _scattered_slots(n, num_slots, 8)
+    want = cache.clone()
+    fmt.write_latent(want, slots, c, k_pe)
+    store_latent(cache, slots, c, k_pe)
+    assert torch.equal(cache, want), SEED
+
+
+@pytest.mark.parametrize("fp8", [True, False])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("interleaved", [True, False])
+def test_kv_store_norms_ropes_and_stores(fp8, dtype, interleaved):
+    """The model's kv_store: RMSNorm of the latent, RoPE of k_pe, the store; against the torch
+    composition. Only the norm's summation order differs, so a rare element rounds to the
+    neighbouring bf16 (and then perhaps fp8) value."""
+    from nsaserve.kernels.rope import rope_cos_sin
+
+    n, num_slots, rank, rope = (300, 4096, 512, 64) if GPU else (5, 32, 64, 16)
+    cache = fmt.alloc_latent(num_slots, rank, rope, fp8, dtype, DEV)
+    cache.copy_(_poisoned(cache.shape, cache.dtype, 19))
+    kv = randn(n, rank + rope, seed=20, dtype=dtype, scale=2.0)
+    weight = randn(rank, seed=21, dtype=dtype) + 1
+    pos = torch.randint(0, 100000, (n,), generator=gen(22), device=DEV)
+    cos, sin = rope_cos_sin(pos, 1e4 ** (-torch.arange(0, rope, 2, dtype=torch.float32, device=DEV) / rope))
+    slots = _scattered_slots(n, num_slots, 23)
+    want = cache.clone()
+    get_backend("kv_store", "torch")(want, slots, kv, weight, 1e-6, cos, sin, interleaved)
+    get_backend("kv_store", "triton")(cache, slots, kv, weight, 1e-6, cos, sin, interleaved)
+    others = torch.ones(num_slots, dtype=torch.bool, device=DEV)
+    others[slots] = False
+    assert torch.equal(cache[others], want[others]), SEED  # nothing else written
+    got_c, got_pe = fmt.gather_latent(cache, slots, rank)
+    want_c, want_pe = fmt.gather_latent(want, slots, rank)
+    exact = dtype == torch.float32 and not fp8
+    assert rel_err(got_c, want_c) < (1e-6 if exact else 1e-2), SEED
+    assert rel_err(got_pe, want_pe) < (1e-6 if exact else 4e-3), SEED
+    if dtype == torch.bfloat16:  # (in float32 a norm's last bit differs in whole rows)
+        assert (cache[slots] == want[slots]).float().mean() > 0.97, SEED
+
+
+@pytest.mark.parametrize("fp8", [True, False])
+def test_index_key_store_matches_pool_format(fp8):
+    n, pages, page_size, dim = (300, 128, 64, 128) if GPU else (6, 4, 4, 32)
+    cache = fmt.alloc_index_k(pages, page_size, dim, fp8, torch.bfloat16, DEV)
+    cache.copy_(_poisoned(cache.shape, cache.dtype, 9))
+    k = randn(n, dim, seed=10, dtype=torch.bfloat16, scale=5.0)
+    slots = _scattered_slots(n, pages * page_size, 11)
+    want = cache.clone()
+    get_backend("index_key_store", "torch")(want, slots, k, page_size)
+    get_backend("index_key_store", "triton")(cache, slots, k, page_size)
+    assert torch.equal(cache, want), SEED
+
+
+@pytest.mark.parametrize("scale_fmt", ["ue8m0", "float"])
+def test_656_byte_rows_match_quant_module(scale_fmt):
+    """kernels.quant's FlashMLA row (R = 512, P = 64) with its power-of-two or float scales."""
+    n, num_slots = (200, 2048) if GPU else (3, 8)
+    cache = _poisoned((num_slots, 656), torch.uint8, 12)
+    latent = randn(n, 512, seed=13, dtype=torch.bfloat16, scale=0.3)
+    latent[0] = 0
+    rope = randn(n, 64, seed=14, dtype=torch.bfloat16)
+    slots = _scattered_slots(n, num_slots, 15)
+    want = cache.clone()
+    write_mla_kv(want, slots, latent, rope, scale_fmt)
+    store_latent(cache, slots, latent, rope, scale_fmt)
+    assert torch.equal(cache, want), SEED
+
+
+@pytest.mark.parametrize("scale_fmt", ["ue8m0", "float"])
+def test_132_byte_index_keys_match_quant_module(scale_fmt):
+    pages, page_size = (64, 64) if GPU else (2, 4)
+    n = pages * page_size // 2
+    cache = _poisoned((pages, page_size, 132), torch.uint8, 16)
+    k = randn(n, 128, seed=17, dtype=torch.bfloat16, scale=0.01)
+    k[1] = 0
+    slots = _scattered_slots(n, pages * page_size, 18)
+    want = cache.clone()
+    write_indexer_k(want, slots, k, scale_fmt)
+    store_index_k(cache, slots, k, page_size, scale_fmt)
+    assert torch.equal(cache, want), SEED
