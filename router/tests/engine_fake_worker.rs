@@ -1,6 +1,8 @@
 //! The engine loop against a fake worker speaking the real protocol over real ZeroMQ sockets:
 //! requests run to completion, stop tokens stop them, a worker that leaves a request out fails
 //! only that request, and a worker that goes silent fails everything and turns health off.
+//! The fake worker resolves overlap references (`input_prev_row`) from what it sampled in the
+//! previous step, as real workers do, and fails a request whose reference is wrong.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -23,6 +25,16 @@ enum Behaviour {
     Count,
     /// Leaves request id 2 out of every result.
     DropRequestTwo,
+    /// Token = (31 * input token + position + 1) mod 1000: wrong inputs give wrong outputs.
+    Echo,
+}
+
+/// The token the fake worker samples for one planned request, given its (resolved) input.
+fn fake_token(behaviour: Behaviour, input: i32, seq_len: i32) -> i32 {
+    match behaviour {
+        Behaviour::Echo => (31 * input + seq_len) % 1000,
+        _ => 100 + seq_len,
+    }
 }
 
 fn spawn_fake_worker(endpoints: Endpoints, behaviour: Behaviour, silent: Arc<AtomicBool>) {
@@ -50,6 +62,9 @@ fn spawn_fake_worker(endpoints: Endpoints, behaviour: Behaviour, silent: Arc<Ato
                 0,
             )
             .unwrap();
+        // (request id, sampled token) of each row of the previous plan.
+        let mut prev: Vec<(u64, Option<i32>)> = vec![];
+        let mut prev_step = 0;
         loop {
             if silent.load(Ordering::SeqCst) {
                 std::thread::sleep(Duration::from_millis(50));
@@ -65,16 +80,35 @@ fn spawn_fake_worker(endpoints: Endpoints, behaviour: Behaviour, silent: Arc<Ato
             let Ok(plan) = BatchPlan::decode(&bytes) else {
                 return;
             };
-            let sampled = plan
-                .requests
-                .iter()
-                .filter(|r| r.sample)
-                .filter(|r| !matches!(behaviour, Behaviour::DropRequestTwo) || r.id != 2)
-                .map(|r| (r.id, 100 + r.seq_len(), None))
-                .collect();
+            let mut sampled = vec![];
+            let mut errors = vec![];
+            let mut rows = vec![];
+            for r in &plan.requests {
+                let input = if r.input_prev_row >= 0 {
+                    match prev.get(r.input_prev_row as usize) {
+                        Some(&(id, Some(t))) if id == r.id && prev_step + 1 == plan.step => t,
+                        _ => {
+                            errors.push((r.id, "bad input_prev_row".to_string()));
+                            rows.push((r.id, None));
+                            continue;
+                        }
+                    }
+                } else {
+                    *r.input_ids.last().unwrap()
+                };
+                let dropped = matches!(behaviour, Behaviour::DropRequestTwo) && r.id == 2;
+                let token =
+                    (r.sample && !dropped).then(|| fake_token(behaviour, input, r.seq_len()));
+                if let Some(t) = token {
+                    sampled.push((r.id, t, None));
+                }
+                rows.push((r.id, token));
+            }
+            (prev, prev_step) = (rows, plan.step);
             let result = StepResult {
                 step: plan.step,
                 sampled,
+                errors,
                 ..Default::default()
             };
             events
@@ -88,6 +122,13 @@ fn spawn_fake_worker(endpoints: Endpoints, behaviour: Behaviour, silent: Arc<Ato
 }
 
 fn start_engine(behaviour: Behaviour) -> (Arc<EngineHandle>, Arc<AtomicBool>, tempfile::TempDir) {
+    start_engine_with(behaviour, true)
+}
+
+fn start_engine_with(
+    behaviour: Behaviour,
+    overlap: bool,
+) -> (Arc<EngineHandle>, Arc<AtomicBool>, tempfile::TempDir) {
     let dir = tempfile::tempdir().unwrap();
     let endpoints = Endpoints::Ipc {
         dir: dir.path().display().to_string(),
@@ -108,6 +149,7 @@ fn start_engine(behaviour: Behaviour) -> (Arc<EngineHandle>, Arc<AtomicBool>, te
         disable_radix_cache: false,
         max_waiting: 16,
         heartbeat_timeout: Duration::from_millis(1500),
+        disable_overlap_schedule: !overlap,
     };
     let engine = EngineHandle::start(startup, &workers, &limits, Arc::new(Metrics::new()));
     (engine, silent, dir)
@@ -223,4 +265,49 @@ async fn a_silent_worker_fails_open_requests_and_turns_health_off() {
         Err(nsaserve_router::engine::SubmitError::Unavailable(_))
     ));
     engine.shutdown();
+}
+
+/// Outputs and finish reasons of a mixed workload (chunked prompts, stop tokens, max_tokens of
+/// 1 and 0, more requests than may run at once) on one engine.
+async fn workload(overlap: bool) -> Vec<(Vec<i32>, String)> {
+    let (engine, _silent, _dir) = start_engine_with(Behaviour::Echo, overlap);
+    let mut streams = vec![];
+    for i in 0..12i32 {
+        let prompt: Vec<i32> = (0..(1 + i * 3 % 17)).map(|k| (k * 7 + i) % 50).collect();
+        let max_new = [0, 1, 2, 5, 9][i as usize % 5];
+        // Stop tokens the Echo chain reaches for some requests and not others.
+        let stop = if i % 3 == 0 {
+            vec![(31 * 5 + 7) % 1000, 10 * i]
+        } else {
+            vec![]
+        };
+        streams.push(engine.submit(request(prompt, max_new, stop)).unwrap());
+    }
+    let mut out = vec![];
+    for s in streams {
+        let events = collect(s).await;
+        let end = match events.last() {
+            Some(GenerateEvent::Finished {
+                reason,
+                completion_tokens,
+                ..
+            }) => format!("{}:{completion_tokens}", reason.as_openai()),
+            other => format!("{other:?}"),
+        };
+        out.push((tokens(&events), end));
+    }
+    assert!(engine.healthy());
+    engine.shutdown();
+    out
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn overlap_gives_the_same_outputs_as_planning_after_each_result() {
+    let with = workload(true).await;
+    let without = workload(false).await;
+    assert_eq!(with, without);
+    assert!(with
+        .iter()
+        .all(|(_, end)| end.starts_with("stop") || end.starts_with("length")));
+    assert!(with.iter().any(|(t, _)| t.len() >= 5), "{with:?}");
 }
