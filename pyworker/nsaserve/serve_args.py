@@ -32,6 +32,11 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--max-prefill-tokens", type=int, default=16384, help="prompt tokens per step")
     s.add_argument("--chunked-prefill-size", type=int, default=8192, help="split longer prompts into chunks of this size; -1 disables")
     s.add_argument("--disable-radix-cache", action="store_true", help="do not reuse cached prompt prefixes")
+    s.add_argument(
+        "--disable-overlap-schedule",
+        action="store_true",
+        help="plan each step only after the previous step's result (by default the next one is planned while one runs)",
+    )
 
     h = p.add_argument_group("HTTP")
     h.add_argument("--host", default="127.0.0.1", help="address to bind (use 0.0.0.0 to listen on all interfaces)")

@@ -89,7 +89,7 @@ MESSAGES = {
         "forward_ms": 1.5,
     },
     "result_empty": {"kind": "result", "step": 9, "sampled": [], "prompt_logprobs": [], "errors": [], "forward_ms": 0.0},
-    "hello": {"kind": "hello", "version": 1, "rank": 1, "tp_size": 2, "pid": 4242, "model_id": "embedded", "num_pages": 1024, "page_size": 64, "max_context": 4096, "vocab_size": 512},
+    "hello": {"kind": "hello", "version": 2, "rank": 1, "tp_size": 2, "pid": 4242, "model_id": "embedded", "num_pages": 1024, "page_size": 64, "max_context": 4096, "vocab_size": 512},
     "heartbeat": {"kind": "heartbeat", "rank": 0, "step": 77},
     "fatal": {"kind": "fatal", "rank": 1, "message": "model path /nonexistent does not exist"},
     "shutdown": {"kind": "shutdown"},
