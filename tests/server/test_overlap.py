@@ -35,14 +35,14 @@ LINES = [
 
 def requests() -> list[dict]:
     out = []
-    for i, prompt in enumerate(LINES * 3):
-        body = {"prompt": prompt, "temperature": 0, "max_tokens": [1, 2, 3, 7, 24][i % 5]}
+    for i, prompt in enumerate(LINES * 2):
+        body = {"prompt": prompt, "temperature": 0, "max_tokens": [1, 2, 3, 7, 12][i % 5]}
         if i % 4 == 1:
             body["stop"] = ["than", "\n"]
         if i % 6 == 2:
             body["frequency_penalty"] = 0.5
         if i % 7 == 3:
-            body["max_tokens"] = 40
+            body["max_tokens"] = 20
         out.append(body)
     return out
 
