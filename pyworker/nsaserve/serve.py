@@ -115,6 +115,7 @@ def router_config(args, runtime_dir: str | None, model_path: str) -> dict:
         "max_prefill_tokens": args.max_prefill_tokens,
         "chunked_prefill_size": chunk,
         "disable_radix_cache": args.disable_radix_cache,
+        "disable_overlap_schedule": args.disable_overlap_schedule,
         "heartbeat_timeout_s": args.heartbeat_timeout,
         "log_level": args.log_level,
         "reasoning_parser": args.reasoning_parser,

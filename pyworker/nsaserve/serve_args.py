@@ -37,6 +37,11 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--disable-radix-cache", action="store_true", help="do not reuse cached prompt prefixes")
     s.add_argument("--disable-cuda-graph", action="store_true", help="run decode steps eagerly, without CUDA graphs")
     s.add_argument("--cuda-graph-max-bs", type=int, default=128, help="largest decode batch captured as a CUDA graph (graphs need graph-safe kernel backends)")
+    s.add_argument(
+        "--disable-overlap-schedule",
+        action="store_true",
+        help="plan each step only after the previous step's result (by default the next one is planned while one runs)",
+    )
 
     h = p.add_argument_group("HTTP")
     h.add_argument("--host", default="127.0.0.1", help="address to bind (use 0.0.0.0 to listen on all interfaces)")

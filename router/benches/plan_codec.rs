@@ -35,6 +35,7 @@ fn decode_plan() -> BatchPlan {
                 sample: true,
                 prompt_logprobs: false,
                 next_prompt_token: -1,
+                input_prev_row: -1,
                 sampling: SamplingParams {
                     temperature: 0.7,
                     top_p: 0.95,

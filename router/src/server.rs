@@ -32,6 +32,9 @@ pub struct RouterConfig {
     pub chunked_prefill_size: Option<usize>,
     pub disable_radix_cache: bool,
     pub heartbeat_timeout_s: f64,
+    /// `--disable-overlap-schedule`: plan each step only after the previous one's result.
+    #[serde(default)]
+    pub disable_overlap_schedule: bool,
     pub log_level: String,
     /// `--reasoning-parser` (SGLang's names); absent or null: thinking stays in `content`.
     #[serde(default)]
@@ -126,6 +129,7 @@ impl RouterConfig {
             disable_radix_cache: self.disable_radix_cache,
             max_waiting: self.max_queued_requests,
             heartbeat_timeout: Duration::from_secs_f64(self.heartbeat_timeout_s),
+            disable_overlap_schedule: self.disable_overlap_schedule,
         }
     }
 }

@@ -2,6 +2,8 @@
 //! requests run to completion, stop tokens stop them, a worker that leaves a request out fails
 //! only that request, a worker that goes silent fails everything and turns health off, and a
 //! worker that dies is replaced: the engine serves again from an empty pool of the new size.
+//! The fake worker resolves overlap references (`input_prev_row`) from what it sampled in the
+//! previous step, as real workers do, and fails a request whose reference is wrong.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -25,6 +27,16 @@ enum Behaviour {
     Count,
     /// Leaves request id 2 out of every result.
     DropRequestTwo,
+    /// Token = (31 * input token + position + 1) mod 1000: wrong inputs give wrong outputs.
+    Echo,
+}
+
+/// The token the fake worker samples for one planned request, given its (resolved) input.
+fn fake_token(behaviour: Behaviour, input: i32, seq_len: i32) -> i32 {
+    match behaviour {
+        Behaviour::Echo => (31 * input + seq_len) % 1000,
+        _ => 100 + seq_len,
+    }
 }
 
 /// What a test can do to a running fake worker.
@@ -66,6 +78,9 @@ fn spawn_fake_worker(
                 0,
             )
             .unwrap();
+        // (request id, sampled token) of each row of the previous plan.
+        let mut prev: Vec<(u64, Option<i32>)> = vec![];
+        let mut prev_step = 0;
         loop {
             if switches.gone.load(Ordering::SeqCst) {
                 return;
@@ -84,16 +99,35 @@ fn spawn_fake_worker(
             let Ok(plan) = BatchPlan::decode(&bytes) else {
                 return;
             };
-            let sampled = plan
-                .requests
-                .iter()
-                .filter(|r| r.sample)
-                .filter(|r| !matches!(behaviour, Behaviour::DropRequestTwo) || r.id != 2)
-                .map(|r| (r.id, 100 + r.seq_len(), None))
-                .collect();
+            let mut sampled = vec![];
+            let mut errors = vec![];
+            let mut rows = vec![];
+            for r in &plan.requests {
+                let input = if r.input_prev_row >= 0 {
+                    match prev.get(r.input_prev_row as usize) {
+                        Some(&(id, Some(t))) if id == r.id && prev_step + 1 == plan.step => t,
+                        _ => {
+                            errors.push((r.id, "bad input_prev_row".to_string()));
+                            rows.push((r.id, None));
+                            continue;
+                        }
+                    }
+                } else {
+                    *r.input_ids.last().unwrap()
+                };
+                let dropped = matches!(behaviour, Behaviour::DropRequestTwo) && r.id == 2;
+                let token =
+                    (r.sample && !dropped).then(|| fake_token(behaviour, input, r.seq_len()));
+                if let Some(t) = token {
+                    sampled.push((r.id, t, None));
+                }
+                rows.push((r.id, token));
+            }
+            (prev, prev_step) = (rows, plan.step);
             let result = StepResult {
                 step: plan.step,
                 sampled,
+                errors,
                 ..Default::default()
             };
             events
@@ -133,6 +167,10 @@ struct Started {
 }
 
 fn start_engine(behaviour: Behaviour) -> Started {
+    start_engine_with(behaviour, true)
+}
+
+fn start_engine_with(behaviour: Behaviour, overlap: bool) -> Started {
     let dir = tempfile::tempdir().unwrap();
     let endpoints = Endpoints::Ipc {
         dir: dir.path().display().to_string(),
@@ -146,6 +184,7 @@ fn start_engine(behaviour: Behaviour) -> Started {
         disable_radix_cache: false,
         max_waiting: 16,
         heartbeat_timeout: Duration::from_millis(1500),
+        disable_overlap_schedule: !overlap,
     };
     let metrics = Arc::new(Metrics::new());
     let engine = EngineHandle::start(startup, &workers, &limits, metrics.clone());
@@ -345,4 +384,54 @@ async fn a_dead_worker_is_replaced_and_the_engine_serves_again_from_an_empty_poo
     )
     .await;
     engine.shutdown();
+}
+
+/// Outputs and finish reasons of a mixed workload (chunked prompts, stop tokens, max_tokens of
+/// 1 and 0, more requests than may run at once) on one engine.
+async fn workload(overlap: bool) -> Vec<(Vec<i32>, String)> {
+    let started = start_engine_with(Behaviour::Echo, overlap);
+    let engine = &started.engine;
+    let mut streams = vec![];
+    for i in 0..12i32 {
+        let prompt: Vec<i32> = (0..(1 + i * 3 % 17)).map(|k| (k * 7 + i) % 50).collect();
+        let max_new = [0, 1, 2, 5, 9][i as usize % 5];
+        // A seventh of all tokens stop these requests: some stop early, some run to length.
+        let stop = if i % 3 == 0 {
+            (0..1000).filter(|t| t % 7 == i % 7).collect()
+        } else {
+            vec![]
+        };
+        streams.push(engine.submit(request(prompt, max_new, stop)).unwrap());
+    }
+    let mut out = vec![];
+    for s in streams {
+        let events = collect(s).await;
+        let end = match events.last() {
+            Some(GenerateEvent::Finished {
+                reason,
+                completion_tokens,
+                ..
+            }) => format!("{}:{completion_tokens}", reason.as_openai()),
+            other => format!("{other:?}"),
+        };
+        out.push((tokens(&events), end));
+    }
+    assert!(engine.healthy());
+    engine.shutdown();
+    out
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn overlap_gives_the_same_outputs_as_planning_after_each_result() {
+    let with = workload(true).await;
+    let without = workload(false).await;
+    assert_eq!(with, without);
+    assert!(with
+        .iter()
+        .all(|(_, end)| end.starts_with("stop") || end.starts_with("length")));
+    assert!(with.iter().any(|(t, _)| t.len() >= 5), "{with:?}");
+    assert!(
+        with.iter().any(|(_, end)| end.starts_with("stop")),
+        "{with:?}"
+    );
 }

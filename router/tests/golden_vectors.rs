@@ -53,6 +53,7 @@ fn plan_from_json(c: &Value) -> BatchPlan {
                 sample: q["sample"].as_bool().unwrap(),
                 prompt_logprobs: q["prompt_logprobs"].as_bool().unwrap(),
                 next_prompt_token: q["next_prompt_token"].as_i64().unwrap() as i32,
+                input_prev_row: q["input_prev_row"].as_i64().unwrap() as i32,
                 sampling: SamplingParams {
                     temperature: f32_of(&s["temperature"]),
                     top_p: f32_of(&s["top_p"]),

@@ -374,7 +374,7 @@ fn the_scheduler_can_move_to_the_engine_thread() {
 }
 
 #[test]
-fn requests_in_flight_are_not_planned_again_until_their_result() {
+fn requests_in_flight_are_planned_ahead_by_reference_at_most_one_step() {
     let cfg = config(4, 64);
     let mut s = Scheduler::new(cfg.clone());
     let mut exec = FakeExecutor::new(&cfg);
@@ -382,19 +382,31 @@ fn requests_in_flight_are_not_planned_again_until_their_result() {
     s.submit(1, request(seq(6, 0), 4, vec![])).unwrap();
     let first = s.schedule(0).unwrap();
     s.submit(2, request(seq(6, 10), 4, vec![])).unwrap();
-    // Step 1 is planned before step 0's result: only the newcomer can run.
+    // Step 1 is planned before step 0's result: request 1 runs the token step 0 samples for
+    // it (row 0 there), by reference; the newcomer runs its prompt.
     let second = s.schedule(1).unwrap();
-    assert_eq!(
-        second.requests.iter().map(|r| r.id).collect::<Vec<_>>(),
-        vec![2]
-    );
-    assert!(s.schedule(2).is_none());
+    let rows: Vec<_> = second
+        .requests
+        .iter()
+        .map(|r| (r.id, r.input_ids.clone(), r.input_prev_row, r.cached_len))
+        .collect();
+    assert_eq!(rows, vec![(1, vec![-1], 0, 6), (2, seq(6, 10), -1, 0)]);
+    // A request is never planned a third step deep; one in flight once still is.
+    let third = s.schedule(2).unwrap();
+    let rows: Vec<_> = third
+        .requests
+        .iter()
+        .map(|r| (r.id, r.input_prev_row))
+        .collect();
+    assert_eq!(rows, vec![(2, 1)]);
+    s.check_invariants().unwrap();
     record(&mut out, s.on_result(&first, &exec.run(&first)));
     record(&mut out, s.on_result(&second, &exec.run(&second)));
+    record(&mut out, s.on_result(&third, &exec.run(&third)));
     // A result applied twice changes nothing.
     assert!(s.on_result(&first, &exec.run(&first)).is_empty());
     s.check_invariants().unwrap();
-    let mut n = 3;
+    let mut n = 4;
     while step(&mut s, &mut exec, n, &mut out) {
         n += 1;
     }

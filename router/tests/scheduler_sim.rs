@@ -1,7 +1,8 @@
 //! Long simulation: thousands of requests with shared system prompts, random lengths, stop
 //! tokens, aborts, and a pool small enough that eviction and preemption happen all the time.
 //! Every request must end (finished ones with exactly the reference output) and the pool must
-//! come back whole. The default test runs 2,000 requests; the ignored one 10,000.
+//! come back whole. The default tests run 2,000 requests with overlap off and on (outputs equal
+//! the reference either way, so they are identical); the ignored one 10,000.
 
 mod scheduler_common;
 
@@ -11,7 +12,7 @@ use nsaserve_router::engine::GenerateRequest;
 use nsaserve_router::scheduler::{Scheduler, SchedulerConfig};
 use scheduler_common::*;
 
-fn simulate(total: usize, seed: u64) {
+fn simulate(total: usize, seed: u64, overlap: bool) {
     let cfg = SchedulerConfig {
         page_size: 16,
         num_pages: 120,
@@ -38,7 +39,8 @@ fn simulate(total: usize, seed: u64) {
     let mut reqs: Vec<GenerateRequest> = Vec::new();
     let mut aborted: HashSet<u64> = HashSet::new();
     let mut n = 0u64;
-    while reqs.len() < total || s.stats().running + s.stats().waiting > 0 {
+    let mut driver = Driver::new(overlap);
+    while reqs.len() < total || s.stats().running + s.stats().waiting > 0 || driver.busy() {
         for _ in 0..rng.below(4) {
             if reqs.len() == total {
                 break;
@@ -62,7 +64,7 @@ fn simulate(total: usize, seed: u64) {
                 aborted.insert(id);
             }
         }
-        step(&mut s, &mut exec, n, &mut out);
+        driver.step(&mut s, &mut exec, n, &mut out);
         n += 1;
         assert!(n < 50 * total as u64 + 10_000, "no progress");
     }
@@ -89,6 +91,11 @@ fn simulate(total: usize, seed: u64) {
         }
     }
     assert!(finished + aborted.len() == total);
+    assert_eq!(
+        overlap,
+        driver.references > 0,
+        "overlap planned steps ahead"
+    );
     eprintln!(
         "{total} requests, {n} steps, {} preemptions, {} of {} prompt tokens from the cache",
         st.preemptions_total, st.prefix_hit_tokens_total, st.prompt_tokens_total
@@ -97,11 +104,16 @@ fn simulate(total: usize, seed: u64) {
 
 #[test]
 fn two_thousand_requests_all_end_and_the_pool_returns() {
-    simulate(2_000, 1);
+    simulate(2_000, 1, false);
+}
+
+#[test]
+fn two_thousand_requests_with_overlap_all_end_and_the_pool_returns() {
+    simulate(2_000, 1, true);
 }
 
 #[test]
 #[ignore = "long: about ten times the default simulation"]
 fn ten_thousand_requests_all_end_and_the_pool_returns() {
-    simulate(10_000, 2);
+    simulate(10_000, 2, true);
 }

@@ -30,6 +30,7 @@ def plan_from_json(c: dict):
             sample=q["sample"],
             prompt_logprobs=q["prompt_logprobs"],
             next_prompt_token=q["next_prompt_token"],
+            input_prev_row=q["input_prev_row"],
             sampling=SamplingSpec(**q["sampling"]),
             history=q["history"],
             history_prompt_len=q["history_prompt_len"],

@@ -18,7 +18,9 @@ HERE = Path(__file__).parent
 PAGE = 4  # a small page size keeps the vectors readable
 
 
-def req(id, input_ids, cached_len, pages, *, sample=True, prompt_logprobs=False, next_prompt_token=-1, history=(), history_prompt_len=0, **sampling):
+def req(
+    id, input_ids, cached_len, pages, *, sample=True, prompt_logprobs=False, next_prompt_token=-1, input_prev_row=-1, history=(), history_prompt_len=0, **sampling
+):
     slots = [pages[(cached_len + k) // PAGE] * PAGE + (cached_len + k) % PAGE for k in range(len(input_ids))]
     return {
         "id": id,
@@ -29,6 +31,7 @@ def req(id, input_ids, cached_len, pages, *, sample=True, prompt_logprobs=False,
         "sample": sample,
         "prompt_logprobs": prompt_logprobs,
         "next_prompt_token": next_prompt_token,
+        "input_prev_row": input_prev_row,
         "history": list(history),
         "history_prompt_len": history_prompt_len,
         "sampling": {
@@ -55,6 +58,8 @@ MESSAGES = {
         "requests": [
             req(7, [11], 5, [3, 9], temperature=0.0),
             req(2**40 + 3, [500], 8, [1, 2, 6], temperature=0.7, top_p=0.9, top_k=40, seed=1234, top_logprobs=2),
+            # Planned while step 40 ran (overlap): its input is what row 3 of step 40 samples.
+            req(12, [-1], 6, [4, 11], input_prev_row=3),
         ],
     },
     # The founding crash's batch: a prefix-cached prefill, a fresh prefill (no cached prefix,
@@ -84,7 +89,7 @@ MESSAGES = {
         "forward_ms": 1.5,
     },
     "result_empty": {"kind": "result", "step": 9, "sampled": [], "prompt_logprobs": [], "errors": [], "forward_ms": 0.0},
-    "hello": {"kind": "hello", "version": 1, "rank": 1, "tp_size": 2, "pid": 4242, "model_id": "embedded", "num_pages": 1024, "page_size": 64, "max_context": 4096, "vocab_size": 512},
+    "hello": {"kind": "hello", "version": 2, "rank": 1, "tp_size": 2, "pid": 4242, "model_id": "embedded", "num_pages": 1024, "page_size": 64, "max_context": 4096, "vocab_size": 512},
     "heartbeat": {"kind": "heartbeat", "rank": 0, "step": 77},
     "fatal": {"kind": "fatal", "rank": 1, "message": "model path /nonexistent does not exist"},
     "shutdown": {"kind": "shutdown"},

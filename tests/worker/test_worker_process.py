@@ -16,7 +16,7 @@ import pytest
 import zmq
 
 from nsaserve.protocol.builder import RequestSpec, SamplingSpec, build_plan
-from nsaserve.protocol.messages import SHUTDOWN, encode_plan
+from nsaserve.protocol.messages import PROTOCOL_VERSION, SHUTDOWN, encode_plan
 
 PS = 4
 
@@ -67,7 +67,7 @@ def null_worker():
 def test_hello_heartbeat_plan_result_and_shutdown(null_worker):
     router, proc = null_worker
     hello = router.recv("hello")
-    assert hello["rank"] == 0 and hello["version"] == 1 and hello["num_pages"] == 32 and hello["page_size"] == PS
+    assert hello["rank"] == 0 and hello["version"] == PROTOCOL_VERSION and hello["num_pages"] == 32 and hello["page_size"] == PS
     assert hello["pid"] == proc.pid
     assert router.recv("heartbeat", timeout_s=5)["rank"] == 0
 

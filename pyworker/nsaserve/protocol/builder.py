@@ -36,6 +36,7 @@ class RequestSpec:
     sample: bool = True
     prompt_logprobs: bool = False
     next_prompt_token: int = -1
+    input_prev_row: int = -1  # >= 0: input_ids must be [-1], filled from that row of step - 1
     sampling: SamplingSpec = field(default_factory=SamplingSpec)
     history: Sequence[int] = ()
     history_prompt_len: int = 0
@@ -79,6 +80,7 @@ def build_plan(step: int, page_size: int, requests: Sequence[RequestSpec]) -> Pl
         sample=col(lambda q: q.sample, U8),
         prompt_logprobs=col(lambda q: q.prompt_logprobs, U8),
         next_prompt_token=col(lambda q: q.next_prompt_token, I32),
+        input_prev_row=col(lambda q: q.input_prev_row, I32),
         temperature=col(lambda q: q.sampling.temperature, F32),
         top_p=col(lambda q: q.sampling.top_p, F32),
         top_k=col(lambda q: q.sampling.top_k, I32),

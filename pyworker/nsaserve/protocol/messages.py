@@ -14,7 +14,7 @@ import numpy as np
 
 from .arrays import F32, I32, U8, U64, ProtocolError, to_bin, view
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 
 MODES = ("idle", "prefill", "decode", "mixed")
 
@@ -37,6 +37,9 @@ class Plan:
     sample: np.ndarray  # u8 [n]
     prompt_logprobs: np.ndarray  # u8 [n]
     next_prompt_token: np.ndarray  # i32 [n], prompt token after a non-final chunk (for prompt logprobs), else -1
+    # i32 [n]: -1, or the request's row in the previous step's plan whose sampled token is its
+    # one input token (then input_ids holds -1 there; the worker fills it in). See overlap.
+    input_prev_row: np.ndarray
     temperature: np.ndarray  # f32 [n]
     top_p: np.ndarray
     top_k: np.ndarray  # i32 [n]
@@ -73,6 +76,7 @@ PLAN_ARRAYS: tuple[tuple[str, np.dtype], ...] = (
     ("sample", U8),
     ("prompt_logprobs", U8),
     ("next_prompt_token", I32),
+    ("input_prev_row", I32),
     ("temperature", F32),
     ("top_p", F32),
     ("top_k", I32),

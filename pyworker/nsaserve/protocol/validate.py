@@ -4,7 +4,9 @@ Two levels:
 - structural damage (array lengths, offsets, mode) makes the whole plan unreadable, so every
   request in it fails (`ProtocolError`);
 - per-request faults (pages outside the pool, slots that disagree with the page table, two
-  requests writing one slot) fail those requests; the rest of the step runs.
+  requests writing one slot, a malformed previous-step reference) fail those requests; the
+  rest of the step runs. Whether a reference names a row the previous step really sampled for
+  that request is the worker's check (`worker/prev_step.py`): only it knows that step.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ PER_REQUEST = (
     "sample",
     "prompt_logprobs",
     "next_prompt_token",
+    "input_prev_row",
     "temperature",
     "top_p",
     "top_k",
@@ -86,6 +89,12 @@ def request_faults(plan: Plan, num_pages: int, vocab_size: int | None = None) ->
     flag(qlen <= 0, "no tokens to run")
     flag(cached < 0, "negative cached_len")
     flag(npages < -(-seq // ps), "its pages cannot hold its tokens")
+    refs = plan.input_prev_row >= 0
+    flag(plan.input_prev_row < -1, "input_prev_row below -1")
+    flag(refs & (plan.step < 1), "input_prev_row without a previous step")
+    neg = np.bincount(np.repeat(np.arange(n), qlen)[plan.input_ids < 0], minlength=n) > 0
+    flag(refs & ((qlen != 1) | ~neg), "input_prev_row needs exactly one input token, -1")
+    flag(~refs & neg, "a negative input token")
     flag(
         (plan.history_prompt_lens < 0) | (plan.history_prompt_lens > np.diff(plan.history_start)),
         "history_prompt_len out of range",
@@ -97,7 +106,8 @@ def request_faults(plan: Plan, num_pages: int, vocab_size: int | None = None) ->
 
     tok_req = np.repeat(np.arange(n), qlen)
     if vocab_size is not None:
-        outside = (plan.input_ids < 0) | (plan.input_ids >= vocab_size)
+        # A -1 waiting for the previous step's token (overlap) is checked above, not here.
+        outside = ((plan.input_ids < 0) & ~refs[tok_req]) | (plan.input_ids >= vocab_size)
         flag(np.bincount(tok_req[outside], minlength=n) > 0, f"token id outside the vocabulary of {vocab_size}")
         hist_req = np.repeat(np.arange(n), np.diff(plan.history_start))
         outside = (plan.history < 0) | (plan.history >= vocab_size)

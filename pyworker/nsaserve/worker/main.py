@@ -19,6 +19,7 @@ from ..protocol.arrays import ProtocolError
 from ..protocol.messages import Fatal, Heartbeat, Hello, StepResult, plan_from_msg, unpack
 from ..protocol.validate import validate_plan
 from .executor import NullExecutor, StepExecutor
+from .prev_step import PrevStep
 from .transport import Endpoints, WorkerSockets
 
 HEARTBEAT_S = 1.0
@@ -95,22 +96,29 @@ def model_vocab_size(model_path: str | None) -> int:
     return 32000
 
 
-def run_plan(data: bytes, executor: StepExecutor, is_rank0: bool) -> tuple[StepResult | None, int]:
+def run_plan(
+    data: bytes, executor: StepExecutor, is_rank0: bool, prev: PrevStep | None = None
+) -> tuple[StepResult | None, int]:
     """One received message -> the result to send (None for shutdown) and the step it answered.
 
+    `prev` remembers what the last step sampled, for plans that reference it (overlap).
     Raises only `GroupBroken`: a bad plan or a failing step becomes per-request errors in the
     result.
     """
+    prev = prev if prev is not None else PrevStep(is_rank0)
     try:
         msg = unpack(data)
         if msg["kind"] == "shutdown":
             return None, -1
         plan = plan_from_msg(msg)
-        runnable, errors = validate_plan(plan, executor.num_pages, executor.vocab_size)
+        runnable, errors = validate_plan(plan, executor.num_pages, getattr(executor, "vocab_size", None))
+        runnable, bad_refs = prev.resolve(plan, runnable)
+        errors += bad_refs
     except (ProtocolError, KeyError, ValueError, TypeError) as e:
         # Unreadable plan: answer anyway, and the router fails every request of the step it has
         # in flight (it knows them; we could not read them).
         _log(f"dropped an unreadable plan: {e}")
+        prev.forget()
         return StepResult(step=0), 0
     try:
         result = executor.run(runnable, is_rank0) if runnable.num_reqs else StepResult(step=plan.step)
@@ -121,6 +129,7 @@ def run_plan(data: bytes, executor: StepExecutor, is_rank0: bool) -> tuple[StepR
         result = StepResult(step=plan.step, errors=[(int(r), f"worker error: {type(e).__name__}: {e}") for r in runnable.req_ids])
     result.step = plan.step
     result.errors = errors + result.errors
+    prev.record(plan, result)
     return result, plan.step
 
 
@@ -177,9 +186,10 @@ def main(argv: list[str] | None = None) -> int:
     beat = threading.Thread(target=heartbeat_loop, args=(sockets, args.rank, progress, stop), daemon=True)
     beat.start()
     is_rank0 = args.rank == 0
+    prev = PrevStep(is_rank0)
     try:
         while True:
-            result, step = run_plan(sockets.recv_plan(), executor, is_rank0)
+            result, step = run_plan(sockets.recv_plan(), executor, is_rank0, prev)
             if result is None:
                 break
             progress[0] = max(progress[0], step)

@@ -4,8 +4,13 @@
 //! to every rank, wait for rank 0's result (heart-beating ranks keep the wait alive), hand the
 //! result to the scheduler and forward the resulting events to each request's stream.
 //! Everything arrives on one channel (`Input`), so the loop has a single place where it blocks.
+//!
+//! Overlap (on unless `--disable-overlap-schedule`): with step N in flight, the loop plans,
+//! encodes and sends step N+1 before it waits for N's result, so the workers find N+1 queued
+//! the moment they finish N and never wait for the router. At most two plans are outstanding
+//! and results come back in step order; the scheduler plans with at most one in flight.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::Ordering;
 use std::sync::mpsc::{Receiver, RecvTimeoutError};
 use std::sync::Arc;
@@ -44,6 +49,15 @@ pub struct EngineCore {
     pub streams: HashMap<RequestId, UnboundedSender<GenerateEvent>>,
     pub last_seen: Vec<Instant>,
     pub step: u64,
+    /// Plan step N+1 while step N runs.
+    pub overlap: bool,
+    /// Plans sent (or failed before sending, with their result) whose results are not
+    /// committed yet, oldest first.
+    pub outstanding: VecDeque<(BatchPlan, Option<StepResult>)>,
+    /// Why the last plan could not be sent (the workers are gone).
+    pub send_error: Option<String>,
+    /// Results that arrived while the loop was doing something else, oldest first.
+    pub early_results: VecDeque<StepResult>,
 }
 
 /// Why the loop stopped.
@@ -57,7 +71,7 @@ impl EngineCore {
         loop {
             // Block only when there is nothing to run; otherwise just drain what is queued.
             let stats = self.scheduler.stats();
-            let idle = stats.waiting + stats.running == 0;
+            let idle = stats.waiting + stats.running == 0 && self.outstanding.is_empty();
             let first = if idle {
                 match self.inputs.recv_timeout(Duration::from_millis(500)) {
                     Ok(i) => Some(i),
@@ -78,8 +92,17 @@ impl EngineCore {
                 return self.stop(Exit::WorkersGone(reason));
             }
             self.publish_stats();
-            if let Some(exit) = self.step_once() {
+            // Plan the next step now if no plan is in flight, or (overlap) if only one is.
+            let depth = if self.overlap { 2 } else { 1 };
+            let sent = self.outstanding.len() < depth && self.plan_and_send();
+            if let Err(exit) = self.sent_ok() {
                 return self.stop(exit);
+            }
+            // Wait for the oldest step when no more may be queued, or nothing new was.
+            if !self.outstanding.is_empty() && (self.outstanding.len() >= depth || !sent) {
+                if let Some(exit) = self.complete_oldest() {
+                    return self.stop(exit);
+                }
             }
         }
     }
@@ -114,8 +137,15 @@ impl EngineCore {
                     f.rank, f.message
                 )))
             }
-            Input::Worker(WorkerMessage::Result(_)) => {
-                // A result outside a step (late or duplicated): nothing waits for it.
+            Input::Worker(WorkerMessage::Result(r)) => {
+                // With a step in flight, its result can arrive while the loop drains inputs or
+                // plans the next step: keep it for `complete_oldest`. Otherwise it is late or
+                // duplicated and nothing waits for it.
+                let awaited = self.outstanding.iter().filter(|(_, r)| r.is_none()).count();
+                if self.early_results.len() < awaited {
+                    self.seen(0);
+                    self.early_results.push_back(r);
+                }
             }
             Input::WorkerGone { rank, reason } => {
                 return Some(Exit::WorkersGone(format!(
@@ -148,37 +178,59 @@ impl EngineCore {
             })
     }
 
-    /// Runs one step if the scheduler has one; `Some` when the loop must stop.
-    fn step_once(&mut self) -> Option<Exit> {
-        let plan = self.scheduler.schedule(self.step)?;
+    /// Plans, encodes and sends the next step if the scheduler has one; true if it queued a
+    /// plan. A send failure is left for `sent_ok` to report.
+    fn plan_and_send(&mut self) -> bool {
+        let Some(plan) = self.scheduler.schedule(self.step) else {
+            return false;
+        };
         self.step += 1;
-        let bytes = match plan.encode() {
-            Ok(b) => b,
+        match plan.encode() {
+            Ok(bytes) => {
+                if let Err(e) = self.sender.broadcast(&bytes) {
+                    self.send_error = Some(format!("could not send a plan to the workers: {e}"));
+                }
+                self.outstanding.push_back((plan, None));
+            }
             Err(e) => {
-                // A plan we cannot encode is a router bug: fail its requests, keep serving.
+                // A plan we cannot encode is a router bug: fail its requests, keep serving. It
+                // still takes its turn, so results are committed in step order.
                 let result =
                     fail_everything(&plan, &format!("router could not encode the plan: {e}"));
-                self.finish_step(&plan, result);
-                return None;
+                self.outstanding.push_back((plan, Some(result)));
             }
+        }
+        true
+    }
+
+    fn sent_ok(&mut self) -> Result<(), Exit> {
+        match self.send_error.take() {
+            Some(reason) => Err(Exit::WorkersGone(reason)),
+            None => Ok(()),
+        }
+    }
+
+    /// Waits for the oldest outstanding step's result and commits it; `Some` when the loop
+    /// must stop.
+    fn complete_oldest(&mut self) -> Option<Exit> {
+        let (plan, ready) = self.outstanding.pop_front()?;
+        let result = match ready {
+            Some(r) => r,
+            None => match self.await_result(&plan) {
+                Ok(r) => r,
+                Err(exit) => return Some(exit),
+            },
         };
-        if let Err(e) = self.sender.broadcast(&bytes) {
-            return Some(Exit::WorkersGone(format!(
-                "could not send a plan to the workers: {e}"
-            )));
-        }
-        match self.await_result(&plan) {
-            Ok(result) => {
-                self.finish_step(&plan, result);
-                None
-            }
-            Err(exit) => Some(exit),
-        }
+        self.finish_step(&plan, result);
+        None
     }
 
     /// Waits for rank 0's answer to `plan`, handling everything else that arrives meanwhile.
     fn await_result(&mut self, plan: &BatchPlan) -> Result<StepResult, Exit> {
         loop {
+            if let Some(r) = self.early_results.pop_front() {
+                return Ok(r);
+            }
             match self.inputs.recv_timeout(Duration::from_millis(500)) {
                 Ok(Input::Worker(WorkerMessage::Result(r))) => {
                     self.seen(0);

@@ -28,6 +28,8 @@ pub struct EngineLimits {
     pub disable_radix_cache: bool,
     pub max_waiting: usize,
     pub heartbeat_timeout: Duration,
+    /// Plan each step only after the previous one's result (no overlap).
+    pub disable_overlap_schedule: bool,
 }
 
 pub struct EngineHandle {
@@ -105,6 +107,10 @@ impl Run {
             streams: HashMap::new(),
             last_seen: vec![Instant::now(); workers.tp_size as usize],
             step: 1,
+            overlap: !limits.disable_overlap_schedule,
+            outstanding: Default::default(),
+            send_error: None,
+            early_results: Default::default(),
         };
         let running = Arc::new(AtomicBool::new(true));
         let exit_reason = Arc::new(Mutex::new(None));

@@ -82,8 +82,13 @@ impl SamplingParams {
 #[derive(Debug, Clone, PartialEq)]
 pub struct PlannedRequest {
     pub id: u64,
-    /// Tokens run this step: a prompt chunk, or the one token generated last step.
+    /// Tokens run this step: a prompt chunk, or the one token generated last step. `[-1]`
+    /// when that token is not known yet (see `input_prev_row`).
     pub input_ids: Vec<i32>,
+    /// -1: `input_ids` are given. Otherwise the request runs one token, the one it samples in
+    /// the previous step (`step - 1`), whose row in that plan this is; the workers fill it in
+    /// (overlap: the router planned this step before that result came back).
+    pub input_prev_row: i32,
     /// Tokens already in the KV cache (radix hit or earlier chunks). Positions of `input_ids`
     /// are `cached_len, cached_len + 1, ...`.
     pub cached_len: i32,
@@ -132,7 +137,7 @@ pub enum PlanError {
 }
 
 /// Number of keys in a plan message (the fields of `WirePlan`).
-const PLAN_KEYS: u32 = 32;
+const PLAN_KEYS: u32 = 33;
 
 /// The wire form. Field order and names are the protocol; see docs/protocol.md.
 #[derive(Debug, Serialize, Deserialize)]
@@ -156,6 +161,7 @@ struct WirePlan {
     sample: ByteBuf,
     prompt_logprobs: ByteBuf,
     next_prompt_token: ByteBuf,
+    input_prev_row: ByteBuf,
     temperature: ByteBuf,
     top_p: ByteBuf,
     top_k: ByteBuf,
@@ -249,6 +255,11 @@ impl PlanWriter {
 }
 
 impl BatchPlan {
+    /// Whether a previous step exists for `input_prev_row` to reference.
+    fn step_has_prev(&self) -> bool {
+        self.step >= 1
+    }
+
     pub fn num_tokens(&self) -> usize {
         self.requests.iter().map(|r| r.input_ids.len()).sum()
     }
@@ -326,6 +337,7 @@ impl BatchPlan {
             n,
             r.iter().map(|q| q.next_prompt_token),
         );
+        w.array("input_prev_row", n, r.iter().map(|q| q.input_prev_row));
         w.array("temperature", n, r.iter().map(|q| q.sampling.temperature));
         w.array("top_p", n, r.iter().map(|q| q.sampling.top_p));
         w.array("top_k", n, r.iter().map(|q| q.sampling.top_k));
@@ -446,6 +458,7 @@ impl BatchPlan {
         let sample = u8::from_bin("sample", &w.sample)?;
         let plp = u8::from_bin("prompt_logprobs", &w.prompt_logprobs)?;
         let npt = i32::from_bin("next_prompt_token", &w.next_prompt_token)?;
+        let ipr = i32::from_bin("input_prev_row", &w.input_prev_row)?;
         let hpl = i32::from_bin("history_prompt_lens", &w.history_prompt_lens)?;
         for (name, len) in [
             ("top_k", top_k.len()),
@@ -455,6 +468,7 @@ impl BatchPlan {
             ("sample", sample.len()),
             ("prompt_logprobs", plp.len()),
             ("next_prompt_token", npt.len()),
+            ("input_prev_row", ipr.len()),
             ("history_prompt_lens", hpl.len()),
         ] {
             if len != n {
@@ -477,6 +491,7 @@ impl BatchPlan {
             requests.push(PlannedRequest {
                 id: ids[i],
                 input_ids: toks[t0..t1].to_vec(),
+                input_prev_row: ipr[i],
                 cached_len: cached[i],
                 pages: pt[ps[i] as usize..ps[i + 1] as usize].to_vec(),
                 out_slots: slots[t0..t1].to_vec(),
@@ -564,6 +579,17 @@ impl BatchPlan {
                         "request {id}: slot {slot} written twice in one step"
                     ));
                 }
+            }
+            if r.input_prev_row < -1
+                || (r.input_prev_row >= 0 && (r.input_ids != [-1] || !self.step_has_prev()))
+            {
+                return bad(format!(
+                    "request {id}: input_prev_row {} needs a previous step and input_ids [-1]",
+                    r.input_prev_row
+                ));
+            }
+            if r.input_prev_row == -1 && r.input_ids.iter().any(|&t| t < 0) {
+                return bad(format!("request {id}: a negative input token"));
             }
             if r.history_prompt_len < 0 || r.history_prompt_len as usize > r.history.len() {
                 return bad(format!("request {id}: history_prompt_len out of range"));

@@ -6,6 +6,12 @@
 //! the older one being planned fits. Running requests are planned oldest first, so a victim is
 //! never a request already in this plan, and the oldest request can always take the whole pool
 //! (submit rejects anything larger): some request always progresses.
+//!
+//! Overlap: the engine may plan step N+1 while step N is in flight. A request in N is then
+//! planned past N (from its `planned_len`): its next prompt chunk, or, when N samples its next
+//! input, one token referencing its row of N (`input_prev_row`), which the workers fill in from
+//! what they sampled. Requests in flight are never preempted (their pages are being written),
+//! and a request whose N may end it for length is not planned ahead.
 
 use crate::protocol::{BatchPlan, PlannedRequest};
 
@@ -34,7 +40,7 @@ impl Scheduler {
         while i < self.running.len() {
             let slot = self.running[i];
             let r = self.req(slot);
-            if r.in_flight {
+            if !self.plannable(r) {
                 i += 1;
                 continue;
             }
@@ -66,7 +72,8 @@ impl Scheduler {
                     budget = budget.saturating_sub(t.tokens);
                     prefilled = true;
                 }
-                plan.requests.push(self.plan_step(slot, t));
+                let row = plan.requests.len();
+                plan.requests.push(self.plan_step(slot, t, step, row));
             }
             i += 1;
         }
@@ -85,7 +92,8 @@ impl Scheduler {
                 budget = budget.saturating_sub(t.tokens);
                 prefilled = true;
             }
-            plan.requests.push(self.plan_step(slot, t));
+            let row = plan.requests.len();
+            plan.requests.push(self.plan_step(slot, t, step, row));
         }
 
         self.last_batch_size = plan.requests.len();
@@ -100,6 +108,27 @@ impl Scheduler {
         Some(plan)
     }
 
+    /// Whether a running request can be planned now. With no plan of it in flight, always
+    /// (unless it is leaving). With one in flight (overlap), only when the next step cannot
+    /// change what that plan decides: a known prompt chunk, or one token referencing the
+    /// pending one, if that token cannot end the request for length. Penalised requests wait
+    /// for their pending token, because their sampler needs it in the history.
+    fn plannable(&self, r: &Request) -> bool {
+        if r.retiring.is_some() {
+            return false;
+        }
+        match r.in_flight {
+            0 => true,
+            1 if r.input_is_pending() => {
+                r.generated() + (r.pending_tokens as usize) < r.max_new_tokens as usize
+                    && r.tokens.len() + (r.pending_tokens as usize) < self.cfg.max_context as usize
+                    && !r.sampling.needs_history()
+            }
+            1 => r.pending_tokens == 0,
+            _ => false,
+        }
+    }
+
     /// Prompt tokens a request may run now. Chunking cuts prompts to the budget and chunk size;
     /// without it a prompt runs whole, and the first prompt of a step may exceed the budget so
     /// that a prompt longer than the budget still runs (alone).
@@ -111,14 +140,14 @@ impl Scheduler {
         }
     }
 
-    /// Reserves pages for `want` tokens of a request (past its `kv_len`), keeping `headroom`
+    /// Reserves pages for `want` tokens of a request (past its `planned_len`), keeping `headroom`
     /// pages free besides. A chunkable prompt step shrinks to the pages there are; `None` when
     /// not even that fits.
     fn fit(&mut self, slot: usize, want: usize, shrinkable: bool, headroom: usize) -> Option<Take> {
         let ps = self.cfg.page_size as usize;
         let (kv_len, have) = {
             let r = self.req(slot);
-            (r.kv_len, r.pages.len())
+            (r.planned_len, r.pages.len())
         };
         let need = self.pages_for(kv_len + want).saturating_sub(have);
         if self.ensure_free(need + headroom) {
@@ -142,7 +171,7 @@ impl Scheduler {
     fn newest_preemptible_after(&self, i: usize) -> Option<usize> {
         (i + 1..self.running.len())
             .rev()
-            .find(|&j| !self.req(self.running[j]).in_flight)
+            .find(|&j| self.req(self.running[j]).in_flight == 0)
     }
 
     /// Moves running request `j` back to the front of the queue. Its committed full pages go
@@ -176,6 +205,7 @@ impl Scheduler {
         };
         let r = self.slots[slot].as_mut().expect("live request slot");
         r.kv_len = matched.len() * ps;
+        r.planned_len = r.kv_len;
         r.pages = matched;
         let decoding = r.is_decoding();
         let want = if decoding {
@@ -203,8 +233,9 @@ impl Scheduler {
         take
     }
 
-    /// Allocates the step's pages and writes its plan entry; marks the request in flight.
-    fn plan_step(&mut self, slot: usize, t: Take) -> PlannedRequest {
+    /// Allocates the step's pages and writes its plan entry (row `row` of step `step`); marks
+    /// the request in flight.
+    fn plan_step(&mut self, slot: usize, t: Take, step: u64, row: usize) -> PlannedRequest {
         for _ in 0..t.new_pages {
             let p = self.alloc_page();
             self.slots[slot]
@@ -215,18 +246,27 @@ impl Scheduler {
         }
         let ps = self.cfg.page_size as usize;
         let r: &mut Request = self.slots[slot].as_mut().expect("live request slot");
-        r.in_flight = true;
-        let (start, end) = (r.kv_len, r.kv_len + t.tokens);
-        let sample = end == r.tokens.len() && r.generated() < r.max_new_tokens as usize;
+        let (start, end) = (r.planned_len, r.planned_len + t.tokens);
+        let pending = r.input_is_pending();
+        debug_assert!(!pending || (t.tokens == 1 && r.last_step + 1 == step));
+        // A pending input is the last token the request will have before this step samples.
+        let known = r.tokens.len() + pending as usize;
+        let generated = r.generated() + r.pending_tokens as usize;
+        let sample = end == known && generated < r.max_new_tokens as usize;
         let history = if sample && r.sampling.needs_history() {
             r.tokens.clone()
         } else {
             Vec::new()
         };
         let prompt_logprobs = r.owes_prompt_logprobs() && start < r.prompt_len;
-        PlannedRequest {
+        let planned = PlannedRequest {
             id: r.id,
-            input_ids: r.tokens[start..end].to_vec(),
+            input_ids: if pending {
+                vec![-1]
+            } else {
+                r.tokens[start..end].to_vec()
+            },
+            input_prev_row: if pending { r.last_row as i32 } else { -1 },
             cached_len: start as i32,
             pages: r.pages.clone(),
             out_slots: (start..end)
@@ -247,6 +287,12 @@ impl Scheduler {
                 r.prompt_len as i32
             },
             history,
-        }
+        };
+        r.planned_len = end;
+        r.in_flight += 1;
+        r.pending_tokens += sample as u8;
+        r.last_row = row as u32;
+        r.last_step = step;
+        planned
     }
 }

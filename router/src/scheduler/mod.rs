@@ -2,9 +2,11 @@
 //! Every step it builds one complete [`BatchPlan`]; every step result it commits back.
 //!
 //! It is plain synchronous state (no tokio): the engine loop owns it and calls
-//! [`Scheduler::schedule`] and [`Scheduler::on_result`] in turn. `schedule` reads only state
-//! that results have committed (`kv_len`, `tokens`), and marks the requests it plans as in
-//! flight, so a later engine can plan step N+1 while step N runs without changing this design.
+//! [`Scheduler::schedule`] and [`Scheduler::on_result`]. Without overlap they alternate. With
+//! overlap the engine calls `schedule` for step N+1 while step N is in flight (never with two
+//! plans in flight), and results come back in step order. Committed state (`kv_len`, `tokens`)
+//! changes only in `on_result`; planning moves a request's planned frontier, and a request
+//! that ends while a plan with it is in flight keeps its pages until that plan is back.
 //!
 //! Files: `allocator` (reference-counted pages), `radix` (prefix cache), `request` (one
 //! request's state), `batcher` (building a step: decode, chunked prefill, admission,
@@ -22,7 +24,7 @@ use crate::engine::{GenerateEvent, GenerateRequest, RequestId, SubmitError};
 
 use allocator::{PageAllocator, PageId};
 use radix::RadixCache;
-use request::Request;
+use request::{Ending, Request};
 
 pub use crate::protocol::BatchPlan;
 
@@ -242,6 +244,7 @@ impl Scheduler {
                 .insert(&r.tokens[..full * ps], &mut pages[..full], &mut self.alloc);
         }
         r.kv_len = 0;
+        r.planned_len = 0;
         for p in pages {
             self.alloc.release(p);
             self.radix.page_released(p, &self.alloc);
@@ -264,12 +267,21 @@ impl Scheduler {
     }
 
     /// Aborts a waiting or running request; its pages are released now (committed full pages
-    /// stay in the radix cache). Returns false when the id is unknown (finished or never
-    /// submitted). Emits no event: the caller reports the abort to its client.
+    /// stay in the radix cache), or, while a plan with it is in flight, when that plan is back.
+    /// Returns false when the id is unknown (finished or never submitted) or already leaving.
+    /// Emits no event: the caller reports the abort to its client.
     pub fn abort(&mut self, id: RequestId) -> bool {
         let Some(&slot) = self.index.get(&id) else {
             return false;
         };
+        let r = self.slots[slot].as_mut().expect("live request slot");
+        if r.retiring.is_some() {
+            return false;
+        }
+        if r.in_flight > 0 {
+            r.retiring = Some(Ending::Aborted);
+            return true;
+        }
         if let Some(i) = self.running.iter().position(|&s| s == slot) {
             self.running.remove(i);
             self.release_pages(slot, true);
@@ -337,12 +349,21 @@ impl Scheduler {
         let mut writer: HashMap<PageId, RequestId> = HashMap::new();
         for &slot in &self.running {
             let r = self.req(slot);
-            if r.pages.len() < self.pages_for(r.kv_len) {
+            if r.pages.len() < self.pages_for(r.planned_len) {
                 return Err(format!(
-                    "request {}: {} pages for {} committed tokens",
+                    "request {}: {} pages for {} planned tokens",
                     r.id,
                     r.pages.len(),
-                    r.kv_len
+                    r.planned_len
+                ));
+            }
+            if r.in_flight == 0
+                && (r.planned_len != r.kv_len || r.pending_tokens != 0 || r.retiring.is_some())
+            {
+                return Err(format!(
+                    "request {}: nothing in flight, yet planned {} != committed {} or {} tokens \
+                     pending or leaving",
+                    r.id, r.planned_len, r.kv_len, r.pending_tokens
                 ));
             }
             for (k, &p) in r.pages.iter().enumerate() {
@@ -353,8 +374,11 @@ impl Scheduler {
             }
         }
         for &slot in &self.waiting {
-            if !self.req(slot).pages.is_empty() {
-                return Err(format!("waiting request {} holds pages", self.req(slot).id));
+            if !self.req(slot).pages.is_empty() || self.req(slot).in_flight != 0 {
+                return Err(format!(
+                    "waiting request {} holds pages or is in flight",
+                    self.req(slot).id
+                ));
             }
         }
         for (p, &h) in holders.iter().enumerate() {

@@ -5,6 +5,12 @@
 //! while `kv_len` is far behind, the last sampled token once it is one behind. Prefill, chunked
 //! prefill, decode and recompute after preemption are all this one rule, so no path carries
 //! state that another lacks.
+//!
+//! With overlap the next step is planned before the current one's result is back, so a request
+//! also carries its *planned* frontier: `planned_len` (its KV length once every plan in flight
+//! has run) and `pending_tokens` (tokens those plans sample that are not yet in `tokens`). The
+//! same rule then applies from `planned_len`; a token still pending is referenced by its row in
+//! the plan that samples it.
 
 use crate::engine::{GenerateRequest, RequestId};
 use crate::protocol::SamplingParams;
@@ -33,8 +39,35 @@ pub struct Request {
     pub admitted_once: bool,
     /// Prompt positions below this have had their logprobs reported (position 0 has none).
     pub prompt_logprobs_next: usize,
-    /// A plan containing this request was emitted and its result has not come back yet.
-    pub in_flight: bool,
+    /// KV length once every plan in flight for it has run (`kv_len` when none is).
+    pub planned_len: usize,
+    /// Plans sent with this request whose results are not committed yet (at most 2).
+    pub in_flight: u8,
+    /// Tokens those plans sample that are not in `tokens` yet.
+    pub pending_tokens: u8,
+    /// Its row in the newest plan it is in, and that plan's step: a next step planned before
+    /// that result is back takes its input token from this row.
+    pub last_row: u32,
+    pub last_step: u64,
+    /// It finished, failed or was aborted while a plan with it was in flight: its pages wait
+    /// for those plans to come back, then go as `Ending` says.
+    pub retiring: Option<Ending>,
+}
+
+/// How a request left: decides whether its committed pages stay in the radix cache and which
+/// outcome counter it adds to once its pages are released.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Ending {
+    Finished,
+    Aborted,
+    Failed,
+}
+
+impl Ending {
+    /// Finished and aborted requests computed valid KV worth reusing; a failed one may not have.
+    pub fn keeps_cache(self) -> bool {
+        !matches!(self, Ending::Failed)
+    }
 }
 
 impl Request {
@@ -55,7 +88,12 @@ impl Request {
             cached_tokens: 0,
             admitted_once: false,
             prompt_logprobs_next: 1,
-            in_flight: false,
+            planned_len: 0,
+            in_flight: 0,
+            pending_tokens: 0,
+            last_row: 0,
+            last_step: 0,
+            retiring: None,
         }
     }
 
@@ -63,14 +101,19 @@ impl Request {
         self.tokens.len() - self.prompt_len
     }
 
-    /// Tokens still to run before the next token can be sampled.
+    /// Tokens still to run, past what is planned, before the next token can be sampled.
     pub fn remaining(&self) -> usize {
-        self.tokens.len() - self.kv_len
+        self.tokens.len() + self.pending_tokens as usize - self.planned_len
     }
 
     /// Whether the next step is a decode (one token, free of the prefill budget).
     pub fn is_decoding(&self) -> bool {
-        self.remaining() == 1 && self.generated() > 0
+        self.remaining() == 1 && self.generated() + self.pending_tokens as usize > 0
+    }
+
+    /// Whether its next input is a token a plan in flight samples (not known yet).
+    pub fn input_is_pending(&self) -> bool {
+        self.pending_tokens > 0 && self.planned_len == self.tokens.len()
     }
 
     /// Prompt logprobs still owed: the next chunk must ask the workers for them.

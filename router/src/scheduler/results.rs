@@ -9,6 +9,7 @@ use std::collections::HashMap;
 use crate::engine::{FinishReason, GenerateEvent, RequestId};
 use crate::protocol::{BatchPlan, PromptLogprobs, StepResult, TokenLogprobs};
 
+use super::request::Ending;
 use super::Scheduler;
 
 impl Scheduler {
@@ -40,11 +41,28 @@ impl Scheduler {
                 continue;
             };
             let r = self.slots[slot].as_mut().expect("live request slot");
-            if !r.in_flight || r.kv_len != pr.cached_len as usize {
-                // Not this plan's request state (a plan applied twice): committing would corrupt it.
+            if r.in_flight == 0 {
+                // Not in flight (a plan applied twice): committing would corrupt it.
                 continue;
             }
-            r.in_flight = false;
+            if let Some(ending) = r.retiring {
+                // It ended while this plan was in flight: what the plan produced is dropped,
+                // and once no plan with it is in flight its pages go.
+                r.in_flight -= 1;
+                if r.in_flight == 0 {
+                    r.pending_tokens = 0;
+                    r.planned_len = r.kv_len;
+                    self.finish(slot, ending);
+                    left = true;
+                }
+                continue;
+            }
+            if r.kv_len != pr.cached_len as usize {
+                // Not this plan's request state: committing would corrupt it.
+                continue;
+            }
+            r.in_flight -= 1;
+            r.pending_tokens -= pr.sample as u8;
             if let Some(msg) = errors.get(&pr.id) {
                 events.push((
                     pr.id,
@@ -54,8 +72,7 @@ impl Scheduler {
                     },
                 ));
                 // Its KV may be wrong: nothing of it goes into the cache.
-                self.finish(slot, false);
-                left = true;
+                left |= self.retire(slot, Ending::Failed);
                 continue;
             }
             for p in prompt_lps.get(&pr.id).into_iter().flatten() {
@@ -66,6 +83,9 @@ impl Scheduler {
                 }
             }
             r.kv_len += pr.input_ids.len();
+            if r.in_flight == 0 {
+                r.planned_len = r.kv_len;
+            }
             let mut reason = None;
             if pr.sample {
                 let Some(&(token, lp)) = sampled.get(&pr.id) else {
@@ -76,8 +96,7 @@ impl Scheduler {
                             retryable: false,
                         },
                     ));
-                    self.finish(slot, false);
-                    left = true;
+                    left |= self.retire(slot, Ending::Failed);
                     continue;
                 };
                 r.tokens.push(token);
@@ -113,8 +132,7 @@ impl Scheduler {
                         cached_tokens,
                     },
                 ));
-                self.finish(slot, true);
-                left = true;
+                left |= self.retire(slot, Ending::Finished);
             } else if pr.input_ids.len() > 1 && !self.cfg.disable_radix_cache {
                 // A prompt chunk ran: index its full pages now, so concurrent requests with the
                 // same prefix can share them before this one finishes.
@@ -134,15 +152,27 @@ impl Scheduler {
         events
     }
 
-    /// Releases a request that left the running batch: finished (its pages go to the cache)
-    /// or failed (they do not). The caller prunes `running`.
-    fn finish(&mut self, slot: usize, finished: bool) {
-        self.release_pages(slot, finished);
+    /// A request ends: released now, or (a later plan with it in flight) once that plan is
+    /// back. True when it left the running batch now (the caller prunes `running`).
+    fn retire(&mut self, slot: usize, ending: Ending) -> bool {
+        let r = self.slots[slot].as_mut().expect("live request slot");
+        if r.in_flight > 0 {
+            r.retiring = Some(ending);
+            return false;
+        }
+        self.finish(slot, ending);
+        true
+    }
+
+    /// Releases a request that left the running batch and counts how it ended. The caller
+    /// prunes `running`.
+    fn finish(&mut self, slot: usize, ending: Ending) {
+        self.release_pages(slot, ending.keeps_cache());
         self.take(slot);
-        if finished {
-            self.requests.finished += 1;
-        } else {
-            self.requests.failed += 1;
+        match ending {
+            Ending::Finished => self.requests.finished += 1,
+            Ending::Aborted => self.requests.aborted += 1,
+            Ending::Failed => self.requests.failed += 1,
         }
     }
 }

@@ -5,6 +5,10 @@
 //! Because the executor reads the sequence back from the slots, a wrong page list, a shared
 //! page overwritten, or a stale cached prefix changes the sampled tokens, and the outputs no
 //! longer match the reference computed straight from the prompt.
+//!
+//! The executor also resolves overlap references (`input_prev_row`) from what it sampled in
+//! the previous step, as the workers do, and `step_overlap` drives the scheduler the way the
+//! engine does with overlap on: step N+1 is planned before step N's result is committed.
 
 #![allow(dead_code)]
 
@@ -12,7 +16,7 @@ use std::collections::{HashMap, HashSet};
 
 use nsaserve_router::engine::{FinishReason, GenerateEvent, GenerateRequest, RequestId};
 use nsaserve_router::protocol::{
-    BatchPlan, PromptLogprobs, SamplingParams, StepResult, TokenLogprobs,
+    BatchPlan, PlannedRequest, PromptLogprobs, SamplingParams, StepResult, TokenLogprobs,
 };
 use nsaserve_router::scheduler::{Scheduler, SchedulerConfig};
 
@@ -52,6 +56,9 @@ pub struct FakeExecutor {
     kv: Vec<Option<(i32, i32)>>,
     /// Requests to fail with an error at their next step.
     pub fail_next: HashSet<u64>,
+    /// (request id, sampled token) of each row of the previous plan, and its step.
+    prev: Vec<(u64, Option<i32>)>,
+    prev_step: Option<u64>,
 }
 
 impl FakeExecutor {
@@ -59,22 +66,55 @@ impl FakeExecutor {
         Self {
             kv: vec![None; (cfg.num_pages * cfg.page_size) as usize],
             fail_next: HashSet::new(),
+            prev: Vec::new(),
+            prev_step: None,
+        }
+    }
+
+    /// The workers restarted: nothing of the previous step is remembered.
+    pub fn forget_previous_step(&mut self) {
+        self.prev.clear();
+        self.prev_step = None;
+    }
+
+    /// The input tokens of a planned request, a reference filled in from the previous step;
+    /// `None` when the reference is not to a token that step sampled for this request.
+    fn inputs(&self, plan: &BatchPlan, r: &PlannedRequest) -> Option<Vec<i32>> {
+        if r.input_prev_row < 0 {
+            return Some(r.input_ids.clone());
+        }
+        match self.prev.get(r.input_prev_row as usize) {
+            Some(&(id, Some(t))) if id == r.id && self.prev_step? + 1 == plan.step => Some(vec![t]),
+            _ => None,
         }
     }
 
     pub fn run(&mut self, plan: &BatchPlan) -> StepResult {
         let ps = plan.page_size as i32;
-        // A step writes all its new KV, then every request attends over its page table.
-        for r in &plan.requests {
-            for (k, (&tok, &slot)) in r.input_ids.iter().zip(&r.out_slots).enumerate() {
-                self.kv[slot as usize] = Some((tok, r.cached_len + k as i32));
-            }
-        }
         let mut result = StepResult {
             step: plan.step,
             ..Default::default()
         };
+        let mut rows: Vec<(u64, Option<i32>)> =
+            plan.requests.iter().map(|r| (r.id, None)).collect();
+        let mut bad = HashSet::new();
+        // A step writes all its new KV, then every request attends over its page table.
         for r in &plan.requests {
+            let Some(inputs) = self.inputs(plan, r) else {
+                result
+                    .errors
+                    .push((r.id, "input_prev_row names no token it sampled".into()));
+                bad.insert(r.id);
+                continue;
+            };
+            for (k, (&tok, &slot)) in inputs.iter().zip(&r.out_slots).enumerate() {
+                self.kv[slot as usize] = Some((tok, r.cached_len + k as i32));
+            }
+        }
+        for (row, r) in plan.requests.iter().enumerate() {
+            if bad.contains(&r.id) {
+                continue;
+            }
             if self.fail_next.remove(&r.id) {
                 result.errors.push((r.id, "injected failure".into()));
                 continue;
@@ -117,9 +157,13 @@ impl FakeExecutor {
                     logprob: -0.5,
                     top: vec![],
                 });
-                result.sampled.push((r.id, next_token(&seq), lp));
+                let t = next_token(&seq);
+                rows[row].1 = Some(t);
+                result.sampled.push((r.id, t, lp));
             }
         }
+        self.prev = rows;
+        self.prev_step = Some(plan.step);
         result
     }
 }
@@ -212,6 +256,106 @@ pub fn step(
     record(outcomes, events);
     sched.check_invariants().expect("invariants after result");
     true
+}
+
+/// One engine iteration with overlap on: plan the next step while `in_flight` (the previous
+/// one, if any) has not been committed, then commit `in_flight`; the new plan becomes the one
+/// in flight. Checks that the new plan reuses no page the step in flight writes for another
+/// request (a page freed too early). Returns false when nothing was planned or committed.
+pub fn step_overlap(
+    sched: &mut Scheduler,
+    exec: &mut FakeExecutor,
+    step: u64,
+    outcomes: &mut HashMap<RequestId, Outcome>,
+    in_flight: &mut Option<BatchPlan>,
+) -> bool {
+    let next = sched.schedule(step);
+    sched.check_invariants().expect("invariants after schedule");
+    if let Some(plan) = &next {
+        check_plan(plan, sched.config().num_pages);
+        if let Some(prev) = in_flight.as_ref() {
+            check_no_reuse_in_flight(prev, plan);
+        }
+    }
+    let had = in_flight.is_some();
+    if let Some(prev) = in_flight.take() {
+        let result = exec.run(&prev);
+        record(outcomes, sched.on_result(&prev, &result));
+        sched.check_invariants().expect("invariants after result");
+    }
+    *in_flight = next;
+    had || in_flight.is_some()
+}
+
+/// Drives a scheduler the way the engine does, with overlap on or off.
+pub struct Driver {
+    pub overlap: bool,
+    in_flight: Option<BatchPlan>,
+    /// Planned requests whose input was a reference to the step in flight.
+    pub references: u64,
+}
+
+impl Driver {
+    pub fn new(overlap: bool) -> Self {
+        Self {
+            overlap,
+            in_flight: None,
+            references: 0,
+        }
+    }
+
+    /// One engine iteration; false when there was nothing to plan or commit.
+    pub fn step(
+        &mut self,
+        sched: &mut Scheduler,
+        exec: &mut FakeExecutor,
+        n: u64,
+        outcomes: &mut HashMap<RequestId, Outcome>,
+    ) -> bool {
+        if self.overlap {
+            let progress = step_overlap(sched, exec, n, outcomes, &mut self.in_flight);
+            if let Some(p) = &self.in_flight {
+                self.references +=
+                    p.requests.iter().filter(|r| r.input_prev_row >= 0).count() as u64;
+            }
+            progress
+        } else {
+            step(sched, exec, n, outcomes)
+        }
+    }
+
+    /// Whether a step is in flight (its result not committed yet).
+    pub fn busy(&self) -> bool {
+        self.in_flight.is_some()
+    }
+
+    /// The workers died: the step in flight never comes back, and they forget it.
+    pub fn workers_died(&mut self, exec: &mut FakeExecutor) {
+        self.in_flight = None;
+        exec.forget_previous_step();
+    }
+}
+
+/// A page step N writes for one request appears in no other request of step N+1.
+pub fn check_no_reuse_in_flight(in_flight: &BatchPlan, next: &BatchPlan) {
+    let ps = in_flight.page_size as i32;
+    let mut writer: HashMap<i32, u64> = HashMap::new();
+    for r in &in_flight.requests {
+        for &s in &r.out_slots {
+            writer.insert(s / ps, r.id);
+        }
+    }
+    for r in &next.requests {
+        for p in &r.pages {
+            if let Some(&w) = writer.get(p) {
+                assert_eq!(
+                    w, r.id,
+                    "page {p}, written by request {w} in step {}, is given to request {} in step {}",
+                    in_flight.step, r.id, next.step
+                );
+            }
+        }
+    }
 }
 
 /// Asserts that every finished request produced exactly its reference output.
