@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import nsaserve
 from nsaserve.kernels.quant import BF16, NVFP4, load_quant_scheme
 from nsaserve.kernels.quant.make_glm5_shaped import GLM5_CONFIG, TINY_OVERRIDES, glm5_config, make_glm5_shaped
 from nsaserve.model.runner import ModelRunner
@@ -127,7 +128,10 @@ def test_sweep_driver_serves_and_benches_on_cpu(ckpt, tmp_path):
     cmd = [sys.executable, str(GPU_BENCH / "glm5_sweep.py"), "--out", str(out), "--device", "cpu", "--model-path", ckpt,
            "--phases", "sweep", "--levels", "5", "--input-len", "40", "--output-len", "4", "--prefill-probes", "0",
            "--budget-s", "100", "--serve-arg=--max-total-tokens=4096"]  # fmt: skip
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "pyworker"), os.environ.get("PYTHONPATH", "")]))
+    # The driver and its server import the nsaserve this test imports (installed, or the source
+    # tree with a built extension), never another one.
+    here = str(Path(nsaserve.__file__).resolve().parent.parent)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([here, os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=150, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     doc = json.loads((out / "results.json").read_text())
