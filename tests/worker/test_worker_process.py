@@ -131,6 +131,7 @@ class FailingExecutor:
     """Fails every step with `error`, as a model whose collective or kernel raised would."""
 
     num_pages = 32
+    vocab_size = 1000
 
     def __init__(self, error: Exception):
         self.error = error

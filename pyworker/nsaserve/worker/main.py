@@ -111,7 +111,7 @@ def run_plan(
         if msg["kind"] == "shutdown":
             return None, -1
         plan = plan_from_msg(msg)
-        runnable, errors = validate_plan(plan, executor.num_pages, getattr(executor, "vocab_size", None))
+        runnable, errors = validate_plan(plan, executor.num_pages, executor.vocab_size)
         runnable, bad_refs = prev.resolve(plan, runnable)
         errors += bad_refs
     except (ProtocolError, KeyError, ValueError, TypeError) as e:
