@@ -95,6 +95,16 @@ pub struct RequestCounts {
     pub failed: u64,
 }
 
+impl RequestCounts {
+    fn count(&mut self, ending: Ending) {
+        match ending {
+            Ending::Finished => self.finished += 1,
+            Ending::Aborted => self.aborted += 1,
+            Ending::Failed => self.failed += 1,
+        }
+    }
+}
+
 pub struct Scheduler {
     cfg: SchedulerConfig,
     alloc: PageAllocator,
@@ -303,8 +313,15 @@ impl Scheduler {
             .collect();
         let mut events = Vec::with_capacity(slots.len());
         for slot in slots {
+            let ended = self.slots[slot].as_ref().and_then(|r| r.retiring);
             self.release_pages(slot, false);
             let r = self.take(slot);
+            if let Some(ending) = ended {
+                // It already ended (its last event is out) and only waited for a step in
+                // flight: count it as it ended, and send nothing more.
+                self.requests.count(ending);
+                continue;
+            }
             self.requests.failed += 1;
             events.push((
                 r.id,

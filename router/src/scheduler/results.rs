@@ -169,11 +169,7 @@ impl Scheduler {
     fn finish(&mut self, slot: usize, ending: Ending) {
         self.release_pages(slot, ending.keeps_cache());
         self.take(slot);
-        match ending {
-            Ending::Finished => self.requests.finished += 1,
-            Ending::Aborted => self.requests.aborted += 1,
-            Ending::Failed => self.requests.failed += 1,
-        }
+        self.requests.count(ending);
     }
 }
 
