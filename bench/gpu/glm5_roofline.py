@@ -132,9 +132,14 @@ def decode_step_report(steps: list[dict], roofline: DecodeRoofline, bandwidth: f
     ms = median([r[0] for r in rows])
     roof = median([r[1] for r in rows])
     mid = sorted(rows, key=lambda r: r[1])[len(rows) // 2]
+    mixed = [s for s in steps if s["mode"] != "decode"]
     return {
         "decode_steps": len(decode),
         "full_steps": len(full),
+        "graph_steps": sum(bool(s.get("graph")) for s in use),
+        "prefill_or_mixed_steps": len(mixed),
+        "prefill_or_mixed_ms_median": median([s["ms"] for s in mixed]),
+        "prefill_or_mixed_tokens_median": median([s["tokens"] for s in mixed]),
         "batch_median": median([r[3]["reqs"] for r in rows]),
         "context_median": median([r[3]["ctx"] / r[3]["reqs"] for r in rows]),
         "step_ms_median": ms,

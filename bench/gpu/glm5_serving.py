@@ -42,6 +42,10 @@ class Server:
                 raise TimeoutError("server not ready within the budget")
             time.sleep(0.5)
 
+    def log_lines(self, needle: str) -> list[str]:
+        """The server output's lines containing needle (what the workers said about it)."""
+        return [x for x in self.log_path.read_text(errors="replace").splitlines() if needle in x]
+
     def steps(self) -> list[dict]:
         if not self.step_log.exists():
             return []

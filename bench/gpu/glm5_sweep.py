@@ -57,6 +57,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     # load
     p.add_argument("--levels", default="64,256,512,1024")
     p.add_argument("--waves", type=float, default=1.0, help="prompts per level = waves x concurrency")
+    p.add_argument("--level-waves", default="", help="per-level waves, e.g. 64:4,256:2 (others: --waves); "
+                   "with more waves than one, most requests arrive into a running batch, as in steady serving")
+    p.add_argument("--warmup-prompts", type=int, default=0, help="before the levels: this many requests at "
+                   "the first level's concurrency (input as the levels, 16 tokens out), not reported: "
+                   "first-use compilation of the prefill shapes lands there")
     p.add_argument("--input-len", type=int, default=1024)
     p.add_argument("--output-len", type=int, default=1024)
     p.add_argument("--range-ratio", type=float, default=0.8)
@@ -206,7 +211,10 @@ def phase_serving(run: Run, model_path: str, roofline: DecodeRoofline, bandwidth
         ready = server.wait_ready()
         ready_line = next(x for x in server.log_path.read_text().splitlines() if "nsaserve ready" in x)
         run.say(f"server ready in {ready:.1f} s: {ready_line}")
-        run.doc["phases"]["serve"] = {"ready_s": round(ready, 1), "ready_line": ready_line, "gpu_memory": gpu_memory()}
+        run.doc["phases"]["serve"] = {"ready_s": round(ready, 1), "ready_line": ready_line, "gpu_memory": gpu_memory(),
+                                      "cuda_graphs": server.log_lines("CUDA graphs")}  # fmt: skip
+        for line in run.doc["phases"]["serve"]["cuda_graphs"]:
+            run.say(line)
         try:
             check = finite_logits_check(server.port, roofline.vocab)
         except Exception as e:  # a NaN the server cannot even serialise shows up here
@@ -227,9 +235,14 @@ def phase_serving(run: Run, model_path: str, roofline: DecodeRoofline, bandwidth
             }
         if "sweep" in phases:
             sweep = run.doc["phases"].setdefault("sweep", [])
+            waves = {int(k): float(v) for k, _, v in (x.partition(":") for x in a.level_waves.split(",") if x)}
+            if a.warmup_prompts > 0:
+                flags = random_flags(levels[0], a.warmup_prompts, a.input_len, 16, a.range_ratio)
+                if bench(run, server, "warmup", flags, model_path) is not None:
+                    run.doc["phases"]["warmup"] = {"prompts": a.warmup_prompts, "concurrency": levels[0]}
             for level in levels:
                 n_before = len(server.steps())
-                prompts = max(1, int(round(a.waves * level)))
+                prompts = max(1, int(round(waves.get(level, a.waves) * level)))
                 doc = bench(run, server, f"random-{level}",
                             random_flags(level, prompts, a.input_len, a.output_len, a.range_ratio), model_path)  # fmt: skip
                 if doc is None:
@@ -243,7 +256,10 @@ def phase_serving(run: Run, model_path: str, roofline: DecodeRoofline, bandwidth
                 d = entry["decode"]
                 if d.get("decode_steps"):
                     run.say(f"level {level}: decode step {d['step_ms_median']:.1f} ms at batch {d['batch_median']} "
-                            f"vs roofline {d['roofline_ms_median']:.2f} ms ({d['ratio_median']:.1f}x)")  # fmt: skip
+                            f"vs roofline {d['roofline_ms_median']:.2f} ms ({d['ratio_median']:.1f}x), "
+                            f"{d['graph_steps']} of {d['full_steps'] or d['decode_steps']} replayed graphs; "
+                            f"{d['prefill_or_mixed_steps']} prefill/mixed steps, median {d['prefill_or_mixed_ms_median']} ms "
+                            f"for {d['prefill_or_mixed_tokens_median']} tokens")  # fmt: skip
         if "shared" in phases:
             flags = ["--dataset-name", "shared-prefix", "--num-prompts", str(a.shared_conversations),
                      "--max-concurrency", str(a.shared_concurrency), "--gsp-system-prompt-len", str(a.shared_system_len),

@@ -36,7 +36,13 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--chunked-prefill-size", type=int, default=8192, help="split longer prompts into chunks of this size; -1 disables")
     s.add_argument("--disable-radix-cache", action="store_true", help="do not reuse cached prompt prefixes")
     s.add_argument("--disable-cuda-graph", action="store_true", help="run decode steps eagerly, without CUDA graphs")
-    s.add_argument("--cuda-graph-max-bs", type=int, default=128, help="largest decode batch captured as a CUDA graph (graphs need graph-safe kernel backends)")
+    s.add_argument("--cuda-graph-max-bs", type=int, default=256, help="largest decode batch captured as a CUDA graph (graphs need graph-safe kernel backends)")
+    s.add_argument(
+        "--cuda-graph-max-context",
+        type=int,
+        default=None,
+        help="longest context (tokens) a decode CUDA graph covers; longer ones run eagerly (default: the context length)",
+    )
     s.add_argument(
         "--disable-overlap-schedule",
         action="store_true",

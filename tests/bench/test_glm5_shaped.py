@@ -122,11 +122,11 @@ def test_roofline_counts_the_checkpoint_bytes(ckpt):
 
 @pytest.mark.skipif(importlib.util.find_spec("nsaserve._router") is None, reason="router extension not built")
 def test_sweep_driver_serves_and_benches_on_cpu(ckpt, tmp_path):
-    """The whole harness on CPU: serve the tiny checkpoint, 5 requests at concurrency 5, decode
-    steps read from the worker's step log and set against the roofline."""
+    """The whole harness on CPU: serve the tiny checkpoint, a warm-up, then 10 requests (2 waves)
+    at concurrency 5, decode steps read from the worker's step log and set against the roofline."""
     out = tmp_path / "out"
     cmd = [sys.executable, str(GPU_BENCH / "glm5_sweep.py"), "--out", str(out), "--device", "cpu", "--model-path", ckpt,
-           "--phases", "sweep", "--levels", "5", "--input-len", "40", "--output-len", "4", "--prefill-probes", "0",
+           "--phases", "sweep", "--levels", "5", "--level-waves", "5:2", "--warmup-prompts", "2", "--input-len", "40", "--output-len", "4", "--prefill-probes", "0",
            "--budget-s", "100", "--serve-arg=--max-total-tokens=4096"]  # fmt: skip
     # The driver and its server import the nsaserve this test imports (installed, or the source
     # tree with a built extension), never another one.
@@ -137,15 +137,18 @@ def test_sweep_driver_serves_and_benches_on_cpu(ckpt, tmp_path):
     doc = json.loads((out / "results.json").read_text())
     (level,) = doc["phases"]["sweep"]
     s = level["bench"]["summary"]
-    assert (s["completed"], s["failed"]) == (5, 0)
+    assert (s["completed"], s["failed"]) == (10, 0)
+    assert doc["phases"]["warmup"] == {"prompts": 2, "concurrency": 5}
     assert level["decode"]["decode_steps"] >= 1 and level["decode"]["roofline_ms_median"] > 0
-    assert "| 5 | 5 | 5 | 0 |" in proc.stdout  # the summary table
+    assert level["decode"]["graph_steps"] == 0  # CPU: no graphs
+    assert level["decode"]["prefill_or_mixed_steps"] >= 1
+    assert "| 5 | 10 | 10 | 0 |" in proc.stdout  # the summary table
     assert os.path.exists(os.path.join(ckpt, "config.json")), "a given --model-path is never deleted"
     assert doc["checkpoint"]["moe_layers"] == 2 and doc["targets"]["zero_failed"]["met"]
     assert doc["phases"]["finite_logits"]["finite"] and doc["phases"]["finite_logits"]["values"] > 256
     from glm5_report import report
 
-    assert "| 5 | 5 | 5 | 0 |" in report(doc, "title")
+    assert "| 5 | 10 | 10 | 0 |" in report(doc, "title")
 
 
 def test_background_shard_writer_matches_the_reference_writer(tmp_path):
@@ -186,11 +189,13 @@ def test_decode_report_uses_full_decode_steps_and_targets_read_it(ckpt):
         {"mode": "mixed", "reqs": 256, "tokens": 300, "ctx": 9000, "sel": 9000, "ms": 500.0},
         {"mode": "decode", "reqs": 100, "tokens": 100, "ctx": 5000, "sel": 3000, "ms": 1.0},  # a tail step
     ] + [
-        {"mode": "decode", "reqs": 256, "tokens": 256, "ctx": 256 * 40, "sel": 256 * 32, "ms": m}
+        {"mode": "decode", "reqs": 256, "tokens": 256, "ctx": 256 * 40, "sel": 256 * 32, "ms": m, "graph": m > 3}
         for m in (3.0, 5.0, 4.0)
     ]
     r = decode_step_report(steps, roof, bw, 256)
     assert (r["decode_steps"], r["full_steps"], r["batch_median"], r["step_ms_median"]) == (4, 3, 256, 4.0)
+    assert r["graph_steps"] == 2 and r["prefill_or_mixed_steps"] == 2
+    assert (r["prefill_or_mixed_ms_median"], r["prefill_or_mixed_tokens_median"]) == (900.0, 9000)
     roofline_ms = 1e3 * roof.step_bytes(256, 256 * 40, 256 * 32)["total"] / bw
     assert r["roofline_ms_median"] == pytest.approx(roofline_ms)
     assert r["ratio_median"] == pytest.approx(4.0 / roofline_ms)

@@ -33,6 +33,9 @@ def test_buckets():
     assert batch_buckets(1) == [1]
     assert batch_buckets(64) == [1, 2, 4, 8, 16, 32, 48, 64]
     assert batch_buckets(40) == [1, 2, 4, 8, 16, 32, 40]
+    # Multiples of 64 past 256: padding a large batch costs little, and each bucket is a capture.
+    assert batch_buckets(1024)[-14:] == [240, 256, 320, 384, 448, 512, 576, 640, 704, 768, 832, 896, 960, 1024]
+    assert batch_buckets(300) == [1, 2, 4, 8] + list(range(16, 257, 16)) + [300]
     assert len_buckets(128, 4) == [128]
     assert len_buckets(202752, 64) == [1024 << k for k in range(8)] + [202752]
     assert len_buckets(5000, 64) == [1024, 2048, 4096, 5056]  # whole pages
@@ -59,6 +62,13 @@ def test_plans_that_fit_and_blockers(tmp_path):
     assert not plan_fits(decode, max_bs=2, max_len=3)  # a context past the largest bucket
     assert not plan_fits(s.plan([(0, [7, 8])], all_logits=False), 2, 128)  # two tokens: not decode
     assert not plan_fits(s.plan([(0, [7])], all_logits=True), 2, 128)  # prompt logprobs
+    # --cuda-graph-max-context: contexts past it run eagerly.
+    from nsaserve.worker.cuda_graphs import DecodeGraphs
+
+    capped = DecodeGraphs(r, max_bs=2, max_len=4, log=lambda m: None, capture=False)
+    assert capped.len_buckets == [4] and capped.fits(decode)
+    s.step([(0, [7, 8])])
+    assert not capped.fits(s.plan([(0, [9]), (1, [8])], all_logits=False))  # request 0 is at 6 tokens
     reasons = " ".join(graph_blockers(r))
     assert "not cuda" in reasons and "moe_experts backend 'torch'" in reasons
     r.set_backend("moe_experts", "torch_dense")

@@ -36,9 +36,12 @@ MIN_LEN_BUCKET = 1024
 
 
 def batch_buckets(max_bs: int) -> list[int]:
-    """1, 2, 4, 8, then every multiple of 16 up to max_bs (and max_bs itself)."""
-    out = [b for b in (1, 2, 4, 8) if b < max_bs] + list(range(16, max_bs, 16))
-    return sorted(set(out + [max_bs]))
+    """1, 2, 4, 8, every multiple of 16 up to 256, then every multiple of 64 up to max_bs (and
+    max_bs itself). Padding a batch of 257 to 320 wastes little of a step whose weights dominate,
+    and the coarser steps keep the capture count (and startup time) down at large max_bs."""
+    small = [b for b in (1, 2, 4, 8) if b < max_bs]
+    out = small + list(range(16, min(max_bs, 256) + 1, 16)) + list(range(320, max_bs, 64))
+    return sorted({b for b in out if b < max_bs} | {max_bs})
 
 
 def len_buckets(max_context: int, page_size: int) -> list[int]:
@@ -93,13 +96,15 @@ class DecodeGraphs:
     """Captures decode graphs for a ModelRunner and replays them (see the module docstring)."""
 
     def __init__(self, runner, max_bs: int, max_len: int | None = None, log=print, capture: bool | None = None):
-        """capture=False (the default off CUDA) builds no graphs: run() then executes the same static
+        """max_len: the longest context a graph covers (default the model's); longer contexts
+        run eagerly. Every context bucket multiplies the graphs captured.
+        capture=False (the default off CUDA) builds no graphs: run() then executes the same static
         batch eagerly, which is how CPU tests check the padded layout and buffers."""
         self.runner = runner
         self.ps = runner.page_size
         self.scratch_page = runner.pool.scratch_page
         self.max_bs = max_bs
-        lens = len_buckets(max_len or runner.max_context, self.ps)
+        lens = len_buckets(min(max_len or runner.max_context, runner.max_context), self.ps)
         self.bs_buckets = batch_buckets(max_bs)
         self.len_buckets = lens
         self.max_len = lens[-1]

@@ -56,7 +56,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--mem-fraction-static", type=float, default=0.85)
     p.add_argument("--max-context", type=int, default=None)
     p.add_argument("--disable-cuda-graph", action="store_true")
-    p.add_argument("--cuda-graph-max-bs", type=int, default=128)
+    p.add_argument("--cuda-graph-max-bs", type=int, default=256)
+    p.add_argument("--cuda-graph-max-context", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
 

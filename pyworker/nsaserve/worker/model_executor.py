@@ -73,7 +73,8 @@ class ModelExecutor:
 
     def run(self, plan: Plan, is_rank0: bool) -> StepResult:
         t0 = time.perf_counter()
-        if self.graphs is not None and self.graphs.fits(plan):
+        graph = self.graphs is not None and self.graphs.fits(plan)
+        if graph:
             logits = self.graphs.run(plan)  # a decode step: one row per request, all sampling
         else:
             logits = self.runner.forward(build_forward_batch(plan, self.device))
@@ -91,7 +92,7 @@ class ModelExecutor:
             row += len(token_rows)
         result.forward_ms = (time.perf_counter() - t0) * 1e3
         if self.step_log is not None:
-            self.step_log.record(plan, result.forward_ms)
+            self.step_log.record(plan, result.forward_ms, graph)
         return result
 
     def _prompt_logprobs(self, plan: Plan, i: int, rows: torch.Tensor) -> PromptLogprobs:
@@ -121,7 +122,7 @@ def decode_graphs(runner, args):
     if blockers:
         log("CUDA graphs off: " + "; ".join(blockers))
         return None
-    return DecodeGraphs(runner, args.cuda_graph_max_bs, log=log)
+    return DecodeGraphs(runner, args.cuda_graph_max_bs, getattr(args, "cuda_graph_max_context", None), log=log)
 
 
 def _has_nvfp4_experts(runner) -> bool:

@@ -4,7 +4,8 @@ rank 0 appends one JSON line per executed step to PATH.
 A line: {"t": unix time at the end of the step, "mode": "prefill" | "decode" | "mixed",
 "reqs": requests, "tokens": tokens run, "ctx": sum of the requests' context lengths after the
 step, "sel": sum of min(context, index_topk), "ms": the worker's step time (batch build, forward,
-sampling; the sampled tokens reach the host, so the GPU work is included)}.
+sampling; the sampled tokens reach the host, so the GPU work is included), "graph": whether the
+forward replayed a decode CUDA graph}.
 
 ctx and sel are what a decode step's memory roofline needs (the indexer reads every cached key,
 sparse attention reads `sel` latent rows); bench/gpu/glm5_roofline.py turns them into bytes.
@@ -31,7 +32,7 @@ class StepLog:
         path = os.environ.get(ENV)
         return cls(path, index_topk) if path else None
 
-    def record(self, plan, step_ms: float) -> None:
+    def record(self, plan, step_ms: float, graph: bool = False) -> None:
         ctx = plan.cached_lens.astype(np.int64) + np.diff(plan.query_start.astype(np.int64))
         line = {
             "t": round(time.time(), 4),
@@ -41,5 +42,6 @@ class StepLog:
             "ctx": int(ctx.sum()),
             "sel": int(np.minimum(ctx, self.index_topk).sum()),
             "ms": round(step_ms, 3),
+            "graph": graph,
         }
         self._file.write(json.dumps(line) + "\n")
