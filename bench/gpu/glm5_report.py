@@ -30,7 +30,9 @@ def report(doc: dict, title: str) -> str:
         f"Server ready in {p.get('serve', {}).get('ready_s')} s: {p.get('serve', {}).get('ready_line', '')}; "
         f"GPU memory after load: {p.get('serve', {}).get('gpu_memory')}.",
         f"Load: random {params['input_len']} in / {params['output_len']} out, range ratio {params['range_ratio']} "
-        f"(sglang's meaning), prompts per level = {params['waves']} x concurrency, no warm-up, ignore_eos.",
+        f"(sglang's meaning), prompts per level = waves x concurrency (waves {params['waves']}, per level: "
+        f"{params.get('level_waves') or 'none'}), warm-up: {params.get('warmup_prompts') or 0} requests "
+        f"before the first level, ignore_eos.",
         f"Roofline: per decode step, fixed weights {roof.get('fixed_weight_gb')} GB (attention, dense MLPs, shared "
         f"experts, routers, lm_head) + {roof.get('expert_mb')} MB per distinct routed expert per MoE layer "
         f"(uniform routing) + KV ({roof.get('latent_row_bytes')} B latent rows selected, {roof.get('index_row_bytes')} B "
