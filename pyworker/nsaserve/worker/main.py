@@ -147,9 +147,23 @@ def heartbeat_loop(sockets: WorkerSockets, rank: int, progress: list[int], stop:
         sock.close(linger=0)
 
 
+def share_cpu_threads(args: argparse.Namespace) -> None:
+    """On CPU, the tp_size ranks share the machine's cores: each takes cores // tp_size intra-op
+    threads (at least 1) instead of all of them. Oversubscribed ranks spin against each other and
+    every collective waits for the slowest (TP=8 on 2 cores ran ~10x slower per step). An explicit
+    OMP_NUM_THREADS wins."""
+    if args.device != "cpu" or os.environ.get("OMP_NUM_THREADS"):
+        return
+    import torch
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    torch.set_num_threads(max(1, cores // max(1, args.tp_size)))
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     die_with_parent()
+    share_cpu_threads(args)
     # Ctrl-C reaches the whole process group; `serve` decides when workers stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     if args.ipc_dir:
