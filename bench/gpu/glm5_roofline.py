@@ -133,7 +133,11 @@ def decode_step_report(steps: list[dict], roofline: DecodeRoofline, bandwidth: f
     roof = median([r[1] for r in rows])
     mid = sorted(rows, key=lambda r: r[1])[len(rows) // 2]
     mixed = [s for s in steps if s["mode"] != "decode"]
+    # Worker time between steps (receive, validate, fill references, build the batch is inside
+    # "ms"; this is what is outside it): end-to-end spacing of consecutive steps minus the step.
+    gaps = [1e3 * (b["t"] - a["t"]) - b["ms"] for a, b in zip(steps, steps[1:]) if "t" in a and "t" in b]
     return {
+        "between_steps_ms_median": median(gaps),
         "decode_steps": len(decode),
         "full_steps": len(full),
         "graph_steps": sum(bool(s.get("graph")) for s in use),

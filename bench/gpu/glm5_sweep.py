@@ -259,7 +259,7 @@ def phase_serving(run: Run, model_path: str, roofline: DecodeRoofline, bandwidth
                             f"vs roofline {d['roofline_ms_median']:.2f} ms ({d['ratio_median']:.1f}x), "
                             f"{d['graph_steps']} of {d['full_steps'] or d['decode_steps']} replayed graphs; "
                             f"{d['prefill_or_mixed_steps']} prefill/mixed steps, median {d['prefill_or_mixed_ms_median']} ms "
-                            f"for {d['prefill_or_mixed_tokens_median']} tokens")  # fmt: skip
+                            f"for {d['prefill_or_mixed_tokens_median']} tokens; {d['between_steps_ms_median']} ms between steps")  # fmt: skip
         if "shared" in phases:
             flags = ["--dataset-name", "shared-prefix", "--num-prompts", str(a.shared_conversations),
                      "--max-concurrency", str(a.shared_concurrency), "--gsp-system-prompt-len", str(a.shared_system_len),

@@ -192,9 +192,13 @@ def test_decode_report_uses_full_decode_steps_and_targets_read_it(ckpt):
         {"mode": "decode", "reqs": 256, "tokens": 256, "ctx": 256 * 40, "sel": 256 * 32, "ms": m, "graph": m > 3}
         for m in (3.0, 5.0, 4.0)
     ]
+    t = 100.0
+    for s in steps[2:]:  # each decode step ends 0.5 ms after its own time past the one before
+        t = s["t"] = t + (s["ms"] + 0.5) / 1e3
     r = decode_step_report(steps, roof, bw, 256)
     assert (r["decode_steps"], r["full_steps"], r["batch_median"], r["step_ms_median"]) == (4, 3, 256, 4.0)
     assert r["graph_steps"] == 2 and r["prefill_or_mixed_steps"] == 2
+    assert r["between_steps_ms_median"] == pytest.approx(0.5)
     assert (r["prefill_or_mixed_ms_median"], r["prefill_or_mixed_tokens_median"]) == (900.0, 9000)
     roofline_ms = 1e3 * roof.step_bytes(256, 256 * 40, 256 * 32)["total"] / bw
     assert r["roofline_ms_median"] == pytest.approx(roofline_ms)
