@@ -39,6 +39,13 @@ a shift and a mask; one packed bf16 multiply
 by (block scale · 2^119) then gives e2m1 · scale · 2^-7 exactly (both have few enough mantissa
 bits), and the epilogue multiplies by the expert's global scale · 2^7. The portable path (Triton's
 CPU interpreter, or ASM=False) builds the same values with ordinary arithmetic.
+
+relayout=True (weights from relayout_nvfp4, done once at load time; the checkpoint format is not
+changed and unrelayout_nvfp4 inverts it): each 16-input group's two words hold the codes in an order
+where a pair of bf16 values comes from one word by a rotation, a mask and (for two of the four
+pairs) a merge of the sign bits, 15 instructions per 8 values instead of 17, and the scales are
+re-encoded bytes whose bf16x2 (scale · 2^119, scale · 2^119) is one integer multiply-add (the
+checkpoint's e4m3 needs a conversion through f16 and f32). Same operand values, same MMAs.
 """
 
 from __future__ import annotations
@@ -85,6 +92,62 @@ _ASM_BYTE0 = tl.constexpr(_dequant_asm(0))
 _ASM_BYTE1 = tl.constexpr(_dequant_asm(1))
 _ASM_BYTE2 = tl.constexpr(_dequant_asm(2))
 _ASM_BYTE3 = tl.constexpr(_dequant_asm(3))
+
+
+# Re-laid-out words (relayout_nvfp4): the two words of a 16-input scale group hold 8 pairs (input
+# q, input q + 8), q = 0..7, word 0 pairs q = 0..3, word 1 q = 4..7; pair p of a word is read by
+# rotating the word right by R_MAG[p] (magnitudes) and R_SIGN[p] (signs), which must put the
+# magnitude bits e1 e0 m of the pair's two inputs at bits 8..6 and 24..22 and their signs at 15 and
+# 31: the bf16x2 bits of (e2m1(q), e2m1(q + 8)) * 2^-126. With these rotations a pair costs 2-4
+# integer instructions (shift or rotate, mask, and for two of them a merge of the signs) and one
+# packed multiply by (scale * 2^119): 15 instructions per 8 inputs where the checkpoint's byte
+# order needs 17 (no 4 rotations of one word can place all four pairs whole).
+RELAYOUT_R_MAG = (31, 2, 28, 6)
+RELAYOUT_R_SIGN = (1, 2, 28, 0)
+
+
+def _pair_asm(p: int) -> str:
+    """PTX for pair p of two re-laid-out words $4 and $5: ($0, $1) and ($2, $3) are the bf16
+    values (input q, q + 8) of each, times the bf16x2 scale $6."""
+    rm, rs = RELAYOUT_R_MAG[p], RELAYOUT_R_SIGN[p]
+
+    def rot(dst: str, src: str, r: int, lowest: int, highest: int) -> str:
+        """dst = src rotated right by r, for output bits lowest..highest only: a plain shift where
+        no needed bit wraps around (ptxas can issue a left shift on the multiply-add pipe)."""
+        if r == 0:
+            return f"mov.b32 {dst}, {src};"
+        if 32 - r <= lowest:
+            return f"shl.b32 {dst}, {src}, {32 - r};"
+        if highest + r <= 31:
+            return f"shr.u32 {dst}, {src}, {r};"
+        return f"shf.r.wrap.b32 {dst}, {src}, {src}, {r};"
+
+    def one(word: str, out_lo: str, out_hi: str) -> str:
+        if rm == rs:
+            body = f"{rot('t', word, rm, 6, 31)}\nand.b32 t, t, 0x81C081C0;"
+        else:
+            body = f"{rot('t', word, rm, 6, 24)}\nand.b32 t, t, 0x01C001C0;\n"
+            if rs == 0:
+                body += f"lop3.b32 t, t, {word}, 0x80008000, 0xF8;"
+            else:
+                body += f"{rot('u', word, rs, 15, 31)}\nlop3.b32 t, t, u, 0x80008000, 0xF8;"
+        return f"{body}\nmul.rn.bf16x2 t, t, $6;\nmov.b32 {{{out_lo}, {out_hi}}}, t;"
+
+    return f"""
+{{
+.reg .b32 t, u;
+{one("$4", "$0", "$1")}
+{one("$5", "$2", "$3")}
+}}
+"""
+
+
+_ASM_PAIR0 = tl.constexpr(_pair_asm(0))
+_ASM_PAIR1 = tl.constexpr(_pair_asm(1))
+_ASM_PAIR2 = tl.constexpr(_pair_asm(2))
+_ASM_PAIR3 = tl.constexpr(_pair_asm(3))
+_R_MAG = tl.constexpr(RELAYOUT_R_MAG)
+_R_SIGN = tl.constexpr(RELAYOUT_R_SIGN)
 
 
 @triton.jit
@@ -162,6 +225,81 @@ def _dequant_block(words, scale, ASM: tl.constexpr, INTERPRET: tl.constexpr):
     l2, h2 = _dequant_byte(words, scale, 2, ASM, INTERPRET)
     l3, h3 = _dequant_byte(words, scale, 3, ASM, INTERPRET)
     return _cat_k(_cat_k(_cat_k(l0, h0), _cat_k(l1, h1)), _cat_k(_cat_k(l2, h2), _cat_k(l3, h3)))
+
+
+@triton.jit
+def _load_tile_v3(
+    w_ptr, s_ptr, rows, i,
+    KW: tl.constexpr, KS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ASM: tl.constexpr,
+):  # fmt: skip
+    """K block i of re-laid-out rows (relayout_nvfp4): the code words (int32 [BLOCK_N, BLOCK_K / 8])
+    and one scale per 16 inputs (= per 2 words, [BLOCK_N, BLOCK_K / 16]): on the inline-assembly
+    path the bf16x2 bits of (scale * 2^119, scale * 2^119), one integer multiply-add from the
+    re-encoded byte u (bf16 bits u * 16 + 0x7600); else the scale in float32."""
+    W: tl.constexpr = BLOCK_K // 8
+    words = tl.load(w_ptr + rows[:, None] * KW + i * W + tl.arange(0, W)[None, :])
+    offs_s = i * (BLOCK_K // 16) + tl.arange(0, BLOCK_K // 16)
+    u = tl.load(s_ptr + rows[:, None] * KS + offs_s[None, :]).to(tl.int32)
+    if ASM:
+        scale = u * 0x100010 + 0x76007600
+    else:
+        scale = ((u * 16 + 0x7600) << 16).to(tl.float32, bitcast=True) * (2.0**-119)
+    return words, scale
+
+
+@triton.jit
+def _rotr(u, R: tl.constexpr):
+    if R == 0:
+        return u
+    return (u >> R) | (u << (32 - R))
+
+
+@triton.jit
+def _pair_portable(x, scale, RM: tl.constexpr, RS: tl.constexpr, INTERPRET: tl.constexpr):
+    """The inline assembly's pair (input q, q + 8) of re-laid-out words x, by ordinary arithmetic."""
+    u = x.to(tl.uint32, bitcast=True)
+    mag = _rotr(u, RM)
+    sgn = _rotr(u, RS)
+    lo = (((mag >> 6) & 7) | ((sgn >> 12) & 8)).to(tl.int32)
+    hi = (((mag >> 22) & 7) | ((sgn >> 28) & 8)).to(tl.int32)
+    return mma_operand(_e2m1_value(lo) * scale, INTERPRET), mma_operand(_e2m1_value(hi) * scale, INTERPRET)
+
+
+@triton.jit
+def _pair_k(lo, hi):
+    """[N, W/2] values of inputs (16j + q, 16j + q + 8) -> [N, W], element 2j and 2j + 1."""
+    N: tl.constexpr = lo.shape[0]
+    W2: tl.constexpr = lo.shape[1]
+    return tl.reshape(tl.join(lo, hi), (N, 2 * W2))
+
+
+@triton.jit
+def _dequant_block_v3(words, scale, ASM: tl.constexpr, INTERPRET: tl.constexpr):
+    """_dequant_block for re-laid-out words: the same operand, input 8j + r at r * BLOCK_K/8 + j.
+    Tile r holds pairs q = r of word 2j (r < 4) or q = r - 4 of word 2j + 1, at elements 2j
+    (input 16j + q) and 2j + 1 (input 16j + q + 8)."""
+    N: tl.constexpr = words.shape[0]
+    W: tl.constexpr = words.shape[1]
+    a, b = tl.split(tl.reshape(words, (N, W // 2, 2)))
+    if ASM:
+        ty: tl.constexpr = (tl.bfloat16, tl.bfloat16, tl.bfloat16, tl.bfloat16)
+        cons: tl.constexpr = "=h,=h,=h,=h,r,r,r"
+        a0l, a0h, b0l, b0h = tl.inline_asm_elementwise(_ASM_PAIR0, cons, [a, b, scale], dtype=ty, is_pure=True, pack=1)
+        a1l, a1h, b1l, b1h = tl.inline_asm_elementwise(_ASM_PAIR1, cons, [a, b, scale], dtype=ty, is_pure=True, pack=1)
+        a2l, a2h, b2l, b2h = tl.inline_asm_elementwise(_ASM_PAIR2, cons, [a, b, scale], dtype=ty, is_pure=True, pack=1)
+        a3l, a3h, b3l, b3h = tl.inline_asm_elementwise(_ASM_PAIR3, cons, [a, b, scale], dtype=ty, is_pure=True, pack=1)
+    else:
+        a0l, a0h = _pair_portable(a, scale, _R_MAG[0], _R_SIGN[0], INTERPRET)
+        b0l, b0h = _pair_portable(b, scale, _R_MAG[0], _R_SIGN[0], INTERPRET)
+        a1l, a1h = _pair_portable(a, scale, _R_MAG[1], _R_SIGN[1], INTERPRET)
+        b1l, b1h = _pair_portable(b, scale, _R_MAG[1], _R_SIGN[1], INTERPRET)
+        a2l, a2h = _pair_portable(a, scale, _R_MAG[2], _R_SIGN[2], INTERPRET)
+        b2l, b2h = _pair_portable(b, scale, _R_MAG[2], _R_SIGN[2], INTERPRET)
+        a3l, a3h = _pair_portable(a, scale, _R_MAG[3], _R_SIGN[3], INTERPRET)
+        b3l, b3h = _pair_portable(b, scale, _R_MAG[3], _R_SIGN[3], INTERPRET)
+    t0, t1, t2, t3 = _pair_k(a0l, a0h), _pair_k(a1l, a1h), _pair_k(a2l, a2h), _pair_k(a3l, a3h)
+    t4, t5, t6, t7 = _pair_k(b0l, b0h), _pair_k(b1l, b1h), _pair_k(b2l, b2h), _pair_k(b3l, b3h)
+    return _cat_k(_cat_k(_cat_k(t0, t1), _cat_k(t2, t3)), _cat_k(_cat_k(t4, t5), _cat_k(t6, t7)))
 
 
 @triton.jit
@@ -245,7 +383,7 @@ def _gate_up_kernel(
     top_k,
     K: tl.constexpr, INTER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, H_BLOCK_K: tl.constexpr, FUSE_K: tl.constexpr, ASM: tl.constexpr,
-    INTERPRET: tl.constexpr,
+    INTERPRET: tl.constexpr, LAYOUT: tl.constexpr = 0,
 ):  # fmt: skip
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -263,15 +401,23 @@ def _gate_up_kernel(
     acc_u = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     offs_k = tl.arange(0, BLOCK_K)
     for i in range(K // BLOCK_K):
-        wg, sg = _load_tile(w_ptr, s_ptr, rows_g, i, K // 8, K // 16, BLOCK_N, BLOCK_K, ASM)
-        wu, su = _load_tile(w_ptr, s_ptr, rows_u, i, K // 8, K // 16, BLOCK_N, BLOCK_K, ASM)
         # x is permuted per K block so that input 8j + r sits at r * W + j (see _permute_row).
         xp = x_ptr + tok[None, :] * K + i * BLOCK_K
-        if FUSE_K:
+        if LAYOUT == 1:
+            wg, sg = _load_tile_v3(w_ptr, s_ptr, rows_g, i, K // 8, K // 16, BLOCK_N, BLOCK_K, ASM)
+            wu, su = _load_tile_v3(w_ptr, s_ptr, rows_u, i, K // 8, K // 16, BLOCK_N, BLOCK_K, ASM)
+            xt = mma_operand(tl.load(xp + offs_k[:, None], mask=valid[None, :], other=0.0), INTERPRET)
+            acc_g = tl.dot(_dequant_block_v3(wg, sg, ASM, INTERPRET), xt, acc_g)
+            acc_u = tl.dot(_dequant_block_v3(wu, su, ASM, INTERPRET), xt, acc_u)
+        elif FUSE_K:
+            wg, sg = _load_tile(w_ptr, s_ptr, rows_g, i, K // 8, K // 16, BLOCK_N, BLOCK_K, ASM)
+            wu, su = _load_tile(w_ptr, s_ptr, rows_u, i, K // 8, K // 16, BLOCK_N, BLOCK_K, ASM)
             xt = mma_operand(tl.load(xp + offs_k[:, None], mask=valid[None, :], other=0.0), INTERPRET)
             acc_g = tl.dot(_dequant_block(wg, sg, ASM, INTERPRET), xt, acc_g)
             acc_u = tl.dot(_dequant_block(wu, su, ASM, INTERPRET), xt, acc_u)
         else:
+            wg, sg = _load_tile(w_ptr, s_ptr, rows_g, i, K // 8, K // 16, BLOCK_N, BLOCK_K, ASM)
+            wu, su = _load_tile(w_ptr, s_ptr, rows_u, i, K // 8, K // 16, BLOCK_N, BLOCK_K, ASM)
             for byte in tl.static_range(4):
                 xb = xp + 2 * byte * W + offs_w[:, None]
                 x_lo = mma_operand(tl.load(xb, mask=valid[None, :], other=0.0), INTERPRET)  # [W, BLOCK_M]
@@ -295,6 +441,7 @@ def _down_kernel(
     h_ptr, w_ptr, s_ptr, s2_ptr, sorted_slot_ptr, block_expert_ptr, topk_w_ptr, y_ptr,
     HIDDEN: tl.constexpr, INTER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, FUSE_K: tl.constexpr, ASM: tl.constexpr, INTERPRET: tl.constexpr,
+    LAYOUT: tl.constexpr = 0,
 ):  # fmt: skip
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -309,14 +456,20 @@ def _down_kernel(
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     offs_k = tl.arange(0, BLOCK_K)
     for i in range(INTER // BLOCK_K):
-        wt, st = _load_tile(w_ptr, s_ptr, rows, i, INTER // 8, INTER // 16, BLOCK_N, BLOCK_K, ASM)
         # h rows were written in this kernel's K-block permutation by the gate/up kernel.
         hp = h_ptr + offs_m[None, :].to(tl.int64) * INTER + i * BLOCK_K
-        if FUSE_K:
+        if LAYOUT == 1:
+            wt, st = _load_tile_v3(w_ptr, s_ptr, rows, i, INTER // 8, INTER // 16, BLOCK_N, BLOCK_K, ASM)
+            acc = tl.dot(
+                _dequant_block_v3(wt, st, ASM, INTERPRET), mma_operand(tl.load(hp + offs_k[:, None]), INTERPRET), acc
+            )
+        elif FUSE_K:
+            wt, st = _load_tile(w_ptr, s_ptr, rows, i, INTER // 8, INTER // 16, BLOCK_N, BLOCK_K, ASM)
             acc = tl.dot(
                 _dequant_block(wt, st, ASM, INTERPRET), mma_operand(tl.load(hp + offs_k[:, None]), INTERPRET), acc
             )
         else:
+            wt, st = _load_tile(w_ptr, s_ptr, rows, i, INTER // 8, INTER // 16, BLOCK_N, BLOCK_K, ASM)
             for byte in tl.static_range(4):
                 hb = hp + 2 * byte * W + offs_w[:, None]
                 lo, hi = _dequant_byte(wt, st, byte, ASM, INTERPRET)
@@ -400,8 +553,10 @@ def moe_experts_nvfp4_triton(
     block_m: int | None = None,
     config: dict | None = None,
     asm: bool | None = None,
+    relayout: bool = False,
 ) -> torch.Tensor:
-    """Sum over the token's chosen experts that live on this rank -> float32 [T, H]."""
+    """Sum over the token's chosen experts that live on this rank -> float32 [T, H]. relayout: the
+    weights and scales are in relayout_nvfp4's layout (uint8 scales), not the checkpoint's."""
     num_tokens, hidden = x.shape
     top_k = expert_ids.shape[1]
     num_local, two_inter, _ = w13.shape
@@ -422,6 +577,9 @@ def moe_experts_nvfp4_triton(
     }
     if asm is None:
         asm = x.is_cuda and not _INTERPRET
+    if relayout and (w13_scale.dtype != torch.uint8 or w2_scale.dtype != torch.uint8):
+        raise ValueError("relayout=True takes relayout_nvfp4's uint8 scales")
+    layout = 1 if relayout else 0
     n_slots = num_tokens * top_k
     if n_slots == 0:
         return torch.zeros(num_tokens, hidden, dtype=torch.float32, device=x.device)
@@ -448,7 +606,7 @@ def moe_experts_nvfp4_triton(
     _gate_up_kernel[(inter // gu["BLOCK_N"], nblocks)](
         xp, w13.view(torch.int32), w13_scale, w13_scale_2, sorted_slot, block_expert, h, top_k,
         K=hidden, INTER=inter, BLOCK_M=bm, BLOCK_N=gu["BLOCK_N"], BLOCK_K=gu["BLOCK_K"], H_BLOCK_K=dn["BLOCK_K"], FUSE_K=gu["FUSE_K"],
-        ASM=asm, INTERPRET=_INTERPRET, num_warps=gu["num_warps"], num_stages=gu["num_stages"],
+        ASM=asm, INTERPRET=_INTERPRET, LAYOUT=layout, num_warps=gu["num_warps"], num_stages=gu["num_stages"],
     )  # fmt: skip
 
     # bf16 per-slot outputs, like the reference's per-expert matmuls; summed in float32.
@@ -456,7 +614,7 @@ def moe_experts_nvfp4_triton(
     _down_kernel[(hidden // dn["BLOCK_N"], nblocks)](
         h, w2.view(torch.int32), w2_scale, w2_scale_2, sorted_slot, block_expert, routing_w, y,
         HIDDEN=hidden, INTER=inter, BLOCK_M=bm, BLOCK_N=dn["BLOCK_N"], BLOCK_K=dn["BLOCK_K"], FUSE_K=dn["FUSE_K"],
-        ASM=asm, INTERPRET=_INTERPRET, num_warps=dn["num_warps"], num_stages=dn["num_stages"],
+        ASM=asm, INTERPRET=_INTERPRET, LAYOUT=layout, num_warps=dn["num_warps"], num_stages=dn["num_stages"],
     )  # fmt: skip
 
     out = torch.empty(num_tokens, hidden, dtype=torch.float32, device=dev)
@@ -465,6 +623,94 @@ def moe_experts_nvfp4_triton(
         y, ids, out, first_expert, num_local, HIDDEN=hidden, TOP_K=top_k, BLOCK=block, num_warps=4
     )
     return out
+
+
+def _scale_code_table() -> tuple[torch.Tensor, torch.Tensor]:
+    """e4m3 byte -> relayout byte u (and back): u = 0 for a zero scale, else (E + 10) << 3 | mmm for
+    the scale 1.mmm * 2^E (E = -9..8; e4m3 subnormals normalised), so that the bf16 bits
+    u * 16 + (236 << 7) are exactly scale * 2^119. 255 marks bytes with no code (negative, NaN)."""
+    fwd = torch.full((256,), 255, dtype=torch.uint8)
+    back = torch.zeros(256, dtype=torch.uint8)
+    for b in range(128):
+        e, m = b >> 3, b & 7
+        if b == 0x7F:  # NaN
+            continue
+        if e:
+            u = b + 24  # (e - 7 + 10) << 3 | m
+        elif m:
+            top = m.bit_length() - 1  # m * 2^-9 = 1.f * 2^(top - 9)
+            u = (top + 1) << 3 | ((m << (3 - top)) & 7)
+        else:
+            u = 0
+        fwd[b] = u
+        back[u] = b
+    fwd[0x80] = 0  # -0
+    return fwd, back
+
+
+_SCALE_FWD, _SCALE_BACK = _scale_code_table()
+
+
+def _pair_bits():
+    """(word, pair index q within the 16-input group, half, code bit, bit in the word) for the 32
+    bits of each of a group's two re-laid-out words."""
+    out = []
+    for word in range(2):
+        for p in range(4):
+            q = 4 * word + p
+            rm, rs = RELAYOUT_R_MAG[p], RELAYOUT_R_SIGN[p]
+            for half, inp in ((0, q), (1, q + 8)):
+                for bit in range(3):
+                    out.append((word, inp, bit, (6 + 16 * half + bit + rm) % 32))
+                out.append((word, inp, 3, (15 + 16 * half + rs) % 32))
+    return out
+
+
+_PAIR_BITS = _pair_bits()
+
+
+def relayout_nvfp4(weight: torch.Tensor, scale: torch.Tensor, rows_per_chunk: int = 32768):
+    """Checkpoint NVFP4 (uint8 [..., K/2], two codes a byte; float8_e4m3fn [..., K/16]) -> the
+    kernels' layout for relayout=True: uint8 [..., K/2] whose 32-bit words hold the codes in the
+    order _pair_asm reads them, and uint8 [..., K/16] re-encoded scales (see _scale_code_table).
+    Codes of blocks whose scale is zero become 0 (their values are 0 either way), so the round trip
+    (unrelayout_nvfp4) dequantises to the same values. New tensors; the inputs are not changed."""
+    if weight.dtype != torch.uint8 or scale.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"expected uint8 codes and float8_e4m3fn scales, got {weight.dtype}, {scale.dtype}")
+    k2 = weight.shape[-1]
+    if k2 % 8 or scale.shape[-1] * 8 != k2:
+        raise ValueError(f"codes {tuple(weight.shape)} and scales {tuple(scale.shape)} are not 16-input groups")
+    w = weight.reshape(-1, k2)
+    s = scale.reshape(-1, k2 // 8).view(torch.uint8)
+    fwd = _SCALE_FWD.to(s.device)
+    new_s = fwd[s.long()]
+    if bool((new_s == 255).any()):
+        raise ValueError("negative or NaN block scales have no relayout code")
+    out = torch.empty_like(w)
+    for r0 in range(0, w.shape[0], rows_per_chunk):
+        chunk = w[r0 : r0 + rows_per_chunk].to(torch.int32)
+        codes = torch.stack([chunk & 15, chunk >> 4], -1).reshape(chunk.shape[0], -1, 16)  # [R, groups, 16]
+        codes = codes * (new_s[r0 : r0 + rows_per_chunk, :, None] != 0)
+        words = torch.zeros(codes.shape[0], codes.shape[1], 2, dtype=torch.int64, device=w.device)
+        for word, inp, bit, pos in _PAIR_BITS:
+            words[:, :, word] |= ((codes[:, :, inp] >> bit) & 1).to(torch.int64) << pos
+        words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+        out[r0 : r0 + rows_per_chunk] = words.reshape(codes.shape[0], -1).view(torch.uint8)
+    return out.reshape(weight.shape), new_s.reshape(scale.shape)
+
+
+def unrelayout_nvfp4(weight: torch.Tensor, scale: torch.Tensor):
+    """relayout_nvfp4's inverse: the checkpoint layout (uint8 codes, float8_e4m3fn scales)."""
+    k2 = weight.shape[-1]
+    words = weight.reshape(-1, k2).view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    words = words.reshape(words.shape[0], -1, 2)
+    codes = torch.zeros(words.shape[0], words.shape[1], 16, dtype=torch.int64, device=weight.device)
+    for word, inp, bit, pos in _PAIR_BITS:
+        codes[:, :, inp] |= ((words[:, :, word] >> pos) & 1) << bit
+    codes = codes.reshape(codes.shape[0], -1, 2)
+    packed = (codes[..., 0] | (codes[..., 1] << 4)).to(torch.uint8)
+    back = _SCALE_BACK.to(scale.device)[scale.reshape(-1).long()].view(torch.float8_e4m3fn)
+    return packed.reshape(weight.shape), back.reshape(scale.shape)
 
 
 def moe_experts_triton(x, expert_ids, expert_weights, w13, w2, first_expert: int) -> torch.Tensor:
