@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Triton NVFP4 MoE on one CUDA GPU: its CUDA tests (GLM-5 shapes in both weight layouts, CUDA-graph
 # replay, every code and scale through the re-laid-out path), then bench/kernels/bench_moe.py: the
-# checkpoint layout and the re-laid-out one side by side at every batch, block sweeps at 1 and 256,
-# then the remaining tests if time is left. Writes $OUT/moe/{log.txt,results.json}; about 110 s.
+# checkpoint layout and the re-laid-out one side by side at every batch, then sweeps at 1 and 256
+# (split-K gate/up, block sizes). Writes $OUT/moe/{log.txt,results.json}; about 110 s.
 # Usage (from the repository root, nsaserve importable): OUT=dir bash bench/gpu/moe.sh
 set -uo pipefail
 out="${OUT:?set OUT}/moe"
@@ -12,15 +12,15 @@ tmp=$(mktemp -d)
 t=tests/kernels/test_triton_moe.py
 {
   nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,power.draw --format=csv 2>&1
-  # GLM-5 shapes, graph replay and the re-laid-out path first: they matter most if time runs out.
-  timeout 42 python3 -m pytest -v -p no:cacheprovider "$t" -k "glm5 or cuda_graph or relayout" 2>&1 | grep -v "^$"
-  echo "GLM-5/graph/relayout tests exit: ${PIPESTATUS[0]}"
+  # GLM-5 shapes (both layouts) and graph replay first: they matter most if time runs out.
+  timeout 35 python3 -m pytest -v -p no:cacheprovider "$t" -k "glm5 or cuda_graph" 2>&1 | grep -v "^$"
+  echo "GLM-5/graph tests exit: ${PIPESTATUS[0]}"
+  # Every code and scale through the re-laid-out inline assembly; split-K gate/up.
+  timeout 18 python3 -m pytest -q -p no:cacheprovider "$t" -k "relayout or split_k" 2>&1 | tail -4
+  echo "relayout/split-K tests exit: ${PIPESTATUS[0]}"
   PYTHONPATH="$PYTHONPATH:bench/kernels" timeout 52 python3 bench/kernels/bench_moe.py --out "$tmp" \
     --batches 1,64,256,1024 --sweep 1,256 --torch-batches "" --partial "$out/results.json" 2>&1
   echo "bench exit: $?"
-  timeout 10 python3 -m pytest -q -p no:cacheprovider "$t" -k "not glm5 and not cuda_graph and not relayout" \
-    2>&1 | tail -3
-  echo "other tests exit: ${PIPESTATUS[0]}"
 } > "$log" 2>&1
 cp "$tmp"/*.json "$out/results.json" 2>/dev/null
 cat "$tmp"/*.md >> "$log" 2>/dev/null

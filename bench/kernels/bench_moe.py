@@ -103,15 +103,19 @@ def kernel_breakdown(call, reps: int = 5) -> dict:
         return {"breakdown_error": f"{type(e).__name__}: {str(e)[:120]}"}
 
 
-def configs(sweep: bool):
+def configs(batch: int, sweep: bool):
     """(name, config, block_m, asm, relayout): the default and the re-laid-out weights
-    (relayout_nvfp4) with the same blocks, or the alternatives a sweep tries."""
+    (relayout_nvfp4) with the same blocks, or the alternatives a sweep tries (split-K gate/up only
+    where there are few tokens)."""
     if not sweep:
         yield "default", {}, None, True, False
         yield "relayout", {}, None, True, True
         return
     yield "default again", {}, None, True, False
     yield "relayout again", {}, None, True, True
+    if batch <= 16:
+        for split in (2, 3, 4):
+            yield f"relayout gate_up split-K {split}", {"gate_up": {"SPLIT_K": split}}, None, True, True
     for bn, bk, warps, stages in ((64, 256, 4, 4), (64, 128, 4, 4), (128, 256, 8, 3)):
         c = {"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps, "num_stages": stages}
         yield f"relayout gate_up {bn}x{bk} w{warps} s{stages}", {"gate_up": c}, None, True, True
@@ -130,7 +134,7 @@ def run_batch(batch, stacks, gen, copy_bps, sweep, with_torch, rows, save):
     nbytes = experts * expert_bytes() + batch * HIDDEN * (2 + 4) + batch * TOP_K * 12
     floor_us = nbytes / copy_bps * 1e6
     first = len(rows)
-    for name, config, block_m, asm, relayout in configs(sweep):
+    for name, config, block_m, asm, relayout in configs(batch, sweep):
         run = functools.partial(tm.moe_experts_nvfp4_triton, block_m=block_m, config=config, asm=asm, relayout=relayout)
         k13, k2 = stacks[relayout]
         calls = [functools.partial(run, x, ids, w, *k13, *k2, 0) for x, ids, w in sets]

@@ -186,6 +186,24 @@ def test_tiny_relayout_matches_reference(asm):
         assert rel_err(out, base) < 2e-3
 
 
+@pytest.mark.parametrize("relayout", [False, True])
+@pytest.mark.parametrize("asm", ASM_MODES)
+def test_tiny_split_k(asm, relayout):
+    """Gate/up over K in 2 programs per tile (SPLIT_K): the last one sums the partials and writes h;
+    deterministic (partials added in split order)."""
+    gen = torch.Generator(DEV).manual_seed(8)
+    e, h, i, k = TINY["num_experts"], 256, TINY["inter"], TINY["top_k"]
+    w13, w2 = random_stacks(e, h, i, gen, DEV)
+    x = torch.randn(3, h, generator=gen, device=DEV).to(torch.bfloat16)
+    ids, weights = route(3, e, k, torch.Generator().manual_seed(8))
+    k13, k2 = (relaid(w13), relaid(w2)) if relayout else (w13, w2)
+    cfg = {**TINY_CFG, "gate_up": {**TINY_CFG["gate_up"], "SPLIT_K": 2}}
+    run = functools.partial(tm.moe_experts_nvfp4_triton, config=cfg, asm=asm, relayout=relayout)
+    out = run(x, ids, weights, *k13, *k2, 0)
+    assert rel_err(out, reference(x, ids, weights, w13, w2, 0)) < TOL
+    assert torch.equal(out, run(x, ids, weights, *k13, *k2, 0))
+
+
 def test_tiny_expert_parallel_slice():
     """This rank owns experts [3, 6) of 9: other experts' slots contribute nothing, tokens with no
     local expert get exact zeros."""

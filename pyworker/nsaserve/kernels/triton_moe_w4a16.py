@@ -379,12 +379,16 @@ def _block_slots(sorted_slot_ptr, pid_m, BLOCK_M: tl.constexpr):
 
 @triton.jit
 def _gate_up_kernel(
-    x_ptr, w_ptr, s_ptr, s2_ptr, sorted_slot_ptr, block_expert_ptr, h_ptr,
-    top_k,
+    x_ptr, w_ptr, s_ptr, s2_ptr, sorted_slot_ptr, block_expert_ptr, h_ptr, part_ptr, count_ptr,
+    top_k, part_rows,
     K: tl.constexpr, INTER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, H_BLOCK_K: tl.constexpr, FUSE_K: tl.constexpr, ASM: tl.constexpr,
-    INTERPRET: tl.constexpr, LAYOUT: tl.constexpr = 0,
+    INTERPRET: tl.constexpr, LAYOUT: tl.constexpr = 0, SPLIT_K: tl.constexpr = 1,
 ):  # fmt: skip
+    """SPLIT_K > 1 (grid axis 2): each program sums K / SPLIT_K of the inputs, stores its float32
+    partial sums of the block's real rows (part_ptr [SPLIT_K, part_rows, 2, INTER]) and counts
+    itself in count_ptr (zeroed per call); the last of a tile's programs adds the partials in split
+    order (deterministic) and writes h. More programs for a handful of tokens."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     e = tl.load(block_expert_ptr + pid_m)
@@ -400,7 +404,13 @@ def _gate_up_kernel(
     acc_g = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     offs_k = tl.arange(0, BLOCK_K)
-    for i in range(K // BLOCK_K):
+    ITERS: tl.constexpr = K // BLOCK_K // SPLIT_K
+    if SPLIT_K > 1:
+        k0 = tl.program_id(2) * ITERS
+    else:
+        k0: tl.constexpr = 0
+    for it in range(ITERS):
+        i = k0 + it
         # x is permuted per K block so that input 8j + r sits at r * W + j (see _permute_row).
         xp = x_ptr + tok[None, :] * K + i * BLOCK_K
         if LAYOUT == 1:
@@ -426,6 +436,32 @@ def _gate_up_kernel(
                 acc_g = tl.dot(hi, x_hi, tl.dot(lo, x_lo, acc_g))
                 lo, hi = _dequant_byte(wu, su, byte, ASM, INTERPRET)
                 acc_u = tl.dot(hi, x_hi, tl.dot(lo, x_lo, acc_u))
+    if SPLIT_K > 1:
+        part = part_ptr + offs_m[None, :].to(tl.int64) * (2 * INTER) + offs_n[:, None]
+        split = tl.program_id(2).to(tl.int64) * part_rows * (2 * INTER)
+        tl.store(part + split, acc_g, mask=valid[None, :])
+        tl.store(part + split + INTER, acc_u, mask=valid[None, :])
+        tl.debug_barrier()  # every thread's partial sums before the count that publishes them
+        done = tl.atomic_add(count_ptr + pid_m * (INTER // BLOCK_N) + pid_n, 1, sem="acq_rel", scope="gpu")
+        last = done == SPLIT_K - 1
+        if last:
+            tl.debug_barrier()
+            acc_g = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+            acc_u = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+            for sk in tl.static_range(SPLIT_K):
+                at = part + sk * part_rows * (2 * INTER)
+                acc_g += tl.load(at, mask=valid[None, :], other=0.0, cache_modifier=".cg")
+                acc_u += tl.load(at + INTER, mask=valid[None, :], other=0.0, cache_modifier=".cg")
+            _gate_up_epilogue(acc_g, acc_u, s2_ptr, e, h_ptr, offs_m, offs_n, INTER, H_BLOCK_K, ASM)
+    else:
+        _gate_up_epilogue(acc_g, acc_u, s2_ptr, e, h_ptr, offs_m, offs_n, INTER, H_BLOCK_K, ASM)
+
+
+@triton.jit
+def _gate_up_epilogue(
+    acc_g, acc_u, s2_ptr, e, h_ptr, offs_m, offs_n, INTER: tl.constexpr, H_BLOCK_K: tl.constexpr, ASM: tl.constexpr
+):
+    """h = silu(a_g · gate) · (a_u · up) in bf16, stored in the down kernel's K-block permutation."""
     fix = 2.0**_ASM_SHIFT if ASM else 1.0
     g = acc_g * (tl.load(s2_ptr + 2 * e) * fix)
     u = acc_u * (tl.load(s2_ptr + 2 * e + 1) * fix)
@@ -603,10 +639,18 @@ def moe_experts_nvfp4_triton(
     )  # fmt: skip
 
     h = torch.empty(rows, inter, dtype=torch.bfloat16, device=dev)
-    _gate_up_kernel[(inter // gu["BLOCK_N"], nblocks)](
-        xp, w13.view(torch.int32), w13_scale, w13_scale_2, sorted_slot, block_expert, h, top_k,
+    split_k = gu.get("SPLIT_K", 1)
+    if (hidden // gu["BLOCK_K"]) % split_k:
+        raise ValueError(f"SPLIT_K {split_k} does not divide {hidden // gu['BLOCK_K']} K blocks")
+    if split_k > 1:
+        part = torch.empty(split_k, rows, 2 * inter, dtype=torch.float32, device=dev)
+        count = torch.zeros(nblocks * (inter // gu["BLOCK_N"]), dtype=torch.int32, device=dev)
+    else:
+        part, count = h, sorted_slot  # not read
+    _gate_up_kernel[(inter // gu["BLOCK_N"], nblocks, split_k)](
+        xp, w13.view(torch.int32), w13_scale, w13_scale_2, sorted_slot, block_expert, h, part, count, top_k, rows,
         K=hidden, INTER=inter, BLOCK_M=bm, BLOCK_N=gu["BLOCK_N"], BLOCK_K=gu["BLOCK_K"], H_BLOCK_K=dn["BLOCK_K"], FUSE_K=gu["FUSE_K"],
-        ASM=asm, INTERPRET=_INTERPRET, LAYOUT=layout, num_warps=gu["num_warps"], num_stages=gu["num_stages"],
+        ASM=asm, INTERPRET=_INTERPRET, LAYOUT=layout, SPLIT_K=split_k, num_warps=gu["num_warps"], num_stages=gu["num_stages"],
     )  # fmt: skip
 
     # bf16 per-slot outputs, like the reference's per-expert matmuls; summed in float32.
