@@ -542,6 +542,11 @@ def _fit(block: int, dim: int, least: int) -> int:
     return block
 
 
+def _reg_cap(cfg: dict) -> dict:
+    """The launch option capping registers per thread (config key maxnreg), where one is set."""
+    return {"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}
+
+
 def _pow2_chunks(n: int, chunk: int) -> int:
     return triton.next_power_of_2(triton.cdiv(n, chunk))
 
@@ -650,7 +655,7 @@ def moe_experts_nvfp4_triton(
     _gate_up_kernel[(inter // gu["BLOCK_N"], nblocks, split_k)](
         xp, w13.view(torch.int32), w13_scale, w13_scale_2, sorted_slot, block_expert, h, part, count, top_k, rows,
         K=hidden, INTER=inter, BLOCK_M=bm, BLOCK_N=gu["BLOCK_N"], BLOCK_K=gu["BLOCK_K"], H_BLOCK_K=dn["BLOCK_K"], FUSE_K=gu["FUSE_K"],
-        ASM=asm, INTERPRET=_INTERPRET, LAYOUT=layout, SPLIT_K=split_k, num_warps=gu["num_warps"], num_stages=gu["num_stages"],
+        ASM=asm, INTERPRET=_INTERPRET, LAYOUT=layout, SPLIT_K=split_k, num_warps=gu["num_warps"], num_stages=gu["num_stages"], **_reg_cap(gu),
     )  # fmt: skip
 
     # bf16 per-slot outputs, like the reference's per-expert matmuls; summed in float32.
@@ -658,7 +663,7 @@ def moe_experts_nvfp4_triton(
     _down_kernel[(hidden // dn["BLOCK_N"], nblocks)](
         h, w2.view(torch.int32), w2_scale, w2_scale_2, sorted_slot, block_expert, routing_w, y,
         HIDDEN=hidden, INTER=inter, BLOCK_M=bm, BLOCK_N=dn["BLOCK_N"], BLOCK_K=dn["BLOCK_K"], FUSE_K=dn["FUSE_K"],
-        ASM=asm, INTERPRET=_INTERPRET, LAYOUT=layout, num_warps=dn["num_warps"], num_stages=dn["num_stages"],
+        ASM=asm, INTERPRET=_INTERPRET, LAYOUT=layout, num_warps=dn["num_warps"], num_stages=dn["num_stages"], **_reg_cap(dn),
     )  # fmt: skip
 
     out = torch.empty(num_tokens, hidden, dtype=torch.float32, device=dev)
