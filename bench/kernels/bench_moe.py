@@ -122,7 +122,7 @@ def configs(batch: int, sweep: bool):
     for bn, bk, warps, stages in ((64, 256, 4, 4), (64, 128, 4, 4), (128, 256, 8, 3)):
         c = {"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps, "num_stages": stages}
         yield f"relayout gate_up {bn}x{bk} w{warps} s{stages}", {"gate_up": c}, None, True, True
-    for bn, bk, warps, stages in ((64, 256, 4, 3), (64, 256, 4, 4), (128, 256, 4, 4)):
+    for bn, bk, warps, stages in ((64, 256, 4, 3), (128, 256, 8, 3), (128, 256, 4, 4)):
         c = {"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps, "num_stages": stages}
         yield f"relayout down {bn}x{bk} w{warps} s{stages}", {"down": c}, None, True, True
 
