@@ -104,21 +104,23 @@ def kernel_breakdown(call, reps: int = 5) -> dict:
 
 
 def configs(batch: int, sweep: bool):
-    """(name, config, block_m, asm, relayout): the default and the re-laid-out weights
-    (relayout_nvfp4) with the same blocks, or the alternatives a sweep tries (split-K gate/up only
-    where there are few tokens)."""
+    """(name, config, block_m, asm, relayout): the checkpoint layout and the re-laid-out weights
+    (relayout_nvfp4, the model's default) with the default blocks, or the alternatives a sweep
+    tries (split-K gate/up where there are few tokens, block sizes otherwise)."""
     if not sweep:
-        yield "default", {}, None, True, False
-        yield "relayout", {}, None, True, True
+        yield "checkpoint layout", {}, None, True, False
+        yield "relayout (default)", {}, None, True, True
         return
-    yield "default again", {}, None, True, False
+    yield "checkpoint layout again", {}, None, True, False
     yield "relayout again", {}, None, True, True
     if batch <= 16:
+        yield "relayout down 128x256 (the larger batches' blocks)", {"down": {"BLOCK_N": 128}}, None, True, True
         for split in (2, 3, 4):
             yield f"relayout gate_up split-K {split}", {"gate_up": {"SPLIT_K": split}}, None, True, True
         # 170 registers without a cap (2 programs per SM), 153 with it (3).
         c = {"gate_up": {"SPLIT_K": 3, "maxnreg": 168}}
         yield "relayout gate_up split-K 3 maxnreg 168", c, None, True, True
+        return
     for bn, bk, warps, stages in ((64, 256, 4, 4), (64, 128, 4, 4), (128, 256, 8, 3)):
         c = {"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps, "num_stages": stages}
         yield f"relayout gate_up {bn}x{bk} w{warps} s{stages}", {"gate_up": c}, None, True, True

@@ -85,17 +85,19 @@ class ExpertStack(nn.Module):
 
     @torch.no_grad()
     def to_kernel_layout(self) -> None:
-        """Re-lay out NVFP4 codes and block scales in place, one expert at a time (no second copy
-        of the stack); nothing to do for other precisions or when done already. Not inside a CUDA
-        graph capture (the capture would replay it)."""
+        """Re-lay out NVFP4 codes and block scales in place, a few experts at a time (no second
+        copy of the stack); nothing to do for other precisions or when done already. Not inside a
+        CUDA graph capture (the capture would replay it)."""
         if self.precision != NVFP4 or self.kernel_layout:
             return
         if self.weight.is_cuda and torch.cuda.is_current_stream_capturing():
             raise RuntimeError("re-lay out the NVFP4 experts before capturing a CUDA graph")
-        for e in range(self.weight.shape[0]):
-            w, s = relayout_nvfp4(self.weight[e], self.weight_scale[e])
-            self.weight[e].copy_(w)
-            self.weight_scale[e].view(torch.uint8).copy_(s)
+        n = self.weight.shape[0]
+        step = max(1, 32768 // self.weight.shape[1])  # about 32K rows a call (fewer, larger launches)
+        for e in range(0, n, step):
+            w, s = relayout_nvfp4(self.weight[e : e + step], self.weight_scale[e : e + step])
+            self.weight[e : e + step].copy_(w)
+            self.weight_scale[e : e + step].view(torch.uint8).copy_(s)
         self.kernel_layout = True
 
     def nvfp4_checkpoint_layout(self, local_ids, rows) -> tuple[torch.Tensor, torch.Tensor]:
