@@ -164,8 +164,9 @@ def test_relayout_round_trip_every_scale():
             assert torch.equal(((t >> 22) & 7) | ((t >> 28) & 8), codes[:, q + 8])
 
 
+@pytest.mark.parametrize("num_tokens,config", [(9, TINY_CFG), (1, None)])  # None: one token's down blocks
 @pytest.mark.parametrize("asm", ASM_MODES)
-def test_tiny_relayout_matches_reference(asm):
+def test_tiny_relayout_matches_reference(asm, num_tokens, config):
     """relayout=True on re-laid-out stacks: random codes, block scales over the whole e4m3 range
     with zeros (whose blocks' codes are not zero in the checkpoint), against the checkpoint's reference."""
     gen = torch.Generator(DEV).manual_seed(4)
@@ -174,15 +175,15 @@ def test_tiny_relayout_matches_reference(asm):
     for stack in (w13, w2):
         sb = stack[1].view(torch.uint8)
         sb[torch.rand(sb.shape, generator=gen, device=DEV) < 0.05] = 0
-    x = torch.randn(9, h, generator=gen, device=DEV).to(torch.bfloat16)
-    ids, weights = route(9, e, k, torch.Generator().manual_seed(4))
+    x = torch.randn(num_tokens, h, generator=gen, device=DEV).to(torch.bfloat16)
+    ids, weights = route(num_tokens, e, k, torch.Generator().manual_seed(4))
     out = tm.moe_experts_nvfp4_triton(
-        x, ids, weights, *relaid(w13), *relaid(w2), 0, config=TINY_CFG, asm=asm, relayout=True
+        x, ids, weights, *relaid(w13), *relaid(w2), 0, config=config, asm=asm, relayout=True
     )
     ref = reference(x, ids, weights, w13, w2, 0)
     assert rel_err(out, ref) < TOL
     if asm:  # the same products as the checkpoint-layout kernel, up to the order of the sums
-        base = tm.moe_experts_nvfp4_triton(x, ids, weights, *w13, *w2, 0, config=TINY_CFG, asm=asm)
+        base = tm.moe_experts_nvfp4_triton(x, ids, weights, *w13, *w2, 0, config=config, asm=asm)
         assert rel_err(out, base) < 2e-3
 
 
