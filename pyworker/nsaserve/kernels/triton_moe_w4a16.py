@@ -244,9 +244,9 @@ def _load_tile_v3(
 
 @triton.jit
 def _rotr(u, R: tl.constexpr):
-    if R == 0:
-        return u
-    return (u >> R) | (u << (32 - R))
+    """u (uint32) rotated right by R."""
+    L: tl.constexpr = (32 - R) % 32
+    return (u >> R) | (u << L) if R else u
 
 
 @triton.jit
