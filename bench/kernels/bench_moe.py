@@ -103,24 +103,33 @@ def kernel_breakdown(call, reps: int = 5) -> dict:
         return {"breakdown_error": f"{type(e).__name__}: {str(e)[:120]}"}
 
 
-def configs(sweep: bool):
-    """(name, config, block_m, asm): the default alone, or the alternatives a sweep tries."""
+def configs(batch: int, sweep: bool):
+    """(name, config, block_m, asm, relayout): the checkpoint layout and the re-laid-out weights
+    (relayout_nvfp4, the model's default) with the default blocks, or the alternatives a sweep
+    tries (split-K gate/up where there are few tokens, block sizes otherwise)."""
     if not sweep:
-        yield "default", {}, None, True
+        yield "checkpoint layout", {}, None, True, False
+        yield "relayout (default)", {}, None, True, True
         return
-    yield "portable dequant", {}, None, False
-    yield "8 partial MMAs per K block", {"gate_up": {"FUSE_K": False}, "down": {"FUSE_K": False}}, None, True
-    yield "block_m 32", {}, 32, True
-    gate_up = ((64, 256, 4, 4), (64, 256, 4, 2), (64, 128, 4, 4), (128, 256, 8, 3))
-    for bn, bk, warps, stages in gate_up:
+    yield "checkpoint layout again", {}, None, True, False
+    yield "relayout again", {}, None, True, True
+    if batch <= 16:
+        yield "relayout down 128x256 (the larger batches' blocks)", {"down": {"BLOCK_N": 128}}, None, True, True
+        for split in (2, 3, 4):
+            yield f"relayout gate_up split-K {split}", {"gate_up": {"SPLIT_K": split}}, None, True, True
+        # 170 registers without a cap (2 programs per SM), 153 with it (3).
+        c = {"gate_up": {"SPLIT_K": 3, "maxnreg": 168}}
+        yield "relayout gate_up split-K 3 maxnreg 168", c, None, True, True
+        return
+    for bn, bk, warps, stages in ((64, 256, 4, 4), (64, 128, 4, 4), (128, 256, 8, 3)):
         c = {"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps, "num_stages": stages}
-        yield f"gate_up {bn}x{bk} w{warps} s{stages}", {"gate_up": c}, None, True
-    for bn, bk, warps, stages in ((64, 256, 4, 3), (128, 256, 4, 2), (128, 128, 4, 4), (128, 256, 8, 3)):
+        yield f"relayout gate_up {bn}x{bk} w{warps} s{stages}", {"gate_up": c}, None, True, True
+    for bn, bk, warps, stages in ((64, 256, 4, 3), (128, 256, 8, 3), (128, 256, 4, 4)):
         c = {"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps, "num_stages": stages}
-        yield f"down {bn}x{bk} w{warps} s{stages}", {"down": c}, None, True
+        yield f"relayout down {bn}x{bk} w{warps} s{stages}", {"down": c}, None, True, True
 
 
-def run_batch(batch, w13, w2, gen, copy_bps, sweep, with_torch, rows, save):
+def run_batch(batch, stacks, gen, copy_bps, sweep, with_torch, rows, save):
     """Appends one row per configuration to `rows`, calling save() after each."""
     sets = []
     for _ in range(ROUTINGS):
@@ -130,9 +139,10 @@ def run_batch(batch, w13, w2, gen, copy_bps, sweep, with_torch, rows, save):
     nbytes = experts * expert_bytes() + batch * HIDDEN * (2 + 4) + batch * TOP_K * 12
     floor_us = nbytes / copy_bps * 1e6
     first = len(rows)
-    for name, config, block_m, asm in configs(sweep):
-        run = functools.partial(tm.moe_experts_nvfp4_triton, block_m=block_m, config=config, asm=asm)
-        calls = [functools.partial(run, x, ids, w, *w13, *w2, 0) for x, ids, w in sets]
+    for name, config, block_m, asm, relayout in configs(batch, sweep):
+        run = functools.partial(tm.moe_experts_nvfp4_triton, block_m=block_m, config=config, asm=asm, relayout=relayout)
+        k13, k2 = stacks[relayout]
+        calls = [functools.partial(run, x, ids, w, *k13, *k2, 0) for x, ids, w in sets]
         try:
             us = graph_time_us(calls)
         except Exception as e:  # a configuration that does not compile or fit is recorded, not fatal
@@ -156,7 +166,7 @@ def run_batch(batch, w13, w2, gen, copy_bps, sweep, with_torch, rows, save):
         print(rows[-1], flush=True)
         save()
     if with_torch:
-        t = torch_path_us(*sets[0], w13, w2)
+        t = torch_path_us(*sets[0], *stacks[False])
         for r in rows[first:]:
             if "us" in r:
                 r["torch_us"], r["speedup"] = t, t / r["us"]
@@ -177,6 +187,8 @@ def main() -> None:
     ceilings = {"copy_TBps": copy_bandwidth() / 1e12, "bf16_TFLOPs": bf16_matmul_rate() / 1e12}
     print(ceilings, flush=True)
     w13, w2 = make_stacks(gen)
+    relaid = [(*tm.relayout_nvfp4(q.weight, q.weight_scale), q.weight_scale_2) for q in (w13, w2)]
+    stacks = {False: (w13, w2), True: tuple(relaid)}
     torch_batches = {int(b) for b in args.torch_batches.split(",") if b}
     sweep_batches = {int(b) for b in args.sweep.split(",") if b}
     rows = []
@@ -194,7 +206,7 @@ def main() -> None:
     cases = [(int(b), False) for b in args.batches.split(",")] + [(b, True) for b in sorted(sweep_batches)]
     for batch, sweep in cases:
         with_torch = batch in torch_batches and not sweep
-        run_batch(batch, w13, w2, gen, ceilings["copy_TBps"] * 1e12, sweep, with_torch, rows, save)
+        run_batch(batch, stacks, gen, ceilings["copy_TBps"] * 1e12, sweep, with_torch, rows, save)
     cols = [
         "batch",
         "variant",

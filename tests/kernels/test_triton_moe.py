@@ -5,6 +5,8 @@ Tiny shapes run everywhere (Triton's CPU interpreter without a GPU); GLM-5 shape
 256 experts, top-8, intermediate 2048) and CUDA-graph replay run only with CUDA.
 """
 
+import functools
+
 import pytest
 import torch
 
@@ -120,6 +122,89 @@ def test_tiny_every_code_and_scale(asm, fuse_k):
     assert rel_err(out, reference(x, ids, weights, w13, w2, 0)) < TOL
 
 
+def relaid(stack):
+    """An NVFP4 stack (weight, scale, scale_2) in relayout_nvfp4's layout."""
+    w, s = tm.relayout_nvfp4(stack[0], stack[1])
+    return w, s, stack[2]
+
+
+def test_relayout_round_trip_every_scale():
+    """Re-laid-out codes and re-encoded scales come back to the checkpoint's (codes of zero-scale
+    blocks to 0) and dequantise to the same values; the words read as _pair_asm reads them (rotate,
+    mask, merge the signs) give every input's code; every scale byte's code u gives the bf16 bits
+    u * 16 + 0x7600 = scale * 2^119."""
+    gen = torch.Generator().manual_seed(21)
+    w = torch.randint(0, 256, (3, 24, 64), dtype=torch.uint8, generator=gen)
+    sb = torch.randint(0, 0x7F, (3, 24, 8), dtype=torch.uint8, generator=gen)
+    sb.view(-1)[:127] = torch.arange(127, dtype=torch.uint8)  # every non-negative, non-NaN byte
+    sc = sb.view(torch.float8_e4m3fn)
+    rw, rs = tm.relayout_nvfp4(w, sc, rows_per_chunk=5)
+    bw, bs = tm.unrelayout_nvfp4(rw, rs)
+    assert torch.equal(bs.view(torch.uint8), sb)
+    live = (sb != 0).repeat_interleave(8, -1)
+    assert torch.equal(bw[live], w[live]) and not bw[~live].any()
+    ones = torch.ones(3, 1, 1)
+    assert torch.equal(dequantize_nvfp4(w, sc, ones), dequantize_nvfp4(bw, bs, ones))
+    bits = rs.view(-1).to(torch.int32) * 16 + 0x7600
+    as_bf16 = bits.to(torch.int16).view(torch.bfloat16).float()
+    assert torch.equal(as_bf16[sb.view(-1) != 0], sc.view(-1).float()[sb.view(-1) != 0] * 2.0**119)
+    # The inline assembly's arithmetic on the words, in int64.
+    words = rw.reshape(-1, 8).view(torch.int32).to(torch.int64) & 0xFFFFFFFF  # [groups, 2]
+    codes = torch.stack([bw.long() & 15, bw.long() >> 4], -1).reshape(-1, 16)
+
+    def rotr(x, r):
+        return ((x >> r) | (x << (32 - r))) & 0xFFFFFFFF if r else x
+
+    for word in range(2):
+        for p in range(4):
+            x = words[:, word]
+            t = (rotr(x, tm.RELAYOUT_R_MAG[p]) & 0x01C001C0) | (rotr(x, tm.RELAYOUT_R_SIGN[p]) & 0x80008000)
+            q = 4 * word + p
+            assert torch.equal(((t >> 6) & 7) | ((t >> 12) & 8), codes[:, q])
+            assert torch.equal(((t >> 22) & 7) | ((t >> 28) & 8), codes[:, q + 8])
+
+
+@pytest.mark.parametrize("num_tokens,config", [(9, TINY_CFG), (1, None)])  # None: one token's down blocks
+@pytest.mark.parametrize("asm", ASM_MODES)
+def test_tiny_relayout_matches_reference(asm, num_tokens, config):
+    """relayout=True on re-laid-out stacks: random codes, block scales over the whole e4m3 range
+    with zeros (whose blocks' codes are not zero in the checkpoint), against the checkpoint's reference."""
+    gen = torch.Generator(DEV).manual_seed(4)
+    e, h, i, k = TINY["num_experts"], TINY["hidden"], TINY["inter"], TINY["top_k"]
+    w13, w2 = random_stacks(e, h, i, gen, DEV)
+    for stack in (w13, w2):
+        sb = stack[1].view(torch.uint8)
+        sb[torch.rand(sb.shape, generator=gen, device=DEV) < 0.05] = 0
+    x = torch.randn(num_tokens, h, generator=gen, device=DEV).to(torch.bfloat16)
+    ids, weights = route(num_tokens, e, k, torch.Generator().manual_seed(4))
+    out = tm.moe_experts_nvfp4_triton(
+        x, ids, weights, *relaid(w13), *relaid(w2), 0, config=config, asm=asm, relayout=True
+    )
+    ref = reference(x, ids, weights, w13, w2, 0)
+    assert rel_err(out, ref) < TOL
+    if asm:  # the same products as the checkpoint-layout kernel, up to the order of the sums
+        base = tm.moe_experts_nvfp4_triton(x, ids, weights, *w13, *w2, 0, config=config, asm=asm)
+        assert rel_err(out, base) < 2e-3
+
+
+@pytest.mark.parametrize("relayout", [False, True])
+@pytest.mark.parametrize("asm", ASM_MODES)
+def test_tiny_split_k(asm, relayout):
+    """Gate/up over K in 2 programs per tile (SPLIT_K): the last one sums the partials and writes h;
+    deterministic (partials added in split order)."""
+    gen = torch.Generator(DEV).manual_seed(8)
+    e, h, i, k = TINY["num_experts"], 256, TINY["inter"], TINY["top_k"]
+    w13, w2 = random_stacks(e, h, i, gen, DEV)
+    x = torch.randn(3, h, generator=gen, device=DEV).to(torch.bfloat16)
+    ids, weights = route(3, e, k, torch.Generator().manual_seed(8))
+    k13, k2 = (relaid(w13), relaid(w2)) if relayout else (w13, w2)
+    cfg = {**TINY_CFG, "gate_up": {**TINY_CFG["gate_up"], "SPLIT_K": 2}}
+    run = functools.partial(tm.moe_experts_nvfp4_triton, config=cfg, asm=asm, relayout=relayout)
+    out = run(x, ids, weights, *k13, *k2, 0)
+    assert rel_err(out, reference(x, ids, weights, w13, w2, 0)) < TOL
+    assert torch.equal(out, run(x, ids, weights, *k13, *k2, 0))
+
+
 def test_tiny_expert_parallel_slice():
     """This rank owns experts [3, 6) of 9: other experts' slots contribute nothing, tokens with no
     local expert get exact zeros."""
@@ -152,34 +237,48 @@ def glm5_stacks():
     return random_stacks(GLM5["num_experts"], GLM5["hidden"], GLM5["inter"], gen, "cuda")
 
 
+@pytest.fixture(scope="module")
+def glm5_relaid(glm5_stacks):
+    return tuple(relaid(s) for s in glm5_stacks)
+
+
 @pytest.mark.skipif(not CUDA, reason="GLM-5 shapes need CUDA")
 @pytest.mark.parametrize("num_tokens", [1, 64, 256])
-def test_glm5_shapes_match_reference(glm5_stacks, num_tokens):
+def test_glm5_shapes_match_reference(glm5_stacks, glm5_relaid, num_tokens):
+    """Checkpoint layout and re-laid-out weights (relayout=True) against one reference."""
     w13, w2 = glm5_stacks
     gen = torch.Generator().manual_seed(num_tokens)
     x = torch.randn(num_tokens, GLM5["hidden"], generator=gen).to("cuda", torch.bfloat16)
     ids, weights = route(num_tokens, GLM5["num_experts"], GLM5["top_k"], gen, "cuda", skew=num_tokens == 64)
-    out = tm.moe_experts_nvfp4_triton(x, ids, weights, *w13, *w2, 0)
     ref = reference(x, ids, weights, w13, w2, 0)
-    assert torch.isfinite(out).all()
-    assert rel_err(out, ref) < TOL
-    again = tm.moe_experts_nvfp4_triton(x, ids, weights, *w13, *w2, 0)
-    assert torch.equal(out, again), "not deterministic"
+    outs = []
+    for relayout, (k13, k2) in ((False, glm5_stacks), (True, glm5_relaid)):
+        out = tm.moe_experts_nvfp4_triton(x, ids, weights, *k13, *k2, 0, relayout=relayout)
+        assert torch.isfinite(out).all()
+        assert rel_err(out, ref) < TOL, f"relayout={relayout}"
+        again = tm.moe_experts_nvfp4_triton(x, ids, weights, *k13, *k2, 0, relayout=relayout)
+        assert torch.equal(out, again), f"relayout={relayout}: not deterministic"
+        outs.append(out)
+    # The same bf16 operand values in the same places: the two layouts agree to rounding.
+    assert rel_err(outs[1], outs[0]) < 1e-3
 
 
 @pytest.mark.skipif(not CUDA, reason="CUDA graphs need CUDA")
-def test_cuda_graph_replays_new_routing(glm5_stacks):
+@pytest.mark.parametrize("relayout", [False, True])
+def test_cuda_graph_replays_new_routing(request, glm5_stacks, relayout):
     """Captured once for 16 tokens, replayed with other inputs and other routings."""
     w13, w2 = glm5_stacks
+    k13, k2 = request.getfixturevalue("glm5_relaid") if relayout else glm5_stacks
     gen = torch.Generator().manual_seed(5)
     t, h = 16, GLM5["hidden"]
     x = torch.randn(t, h, generator=gen).to("cuda", torch.bfloat16)
     ids, weights = route(t, GLM5["num_experts"], GLM5["top_k"], gen, "cuda")
-    out = tm.moe_experts_nvfp4_triton(x, ids, weights, *w13, *w2, 0)  # compile outside the capture
+    run = functools.partial(tm.moe_experts_nvfp4_triton, relayout=relayout)
+    out = run(x, ids, weights, *k13, *k2, 0)  # compile outside the capture
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        out = tm.moe_experts_nvfp4_triton(x, ids, weights, *w13, *w2, 0)
+        out = run(x, ids, weights, *k13, *k2, 0)
     for skew in (False, True):
         new_ids, new_w = route(t, GLM5["num_experts"], GLM5["top_k"], gen, "cuda", skew=skew)
         x.copy_(torch.randn(t, h, generator=gen).to("cuda", torch.bfloat16))

@@ -14,7 +14,13 @@ pytest.importorskip("triton")
 TOL = 2e-2
 
 
-def test_triton_moe_backend_matches_torch(tmp_path):
+@pytest.mark.parametrize("relayout", [False, True], ids=["checkpoint_layout", "relayout"])
+def test_triton_moe_backend_matches_torch(tmp_path, monkeypatch, relayout):
+    """relayout: the triton backend re-lays out the NVFP4 stacks in place on its first call; the
+    torch reference afterwards reads them back to the same logits."""
+    from nsaserve.kernels import triton_moe_w4a16
+
+    monkeypatch.setattr(triton_moe_w4a16, "RELAYOUT_STACKS", relayout)
     # hidden and moe_intermediate 128: the kernels' smallest K block (8 partial MMAs of K 16).
     make_checkpoint("glm_moe_dsa", str(tmp_path / "float"), seed=9, hidden_size=128, moe_intermediate_size=128)
     quantize_checkpoint(str(tmp_path / "float"), str(tmp_path / "q"), "nvfp4", "experts")
@@ -24,13 +30,17 @@ def test_triton_moe_backend_matches_torch(tmp_path):
 
     tokens = torch.randint(0, VOCAB, (8,), generator=torch.Generator().manual_seed(4)).tolist()
     logits = {}
-    for backend in ("torch", "triton"):
-        runner.set_backend("moe_route", backend)
-        runner.set_backend("moe_experts", backend)
+    for backend in ("torch", "triton", "torch again"):
+        name = backend.split()[0]
+        runner.set_backend("moe_route", name)
+        runner.set_backend("moe_experts", name)
         session = Session(runner, seed=1)
         prefill = session.step([(0, tokens)], all_logits=True)[0]
         decode = session.step([(0, [tokens[0]])])[0]
         logits[backend] = (prefill, decode)
+    assert runner.model.model.layers[1].mlp.w13.kernel_layout == relayout
     for ours, ref in zip(logits["triton"], logits["torch"]):
         assert torch.isfinite(ours).all()
         assert rel_err(ours, ref) < TOL
+    for again, ref in zip(logits["torch again"], logits["torch"]):
+        assert torch.equal(again, ref)

@@ -14,6 +14,10 @@ Expert parallel: a rank holds whole experts, so nothing inside an expert is ever
 
 dense(local_ids) dequantises only the listed experts -> [n, P*R, in] in the compute dtype; the
 MoE calls it for the experts that received tokens, a bounded number at a time.
+
+NVFP4 stacks can be re-laid out in place for the W4A16 MoE kernel (to_kernel_layout, see
+quant.nvfp4.relayout_nvfp4: the same bytes, codes in another order within each 16-input group and
+scales re-encoded); dense() reads either layout, so the torch reference stays exact.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from torch import nn
 
 from ..kernels.quant import BF16, FP8_BLOCK, NVFP4, dequantize_fp8_block, dequantize_nvfp4, module_tensors
 from ..kernels.quant.fp8_block import FP8_BLOCK as FP8_BLOCK_SIZE
-from ..kernels.quant.nvfp4 import NVFP4_GROUP_SIZE
+from ..kernels.quant.nvfp4 import NVFP4_GROUP_SIZE, relayout_nvfp4, unrelayout_nvfp4
 from .linear import empty_param
 
 
@@ -39,6 +43,7 @@ class ExpertStack(nn.Module):
         super().__init__()
         self.precision, self.parts, self.rows, self.in_features = precision, parts, rows, in_features
         self.dtype = dtype
+        self.kernel_layout = False  # NVFP4 codes and scales re-laid out for the MoE kernel
         out = len(parts) * rows
         if precision == BF16:
             self.weight = empty_param([num_local, out, in_features], dtype, device)
@@ -78,6 +83,28 @@ class ExpertStack(nn.Module):
         """Names that may be present on disk for one expert and are read past (NVFP4 input_scale)."""
         return [f"{expert_prefix}{part}.{s}" for part in self.parts for s in module_tensors(self.precision)[1]]
 
+    @torch.no_grad()
+    def to_kernel_layout(self) -> None:
+        """Re-lay out NVFP4 codes and block scales in place, a few experts at a time (no second
+        copy of the stack); nothing to do for other precisions or when done already. Not inside a
+        CUDA graph capture (the capture would replay it)."""
+        if self.precision != NVFP4 or self.kernel_layout:
+            return
+        if self.weight.is_cuda and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("re-lay out the NVFP4 experts before capturing a CUDA graph")
+        n = self.weight.shape[0]
+        step = max(1, 32768 // self.weight.shape[1])  # about 32K rows a call (fewer, larger launches)
+        for e in range(0, n, step):
+            w, s = relayout_nvfp4(self.weight[e : e + step], self.weight_scale[e : e + step])
+            self.weight[e : e + step].copy_(w)
+            self.weight_scale[e : e + step].view(torch.uint8).copy_(s)
+        self.kernel_layout = True
+
+    def nvfp4_checkpoint_layout(self, local_ids, rows) -> tuple[torch.Tensor, torch.Tensor]:
+        """Codes and block scales of the listed experts' rows in the checkpoint layout."""
+        w, s = self.weight[local_ids, rows], self.weight_scale[local_ids, rows]
+        return unrelayout_nvfp4(w, s.view(torch.uint8)) if self.kernel_layout else (w, s)
+
     def dense(self, local_ids: torch.Tensor) -> torch.Tensor:
         """Weights of the listed local experts, dequantised: [len(local_ids), P*R, in] in self.dtype."""
         if self.precision == BF16:
@@ -87,9 +114,7 @@ class ExpertStack(nn.Module):
             rows = slice(p * self.rows, (p + 1) * self.rows)
             if self.precision == NVFP4:
                 scale_2 = self.weight_scale_2[local_ids, p].view(-1, 1, 1)
-                w = dequantize_nvfp4(
-                    self.weight[local_ids, rows], self.weight_scale[local_ids, rows], scale_2, self.dtype
-                )
+                w = dequantize_nvfp4(*self.nvfp4_checkpoint_layout(local_ids, rows), scale_2, self.dtype)
             else:
                 w = dequantize_fp8_block(self.weight[local_ids, rows], self.weight_scale_inv[local_ids, p], self.dtype)
             pieces.append(w)

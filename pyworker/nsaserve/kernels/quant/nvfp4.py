@@ -120,3 +120,103 @@ def random_nvfp4_experts(
     )
     s2 = torch.rand(num_experts, parts, generator=generator, device=device) + 0.3
     return Nvfp4Weight(w, torch.exp2(exps).to(torch.float8_e4m3fn), s2 / (cols**0.5 * 3 * 2**2))
+
+
+# Re-laid-out words (relayout_nvfp4): the two words of a 16-input scale group hold 8 pairs (input
+# q, input q + 8), q = 0..7, word 0 pairs q = 0..3, word 1 q = 4..7; pair p of a word is read by
+# rotating the word right by R_MAG[p] (magnitudes) and R_SIGN[p] (signs), which must put the
+# magnitude bits e1 e0 m of the pair's two inputs at bits 8..6 and 24..22 and their signs at 15 and
+# 31: the bf16x2 bits of (e2m1(q), e2m1(q + 8)) * 2^-126. With these rotations a pair costs 2-4
+# integer instructions (shift or rotate, mask, and for two of them a merge of the signs) and one
+# packed multiply by (scale * 2^119): 15 instructions per 8 inputs where the checkpoint's byte
+# order needs 17 (no 4 rotations of one word can place all four pairs whole).
+RELAYOUT_R_MAG = (31, 2, 28, 6)
+RELAYOUT_R_SIGN = (1, 2, 28, 0)
+
+
+def _scale_code_table() -> tuple[torch.Tensor, torch.Tensor]:
+    """e4m3 byte -> relayout byte u (and back): u = 0 for a zero scale, else (E + 10) << 3 | mmm for
+    the scale 1.mmm * 2^E (E = -9..8; e4m3 subnormals normalised), so that the bf16 bits
+    u * 16 + (236 << 7) are exactly scale * 2^119. 255 marks bytes with no code (negative, NaN)."""
+    fwd = torch.full((256,), 255, dtype=torch.uint8)
+    back = torch.zeros(256, dtype=torch.uint8)
+    for b in range(128):
+        e, m = b >> 3, b & 7
+        if b == 0x7F:  # NaN
+            continue
+        if e:
+            u = b + 24  # (e - 7 + 10) << 3 | m
+        elif m:
+            top = m.bit_length() - 1  # m * 2^-9 = 1.f * 2^(top - 9)
+            u = (top + 1) << 3 | ((m << (3 - top)) & 7)
+        else:
+            u = 0
+        fwd[b] = u
+        back[u] = b
+    fwd[0x80] = 0  # -0
+    return fwd, back
+
+
+_SCALE_FWD, _SCALE_BACK = _scale_code_table()
+
+
+def _pair_bits():
+    """(word, pair index q within the 16-input group, half, code bit, bit in the word) for the 32
+    bits of each of a group's two re-laid-out words."""
+    out = []
+    for word in range(2):
+        for p in range(4):
+            q = 4 * word + p
+            rm, rs = RELAYOUT_R_MAG[p], RELAYOUT_R_SIGN[p]
+            for half, inp in ((0, q), (1, q + 8)):
+                for bit in range(3):
+                    out.append((word, inp, bit, (6 + 16 * half + bit + rm) % 32))
+                out.append((word, inp, 3, (15 + 16 * half + rs) % 32))
+    return out
+
+
+_PAIR_BITS = _pair_bits()
+
+
+def relayout_nvfp4(weight: torch.Tensor, scale: torch.Tensor, rows_per_chunk: int = 32768):
+    """Checkpoint NVFP4 (uint8 [..., K/2], two codes a byte; float8_e4m3fn [..., K/16]) -> the
+    kernels' layout for relayout=True: uint8 [..., K/2] whose 32-bit words hold the codes in the
+    order the W4A16 MoE kernel reads them (triton_moe_w4a16._pair_asm), and uint8 [..., K/16] re-encoded scales (see _scale_code_table).
+    Codes of blocks whose scale is zero become 0 (their values are 0 either way), so the round trip
+    (unrelayout_nvfp4) dequantises to the same values. New tensors; the inputs are not changed."""
+    if weight.dtype != torch.uint8 or scale.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"expected uint8 codes and float8_e4m3fn scales, got {weight.dtype}, {scale.dtype}")
+    k2 = weight.shape[-1]
+    if k2 % 8 or scale.shape[-1] * 8 != k2:
+        raise ValueError(f"codes {tuple(weight.shape)} and scales {tuple(scale.shape)} are not 16-input groups")
+    w = weight.reshape(-1, k2)
+    s = scale.reshape(-1, k2 // 8).view(torch.uint8)
+    fwd = _SCALE_FWD.to(s.device)
+    new_s = fwd[s.long()]
+    if bool((new_s == 255).any()):
+        raise ValueError("negative or NaN block scales have no relayout code")
+    out = torch.empty_like(w)
+    for r0 in range(0, w.shape[0], rows_per_chunk):
+        chunk = w[r0 : r0 + rows_per_chunk].to(torch.int32)
+        codes = torch.stack([chunk & 15, chunk >> 4], -1).reshape(chunk.shape[0], -1, 16)  # [R, groups, 16]
+        codes = codes * (new_s[r0 : r0 + rows_per_chunk, :, None] != 0)
+        words = torch.zeros(codes.shape[0], codes.shape[1], 2, dtype=torch.int64, device=w.device)
+        for word, inp, bit, pos in _PAIR_BITS:
+            words[:, :, word] |= ((codes[:, :, inp] >> bit) & 1).to(torch.int64) << pos
+        words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+        out[r0 : r0 + rows_per_chunk] = words.reshape(codes.shape[0], -1).view(torch.uint8)
+    return out.reshape(weight.shape), new_s.reshape(scale.shape)
+
+
+def unrelayout_nvfp4(weight: torch.Tensor, scale: torch.Tensor):
+    """relayout_nvfp4's inverse: the checkpoint layout (uint8 codes, float8_e4m3fn scales)."""
+    k2 = weight.shape[-1]
+    words = weight.reshape(-1, k2).view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    words = words.reshape(words.shape[0], -1, 2)
+    codes = torch.zeros(words.shape[0], words.shape[1], 16, dtype=torch.int64, device=weight.device)
+    for word, inp, bit, pos in _PAIR_BITS:
+        codes[:, :, inp] |= ((words[:, :, word] >> pos) & 1) << bit
+    codes = codes.reshape(codes.shape[0], -1, 2)
+    packed = (codes[..., 0] | (codes[..., 1] << 4)).to(torch.uint8)
+    back = _SCALE_BACK.to(scale.device)[scale.reshape(-1).long()].view(torch.float8_e4m3fn)
+    return packed.reshape(weight.shape), back.reshape(scale.shape)
