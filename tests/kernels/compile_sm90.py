@@ -24,8 +24,10 @@ F32 = "*fp32"
 def indexer_cases():
     # (fp8 keys, query split mode, rows per program, one lookup per page): every mode and both
     # load paths at least once.
-    for fp8, mode, rows, one_page in (
-        (True, 2, 1, True), (True, 3, 4, True), (True, 1, 1, False), (False, 1, 4, True), (False, 0, 1, False)
+    for fp8, mode, rows, one_page, fold in (
+        (True, 2, 1, True, False), (True, 3, 4, True, False), (True, 1, 1, False, False), (False, 1, 4, True, False),
+        (False, 0, 1, False, False), (True, 4, 1, True, True), (True, 4, 4, True, True), (True, 4, 8, True, True),
+        (True, 2, 4, True, True),
     ):  # fmt: skip
         k_ty = "*u8" if fp8 else ("*bf16" if mode else F32)
         sig = {
@@ -36,9 +38,10 @@ def indexer_cases():
         }  # fmt: skip
         consts = dict(
             D=128, PS=64, BLOCK_H=32, BLOCK_N=64, SPAN_BLOCKS=4, ROWS=rows, FP8=fp8, MODE=mode,
-            ONE_PAGE=one_page, PRECISION="tf32x3", INTERPRET=False,
+            ONE_PAGE=one_page, PRECISION="tf32x3", INTERPRET=False, FOLD=fold,
         )  # fmt: skip
-        yield f"logits fp8={fp8} mode={mode} rows={rows} one_page={one_page}", ti._logits_kernel, sig, consts, 4
+        name = f"logits fp8={fp8} mode={mode} rows={rows} one_page={one_page} fold={fold}"
+        yield name, ti._logits_kernel, sig, consts, 4
     sig = {
         "logits_ptr": F32, "row_pos_ptr": "*i32", "out_ptr": "*i64", "logits_stride": "i32",
         "out_stride": "i32", "topk": "i32", "width": "i32",

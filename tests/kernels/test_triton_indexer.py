@@ -69,20 +69,21 @@ def assert_same_sets(got, want):
         assert int((g >= 0).sum()) == int((w >= 0).sum())
 
 
-def run_both(case, topk, page_size):
+def run_both(case, topk, page_size, name="triton"):
+    """The Triton backend `name` and its torch reference ("triton_fp8q" -> "torch_fp8q")."""
     q, w, cache, kv_slots, qs, cached = case
     seq_lens = [c + (qs[i + 1] - qs[i]) for i, c in enumerate(cached)]
     scale = q.shape[-1] ** -0.5
-    want = indexer_topk_torch(q, w, cache, kv_slots, qs, cached, seq_lens, topk, scale, page_size)
+    ref = get_backend("indexer", name.replace("triton", "torch"))
+    want = ref(q, w, cache, kv_slots, qs, cached, seq_lens, topk, scale, page_size)
     d = lambda t: t.to(DEV)  # noqa: E731
-    got = get_backend("indexer", "triton")(
-        d(q), d(w), d(cache), d(kv_slots), qs, cached, seq_lens, topk, scale, page_size
-    )
+    got = get_backend("indexer", name)(d(q), d(w), d(cache), d(kv_slots), qs, cached, seq_lens, topk, scale, page_size)
     return got.cpu(), want
 
 
 def test_registered():
-    assert "triton" in available("indexer")
+    assert {"triton", "triton_fp8q"} <= set(available("indexer"))
+    assert {"triton", "triton_fp8q"} <= set(available("indexer_rows"))
 
 
 # Variants of the device path: (logits options, top-k digit bits). The first is the default.
@@ -93,6 +94,8 @@ VARIANTS = {
     "bf16x3-bits4-sampled": ({"split": "bf16x3"}, 4, True),
     # Blocks as large as a CPU test's pages: the one-lookup-per-page load runs there too.
     "page-blocks-sampled": ({"block_n": 8} if not GPU else {"block_n": 64}, 5, True),
+    # Positive factors folded into the head weights (the key scale after the head sum).
+    "fp16x2-fold": ({"split": "fp16x2", "fold": True}, 4, True),
 }
 
 
@@ -184,3 +187,73 @@ def test_topk_kernels_on_hard_rows(bits, sampled):
     pos = torch.tensor([n - 1, n - 1, n - 1, 2500, 600], dtype=torch.int32)
     got = triton_topk.topk_of_logits(x.to(DEV), pos.to(DEV), k, bits=bits, sampled=sampled).cpu()
     assert_same_sets(got, select_topk(x, pos.long(), k))
+
+
+def _fp8_case(seq_lens, new, seed):
+    heads, dim, page_size = (32, 128, 64) if GPU else (4, 32, 8)
+    return make_case(seq_lens, new, heads, dim, page_size, True, seed), page_size
+
+
+def assert_close_sets(got, want, min_rows_equal=0.9):
+    """fp8-query path against its reference: same widths and padding, and the chosen sets equal in
+    most rows (the products' summation order differs: a near-tie at the boundary may swap), with
+    at least 99% of all chosen positions shared."""
+    assert got.shape == want.shape
+    equal, shared, total = 0, 0, 0
+    for r in range(got.shape[0]):
+        g, w = got[r], want[r]
+        gs, ws = set(g[g >= 0].tolist()), set(w[w >= 0].tolist())
+        assert len(gs) == len(ws) == int((g >= 0).sum()), f"row {r}"
+        equal += gs == ws
+        shared += len(gs & ws)
+        total += len(ws)
+    assert equal >= min_rows_equal * got.shape[0], (equal, got.shape[0])
+    assert shared >= 0.99 * total, (shared, total)
+
+
+@pytest.mark.parametrize("prefill", [False, True])
+def test_fp8_query_matches_its_reference(prefill):
+    # DeepSeek-V3.2's path: the query rounded to e4m3 per (row, head), fp8 x fp8 products; the torch
+    # reference rounds the same way, so the two choose the same sets (up to summation-order ties).
+    if GPU:
+        seq_lens, new, topk = ([3000, 2600], [40, 2600], 2048) if prefill else ([4096, 100, 2049, 8000], [1] * 4, 2048)
+    else:
+        seq_lens, new, topk = ([90, 44], [6, 44], 24) if prefill else ([70, 9, 33, 150], [1] * 4, 32)
+    case, page_size = _fp8_case(seq_lens, new, seed=21 + prefill)
+    got, want = run_both(case, topk, page_size, "triton_fp8q")
+    assert_close_sets(got, want)
+
+
+def test_fp8_query_logits_match_reference_logits():
+    # The logits themselves (before the top-k) within float32 summation error of the reference's.
+    from nsaserve.kernels.indexer import quantize_query_fp8
+
+    seq_lens, new = ([2000], [64]) if GPU else ([40], [8])
+    (q, w, cache, kv_slots, qs, cached), page_size = _fp8_case(seq_lens, new, seed=23)
+    scale = q.shape[-1] ** -0.5
+    keys = fmt.gather_index_k(cache, kv_slots, page_size)
+    ref = torch.einsum("th,thl->tl", w, torch.relu(torch.einsum("thd,ld->thl", quantize_query_fp8(q), keys) * scale))
+    d = lambda t: t.to(DEV)  # noqa: E731
+    for rows in (1, 4):
+        plan = triton_indexer.plan_from_host(qs, cached, seq_lens, DEV, rows_per=rows)
+        blocks = plan.blocks if rows > 1 else None
+        got = triton_indexer.indexer_logits(
+            d(q), d(w), d(cache), d(kv_slots), plan.row_kv_off, plan.row_pos, plan.max_len, scale, page_size,
+            split="fp8", row_blocks=blocks,
+        ).cpu()
+        for t in range(q.shape[0]):
+            n = cached[0] + t + 1
+            torch.testing.assert_close(got[t, :n], ref[t, :n], rtol=1e-4, atol=1e-4 * float(ref[t].abs().max()))
+
+
+def test_quantize_query_fp8():
+    from nsaserve.kernels.indexer import quantize_query_fp8
+
+    g = torch.Generator().manual_seed(4)
+    q = torch.randn(5, 3, 128, generator=g) * torch.tensor([1e-3, 1.0, 300.0])[None, :, None]
+    dq = quantize_query_fp8(q)
+    # e4m3 keeps 3 mantissa bits: relative error <= 2^-4 of each value above the block's subnormals.
+    big = q.abs() >= q.abs().amax(-1, keepdim=True) / 64
+    assert float(((dq - q).abs() / q.abs())[big].max()) <= 2**-4
+    assert torch.equal(quantize_query_fp8(dq), dq)  # already on the grid: unchanged
+    assert torch.equal(quantize_query_fp8(torch.zeros(2, 2, 128)), torch.zeros(2, 2, 128))
