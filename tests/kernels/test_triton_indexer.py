@@ -16,7 +16,6 @@ pytest.importorskip("triton")
 
 from nsaserve.kernels import kv_cache_format as fmt  # noqa: E402
 from nsaserve.kernels import triton_indexer, triton_topk  # noqa: E402
-from nsaserve.kernels.indexer import indexer_topk_torch  # noqa: E402
 from nsaserve.kernels.registry import available, get_backend  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -238,8 +237,17 @@ def test_fp8_query_logits_match_reference_logits():
         plan = triton_indexer.plan_from_host(qs, cached, seq_lens, DEV, rows_per=rows)
         blocks = plan.blocks if rows > 1 else None
         got = triton_indexer.indexer_logits(
-            d(q), d(w), d(cache), d(kv_slots), plan.row_kv_off, plan.row_pos, plan.max_len, scale, page_size,
-            split="fp8", row_blocks=blocks,
+            d(q),
+            d(w),
+            d(cache),
+            d(kv_slots),
+            plan.row_kv_off,
+            plan.row_pos,
+            plan.max_len,
+            scale,
+            page_size,
+            split="fp8",
+            row_blocks=blocks,
         ).cpu()
         for t in range(q.shape[0]):
             n = cached[0] + t + 1
