@@ -200,41 +200,56 @@ def pick_variants() -> list[dict]:
 
 class options:
     """Temporarily sets the module's options: logits (LOGITS_OPTIONS), prefill (PREFILL_OPTIONS),
-    topk_warps (PREFILL_TOPK_WARPS)."""
+    topk_warps (PREFILL_TOPK_WARPS), topk_stream (PREFILL_TOPK_STREAM)."""
 
-    def __init__(self, logits=None, prefill=None, topk_warps=None):
-        self.new = (logits or {}, prefill or {}, topk_warps)
+    NAMES = ("PREFILL_TOPK_WARPS", "PREFILL_TOPK_STREAM")
+
+    def __init__(self, logits=None, prefill=None, topk_warps=None, topk_stream=None):
+        self.new = (logits or {}, prefill or {}, topk_warps, topk_stream)
 
     def __enter__(self):
         ti = triton_indexer
-        self.saved = (dict(ti.LOGITS_OPTIONS), dict(ti.PREFILL_OPTIONS), ti.PREFILL_TOPK_WARPS)
+        self.saved = (dict(ti.LOGITS_OPTIONS), dict(ti.PREFILL_OPTIONS), *(getattr(ti, n) for n in self.NAMES))
         ti.LOGITS_OPTIONS.update(self.new[0])
         ti.PREFILL_OPTIONS.update(self.new[1])
-        ti.PREFILL_TOPK_WARPS = self.new[2]
+        for n, v in zip(self.NAMES, self.new[2:]):
+            setattr(ti, n, v)
 
     def __exit__(self, *exc):
         ti = triton_indexer
         for d, old in ((ti.LOGITS_OPTIONS, self.saved[0]), (ti.PREFILL_OPTIONS, self.saved[1])):
             d.clear()
             d.update(old)
-        ti.PREFILL_TOPK_WARPS = self.saved[2]
+        for n, v in zip(self.NAMES, self.saved[2:]):
+            setattr(ti, n, v)
 
 
 # (name, logits options, query mode of indexer_topk_rows): the committed path first.
 DECODE_V3 = [
     ("fp16x2 (current)", {}, None),
     ("fp16x2 fold", {"fold": True}, None),
+    ("fp16x2 direct", {"direct": True}, None),
     ("fp8 query", {}, "fp8"),
+    ("fp8 query direct", {"direct": True}, "fp8"),
 ]
-# (name, prefill logits options, query mode, rows per block, prefill top-k warps)
+# (name, prefill logits options, query mode, rows per block, prefill top-k stream piece)
 PREFILL_V3 = [
     ("fp16x2 rows4 (current)", {}, None, 4, None),
     ("fp16x2 fold rows4", {"fold": True}, None, 4, None),
     ("fp8 query rows4", {}, "fp8", 4, None),
-    ("fp8 query rows8", {}, "fp8", 8, None),
-    ("fp8 query rows8 topk w8", {}, "fp8", 8, 8),
-    ("fp8 query rows8 topk w4", {}, "fp8", 8, 4),
+    ("fp8 query rows4 direct", {"direct": True}, "fp8", 4, None),
+    ("fp8 query rows8 direct", {"direct": True}, "fp8", 8, None),
+    ("fp8 query rows4 direct, top-k streamed 2048", {"direct": True}, "fp8", 4, 2048),
 ]
+# Prefill top-k alone on one logits tensor: (name, num_warps, stream piece); the first is the current.
+TOPK_PREFILL = [
+    ("sampled, warps by length (current)", None, None),
+    ("sampled w8", 8, None),
+    ("streamed 1024 w4", 4, 1024),
+    ("streamed 2048 w4", 4, 2048),
+    ("streamed 2048 w8", 8, 2048),
+]
+SAVE = [lambda rows: None]  # main_v3 sets: rewrites the results file with a case's rows so far
 
 
 def decode_v3(batch: int, ctx: int, copy_bps: float) -> list[dict]:
@@ -260,6 +275,7 @@ def decode_v3(batch: int, ctx: int, copy_bps: float) -> list[dict]:
         rows.append({"case": f"decode b{batch} {ctx}", "variant": name, "us": t_full, "logits_us": t_logits,
                      "topk_us": t_full - t_logits, "floor_us": floor_us, "roofline_frac": floor_us / t_full})  # fmt: skip
         print(rows[-1], flush=True)
+        SAVE[0](rows)
     # The registry call from Python: host lists turned into row metadata per call (as every layer
     # did before) against the step's plan built once and passed in.
     q, w, _ = sets[0]
@@ -276,15 +292,15 @@ def differing(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.sort(dim=1).values != b.sort(dim=1).values).any(dim=1).float().mean())
 
 
-def prefill_v3(prompt: int, ceil: dict) -> list[dict]:
+def prefill_v3(prompt: int, ceil: dict, topk_alone: bool) -> list[dict]:
     cache, kv_slots, row_pos, row_kv_off, q, w = build_prompt(prompt, True)
     scale = DIM**-0.5
     flops = 2 * HEADS * DIM * prompt * (prompt + 1) / 2
     floor_us = flops / ceil["bf16_TFLOPs"] / 1e6
     rows, chosen = [], {}
-    for name, opts, query, rows_per, warps in PREFILL_V3:
+    for name, opts, query, rows_per, stream in PREFILL_V3:
         blocks = row_blocks([0, prompt], rows_per, "cuda")
-        with options(prefill=opts, topk_warps=warps):
+        with options(prefill=opts, topk_stream=stream):
             full = partial(
                 indexer_topk_rows, q, w, cache, kv_slots, row_kv_off, row_pos, prompt, TOPK, scale, PAGE, blocks,
                 query=query,
@@ -301,6 +317,7 @@ def prefill_v3(prompt: int, ceil: dict) -> list[dict]:
                      "topk_us": t_full - t_logits, "TFLOPs": flops / (t_full * 1e-6) / 1e12, "floor_us": floor_us,
                      "roofline_frac": floor_us / t_full})  # fmt: skip
         print(rows[-1], flush=True)
+        SAVE[0](rows)
     # Chosen sets: every variant against the exact (current) one, and the fp8 query against its
     # torch reference (the same rounding of the query, float32 products).
     exact = chosen[PREFILL_V3[0][0]]
@@ -316,6 +333,15 @@ def prefill_v3(prompt: int, ceil: dict) -> list[dict]:
     call = (q, w, cache, kv_slots, qs, [0], [prompt], TOPK, scale, PAGE)
     rows[0]["eager_us"] = eager_time_us(lambda: indexer_topk_triton(*call), reps=10)
     rows[0]["eager_plan_us"] = eager_time_us(lambda: indexer_topk_triton(*call, plan=plan), reps=10)
+    if topk_alone:
+        lg = indexer_logits(q, w, cache, kv_slots, row_kv_off, row_pos, prompt, scale, PAGE, split="fp8")
+        for name, warps, stream in TOPK_PREFILL:
+            fn = partial(topk_of_logits, lg, row_pos, TOPK, num_warps=warps, stream=stream)
+            got = fn()
+            rows.append({"case": f"prefill {prompt} top-k alone", "variant": name,
+                         "us": graph_time_us([fn], reps=10), "rows_differing_ref": differing(got, ref8)})  # fmt: skip
+            print(rows[-1], flush=True)
+        SAVE[0](rows)
     return rows
 
 
@@ -336,9 +362,10 @@ def main_v3(args) -> None:
     )
     # The 8K prefill (the open target) first, then decode (targets to keep), then 2K; results are
     # rewritten after each case so that a time limit still leaves a file.
+    SAVE[0] = lambda cur: write_results(args.name, args.out, ceilings, rows + cur, cols, notes)
     for case in (("prefill", 8192), ("decode", 1), ("decode", 64), ("prefill", 2048)):
         if case[0] == "prefill":
-            rows += prefill_v3(case[1], ceilings)
+            rows += prefill_v3(case[1], ceilings, topk_alone=case[1] == 8192)
         else:
             rows += decode_v3(case[1], 4096, ceilings["copy_TBps"] * 1e12)
         torch.cuda.empty_cache()

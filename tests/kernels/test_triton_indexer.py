@@ -95,6 +95,8 @@ VARIANTS = {
     "page-blocks-sampled": ({"block_n": 8} if not GPU else {"block_n": 64}, 5, True),
     # Positive factors folded into the head weights (the key scale after the head sum).
     "fp16x2-fold": ({"split": "fp16x2", "fold": True}, 4, True),
+    # Block slots read before the key loop (and on the GPU fp8-typed key tiles).
+    "fp16x2-direct": ({"split": "fp16x2", "direct": True} if GPU else {"direct": True, "block_n": 8}, 4, True),
 }
 
 
@@ -157,7 +159,8 @@ def test_ties_prefer_lower_positions(variant):
 
 
 @pytest.mark.parametrize("fp8", [False, True])
-def test_whole_prompt(fp8):
+@pytest.mark.parametrize("stream", [None, 16])
+def test_whole_prompt(fp8, stream, monkeypatch):
     # A prompt from position 0: early rows take their whole context, later ones really select;
     # rows go through the logits kernel in blocks that share key tiles.
     if GPU:
@@ -165,11 +168,16 @@ def test_whole_prompt(fp8):
     else:
         seq_lens, heads, dim, page_size, topk = [44], 4, 32, 8, 16
     case = make_case(seq_lens, seq_lens, heads, dim, page_size, fp8, seed=9)
+    # stream: the prompt's top-k streamed in pieces (on the GPU 2048 keys; here 16 of the 44)
+    monkeypatch.setattr(triton_indexer, "PREFILL_TOPK_STREAM", stream and (2048 if GPU else stream))
     assert_same_sets(*run_both(case, topk, page_size))
 
 
-@pytest.mark.parametrize("bits,sampled", [(8, False), (4, False), (6, True), (4, True)])
-def test_topk_kernels_on_hard_rows(bits, sampled):
+@pytest.mark.parametrize(
+    "bits,sampled,stream",
+    [(8, False, None), (4, False, None), (6, True, None), (4, True, None), (4, True, 1024), (4, True, 256)],
+)
+def test_topk_kernels_on_hard_rows(bits, sampled, stream):
     # Rows of 3000 logits, top 700: random; few distinct values (ties everywhere); constant (the
     # sampled bracket then holds every key, more than it compacts: the full-row fallback runs);
     # negative and zero logits of both signs; and a row whose context fits (all positions taken).
@@ -184,7 +192,7 @@ def test_topk_kernels_on_hard_rows(bits, sampled):
     x[3, ::5] = 0.0
     x[3, 1::5] = -0.0
     pos = torch.tensor([n - 1, n - 1, n - 1, 2500, 600], dtype=torch.int32)
-    got = triton_topk.topk_of_logits(x.to(DEV), pos.to(DEV), k, bits=bits, sampled=sampled).cpu()
+    got = triton_topk.topk_of_logits(x.to(DEV), pos.to(DEV), k, bits=bits, sampled=sampled, stream=stream).cpu()
     assert_same_sets(got, select_topk(x, pos.long(), k))
 
 
@@ -229,8 +237,9 @@ def assert_sets_equal_up_to_near_ties(got, want, scores, rel=2e-3):
                 assert abs(float(sc[p] - kth)) <= tol, (r, p, float(sc[p]), float(kth))
 
 
+@pytest.mark.parametrize("direct", [False, True])
 @pytest.mark.parametrize("prefill", [False, True])
-def test_fp8_query_matches_its_reference(prefill):
+def test_fp8_query_matches_its_reference(prefill, direct, monkeypatch):
     # DeepSeek-V3.2's path: the query rounded to e4m3 per (row, head), fp8 x fp8 products; the torch
     # reference rounds the same way, so the two choose the same sets up to near-ties.
     if GPU:
@@ -238,6 +247,8 @@ def test_fp8_query_matches_its_reference(prefill):
     else:
         seq_lens, new, topk = ([90, 44], [6, 44], 24) if prefill else ([70, 9, 33, 150], [1] * 4, 32)
     case, page_size = _fp8_case(seq_lens, new, seed=21 + prefill)
+    opts = {"direct": direct} if GPU else {"direct": direct, "block_n": 8}  # CPU: blocks within pages
+    monkeypatch.setattr(triton_indexer, "LOGITS_OPTIONS", {**triton_indexer.LOGITS_OPTIONS, **opts})
     got, want = run_both(case, topk, page_size, "triton_fp8q")
     assert_sets_equal_up_to_near_ties(got, want, fp8_scores(case, page_size))
 

@@ -39,6 +39,7 @@ PREFILL_ROWS = ROWS_PER_BLOCK
 # (None: by row length, as for decode). Unmeasured choices stay out of here.
 PREFILL_OPTIONS: dict = {}
 PREFILL_TOPK_WARPS: int | None = None
+PREFILL_TOPK_STREAM: int | None = None  # the streamed top-k's piece size for prefill (None: off)
 # Top-k: the fastest on the H200 by batch 1 + batch 64 at 4K (bench/results/2026-11-29-triton-indexer-v2):
 # 4-bit digits after the sampled bracket, 11.1 + 14.9 us (8-bit int64, the first version: 15.0 + 16.8).
 TOPK_BITS = 4  # digit width of the radix select (triton_topk)
@@ -47,17 +48,20 @@ TOPK_SAMPLED = True  # bracket the k-th value with sorted samples before the rad
 
 @triton.jit
 def _load_keys(
-    k_ptr, k_scale_ptr, kv_slots_ptr, kv_off, n0, pos, offs_n, valid, offs_d,
+    k_ptr, k_scale_ptr, kv_slots_ptr, kv_off, n0, pos, offs_n, valid, offs_d, first,
     D: tl.constexpr, PS: tl.constexpr, BLOCK_N: tl.constexpr, FP8: tl.constexpr, ONE_PAGE: tl.constexpr,
+    PRELOAD: tl.constexpr,
 ):  # fmt: skip
     """Keys [BLOCK_N, D] at positions offs_n = n0 + [0, BLOCK_N) of the row's request, valid up to
-    position pos (and fp8 scales [BLOCK_N])."""
+    position pos (and fp8 scales [BLOCK_N]). PRELOAD: first is the block's first slot, read by the
+    caller before its loop (the key loads then depend on no load inside the loop)."""
     if ONE_PAGE:
         # The block lies in one page (positions p of a request live at page * PS + p % PS): one
         # slot lookup for the block, then a contiguous tile of the page.
         # (masked: a block past the row's last key must not read past the request's kv_slots)
-        first = tl.load(kv_slots_ptr + kv_off + n0, mask=n0 <= pos, other=0).to(tl.int64)
-        page = first // PS
+        if not PRELOAD:
+            first = tl.load(kv_slots_ptr + kv_off + n0, mask=n0 <= pos, other=0)
+        page = first.to(tl.int64) // PS
         off = (n0 % PS) + tl.arange(0, BLOCK_N)
     else:
         slot = tl.load(kv_slots_ptr + kv_off + offs_n, mask=valid, other=0).to(tl.int64)
@@ -68,7 +72,7 @@ def _load_keys(
     if FP8:
         # Page p holds PS rows of D codes, then PS fp32 scales.
         base = page * (PS * (D + 4))
-        codes = tl.load(k_ptr + (base + off * D)[:, None] + offs_d[None, :], mask=valid[:, None], other=0)
+        codes = tl.load(k_ptr + (base + off * D)[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
         k_scale = tl.load(k_scale_ptr + (base + PS * D) // 4 + off, mask=valid, other=0.0)
         keys = codes.to(tl.float8e4nv, bitcast=True)
     else:
@@ -98,7 +102,7 @@ def _logits_kernel(
     out_stride, heads, scale,
     D: tl.constexpr, PS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, SPAN_BLOCKS: tl.constexpr,
     ROWS: tl.constexpr, FP8: tl.constexpr, MODE: tl.constexpr, ONE_PAGE: tl.constexpr, PRECISION: tl.constexpr,
-    INTERPRET: tl.constexpr, FOLD: tl.constexpr = False,
+    INTERPRET: tl.constexpr, FOLD: tl.constexpr = False, PRELOAD: tl.constexpr = False,
 ):  # fmt: skip
     """Logits of ROWS consecutive query rows of one request (ROWS = 1: one row per program, decode;
     more: a prompt chunk's rows share each key tile, the MMA's N side is ROWS x heads).
@@ -166,13 +170,20 @@ def _logits_kernel(
             q8 = q8.to(tl.float8e4nv)  # exact: the values are on the e4m3 grid
     if FOLD or MODE == 4:
         w = w * colscale * scale
+    offs_b = tl.arange(0, SPAN_BLOCKS)
+    firsts = offs_b  # PRELOAD: the first slot of each of the span's blocks
+    if PRELOAD:
+        n0_b = n_start + offs_b * BLOCK_N
+        firsts = tl.load(kv_slots_ptr + kv_off + n0_b, mask=n0_b <= pos, other=0).to(tl.int32)
     for b in range(SPAN_BLOCKS):
         n0 = n_start + b * BLOCK_N
         offs_n = n0 + tl.arange(0, BLOCK_N)
         valid = offs_n <= pos
+        first = tl.sum(tl.where(offs_b == b, firsts, 0), axis=0)
         keys, k_scale = _load_keys(
-            k_ptr, k_scale_ptr, kv_slots_ptr, kv_off, n0, pos, offs_n, valid, offs_d, D, PS, BLOCK_N, FP8, ONE_PAGE
-        )
+            k_ptr, k_scale_ptr, kv_slots_ptr, kv_off, n0, pos, offs_n, valid, offs_d, first,
+            D, PS, BLOCK_N, FP8, ONE_PAGE, PRELOAD,
+        )  # fmt: skip
         # Keys on the MMA's M side (BLOCK_N rows), heads on N: no padding of a 32-head query to 64.
         if MODE == 1:
             kb = mma_operand(keys, INTERPRET)
@@ -238,6 +249,7 @@ def indexer_logits(
     num_stages: int = 3,
     row_blocks: tuple[torch.Tensor, torch.Tensor, int] | None = None,
     fold: bool = False,
+    direct: bool = False,
 ) -> torch.Tensor:
     """float32 [T, max_len] logits; entries after a row's position are left unwritten.
 
@@ -248,6 +260,9 @@ def indexer_logits(
     keys only) "fp8": the query rounded to e4m3 per (row, head), fp8 x fp8 products, as
     indexer.quantize_query_fp8 (other caches: "fp8" means the exact split).
     fold: ReLU-positive factors applied to the head weights, the key scale after the head sum.
+    direct: (paged, on the GPU) fp8 codes through an fp8-typed pointer and each span's block slots
+    read before the block loop: the pipelined key tiles then go from shared memory straight into
+    an fp8 MMA (no register round trip; sm_90 TTGIR has no local_load for them).
     row_blocks: (first row int32 [NB], row count int32 [NB], ROWS): blocks of up to ROWS
     consecutive query rows of one request that share key tiles (prefill); None: a row per program."""
     rows, heads, dim = q.shape
@@ -256,6 +271,9 @@ def indexer_logits(
     cache = index_k_cache.contiguous()
     k_scale = cache.view(torch.float32) if fp8 else cache  # scales read as fp32 through this view
     interp = q.device.type != "cuda"
+    one_page = paged and page_size % block_n == 0
+    if direct and fp8 and not interp:
+        cache = cache.view(torch.float8_e4m3fn)
     blocks = triton.cdiv(max_len, block_n)
     if row_blocks is None:
         blk_row0 = blk_rows = row_pos
@@ -276,8 +294,8 @@ def indexer_logits(
         q.contiguous().float(), weights.contiguous().float(), kv_slots, row_kv_off, row_pos, blk_row0, blk_rows,
         cache, k_scale, logits, logits.stride(0), heads, softmax_scale,
         D=dim, PS=page_size, BLOCK_H=max(16, triton.next_power_of_2(heads)), BLOCK_N=block_n, SPAN_BLOCKS=span,
-        ROWS=rows_per, FP8=fp8, MODE=mode, ONE_PAGE=paged and page_size % block_n == 0, PRECISION="ieee" if interp else "tf32x3",
-        INTERPRET=interp, FOLD=fold, num_warps=num_warps, num_stages=num_stages,
+        ROWS=rows_per, FP8=fp8, MODE=mode, ONE_PAGE=one_page, PRECISION="ieee" if interp else "tf32x3",
+        INTERPRET=interp, FOLD=fold, PRELOAD=direct and one_page, num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     return logits
 
@@ -301,7 +319,8 @@ def indexer_topk_rows(
         row_blocks=blocks, **opts,
     )  # fmt: skip
     warps = PREFILL_TOPK_WARPS if blocks is not None else None
-    return topk_of_logits(logits, row_pos, topk, num_warps=warps, bits=TOPK_BITS, sampled=TOPK_SAMPLED)
+    stream = PREFILL_TOPK_STREAM if blocks is not None else None
+    return topk_of_logits(logits, row_pos, topk, num_warps=warps, bits=TOPK_BITS, sampled=TOPK_SAMPLED, stream=stream)
 
 
 def indexer_topk_rows_fp8q(*args, **kwargs):
