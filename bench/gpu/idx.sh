@@ -16,7 +16,7 @@ export PYTHONPATH="$PWD/pyworker:${PYTHONPATH:-}"  # this tree's nsaserve
 {
   nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,power.draw --format=csv 2>&1
   timeout 34 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_triton_indexer.py \
-    -k "fp8_query or quantize or registered or (default and decode) or whole_prompt" >"$work/t1.txt" 2>&1 &
+    -k "fp8_query or quantize or registered or (default and decode) or (whole_prompt and True) or (hard_rows and 1024)" >"$work/t1.txt" 2>&1 &
   p1=$!
   timeout 34 python3 -m pytest -q -p no:cacheprovider tests/model/test_cuda_graphs.py >"$work/t2.txt" 2>&1 &
   p2=$!
