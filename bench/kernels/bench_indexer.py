@@ -235,11 +235,13 @@ DECODE_V3 = [
 # (name, prefill logits options, query mode, rows per block, prefill top-k stream piece)
 PREFILL_V3 = [
     ("fp16x2 rows4 (current)", {}, None, 4, None),
-    ("fp16x2 fold rows4", {"fold": True}, None, 4, None),
-    ("fp8 query rows4", {}, "fp8", 4, None),
     ("fp8 query rows4 direct", {"direct": True}, "fp8", 4, None),
-    ("fp8 query rows8 direct", {"direct": True}, "fp8", 8, None),
     ("fp8 query rows4 direct, top-k streamed 2048", {"direct": True}, "fp8", 4, 2048),
+    ("fp8 query rows4 direct span64", {"direct": True, "max_span": 64}, "fp8", 4, None),
+    ("fp8 query rows4", {}, "fp8", 4, None),
+    ("fp8 query rows8 direct", {"direct": True}, "fp8", 8, None),
+    ("fp16x2 fold rows4", {"fold": True}, None, 4, None),
+    ("fp16x2 direct rows4", {"direct": True}, None, 4, None),
 ]
 # Prefill top-k alone on one logits tensor: (name, num_warps, stream piece); the first is the current.
 TOPK_PREFILL = [
@@ -292,7 +294,7 @@ def differing(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.sort(dim=1).values != b.sort(dim=1).values).any(dim=1).float().mean())
 
 
-def prefill_v3(prompt: int, ceil: dict, topk_alone: bool) -> list[dict]:
+def prefill_v3(prompt: int, ceil: dict) -> list[dict]:
     cache, kv_slots, row_pos, row_kv_off, q, w = build_prompt(prompt, True)
     scale = DIM**-0.5
     flops = 2 * HEADS * DIM * prompt * (prompt + 1) / 2
@@ -333,14 +335,21 @@ def prefill_v3(prompt: int, ceil: dict, topk_alone: bool) -> list[dict]:
     call = (q, w, cache, kv_slots, qs, [0], [prompt], TOPK, scale, PAGE)
     rows[0]["eager_us"] = eager_time_us(lambda: indexer_topk_triton(*call), reps=10)
     rows[0]["eager_plan_us"] = eager_time_us(lambda: indexer_topk_triton(*call, plan=plan), reps=10)
-    if topk_alone:
-        lg = indexer_logits(q, w, cache, kv_slots, row_kv_off, row_pos, prompt, scale, PAGE, split="fp8")
-        for name, warps, stream in TOPK_PREFILL:
-            fn = partial(topk_of_logits, lg, row_pos, TOPK, num_warps=warps, stream=stream)
-            got = fn()
-            rows.append({"case": f"prefill {prompt} top-k alone", "variant": name,
-                         "us": graph_time_us([fn], reps=10), "rows_differing_ref": differing(got, ref8)})  # fmt: skip
-            print(rows[-1], flush=True)
+    return rows
+
+
+def topk_alone_v3(prompt: int) -> list[dict]:
+    """The prefill top-k variants alone on one prompt's fp8-query logits."""
+    cache, kv_slots, row_pos, row_kv_off, q, w = build_prompt(prompt, True)
+    scale, rows = DIM**-0.5, []
+    lg = indexer_logits(q, w, cache, kv_slots, row_kv_off, row_pos, prompt, scale, PAGE, split="fp8")
+    ref8 = indexer_topk_torch(q, w, cache, kv_slots, [0, prompt], [0], [prompt], TOPK, scale, PAGE, query="fp8")
+    for name, warps, stream in TOPK_PREFILL:
+        fn = partial(topk_of_logits, lg, row_pos, TOPK, num_warps=warps, stream=stream)
+        got = fn()
+        rows.append({"case": f"prefill {prompt} top-k alone", "variant": name,
+                     "us": graph_time_us([fn], reps=10), "rows_differing_ref": differing(got, ref8)})  # fmt: skip
+        print(rows[-1], flush=True)
         SAVE[0](rows)
     return rows
 
@@ -360,12 +369,14 @@ def main_v3(args) -> None:
         "eager_us / eager_plan_us: the registry call from Python back to back, building the row metadata "
         "from host lists per call (every layer before) / given the step's plan."
     )
-    # The 8K prefill (the open target) first, then decode (targets to keep), then 2K; results are
-    # rewritten after each case so that a time limit still leaves a file.
+    # The 8K prefill (the open target) first, then decode (targets to keep), the prefill top-k
+    # alone, then 2K; results are rewritten after every row so that a time limit still leaves a file.
     SAVE[0] = lambda cur: write_results(args.name, args.out, ceilings, rows + cur, cols, notes)
-    for case in (("prefill", 8192), ("decode", 1), ("decode", 64), ("prefill", 2048)):
+    for case in (("prefill", 8192), ("decode", 64), ("decode", 1), ("topk", 8192), ("prefill", 2048)):
         if case[0] == "prefill":
-            rows += prefill_v3(case[1], ceilings, topk_alone=case[1] == 8192)
+            rows += prefill_v3(case[1], ceilings)
+        elif case[0] == "topk":
+            rows += topk_alone_v3(case[1])
         else:
             rows += decode_v3(case[1], 4096, ceilings["copy_TBps"] * 1e12)
         torch.cuda.empty_cache()

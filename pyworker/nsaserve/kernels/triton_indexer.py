@@ -250,6 +250,7 @@ def indexer_logits(
     row_blocks: tuple[torch.Tensor, torch.Tensor, int] | None = None,
     fold: bool = False,
     direct: bool = False,
+    max_span: int = 16,
 ) -> torch.Tensor:
     """float32 [T, max_len] logits; entries after a row's position are left unwritten.
 
@@ -263,6 +264,8 @@ def indexer_logits(
     direct: (paged, on the GPU) fp8 codes through an fp8-typed pointer and each span's block slots
     read before the block loop: the pipelined key tiles then go from shared memory straight into
     an fp8 MMA (no register round trip; sm_90 TTGIR has no local_load for them).
+    max_span: most key blocks a program reads (its query rows are loaded, and split or quantised,
+    once per program: prompt rows re-read the float32 query once per span).
     row_blocks: (first row int32 [NB], row count int32 [NB], ROWS): blocks of up to ROWS
     consecutive query rows of one request that share key tiles (prefill); None: a row per program."""
     rows, heads, dim = q.shape
@@ -283,7 +286,7 @@ def indexer_logits(
         n_row_blocks = blk_row0.shape[0]
     # Several key blocks per program (the query is loaded once, the gathers pipelined), but enough
     # programs for about two per multiprocessor.
-    span = max(1, min(16, blocks * n_row_blocks // (programs_wanted or _PROGRAMS_WANTED)))
+    span = max(1, min(max_span, blocks * n_row_blocks // (programs_wanted or _PROGRAMS_WANTED)))
     span = 1 << (span.bit_length() - 1)  # a power of two: few distinct compiled variants
     if fp8 and split in ("fp16x2", "fp16", "fp8"):
         mode = {"fp16x2": 2, "fp16": 3, "fp8": 4}[split]
