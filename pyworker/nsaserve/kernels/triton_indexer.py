@@ -14,8 +14,13 @@ set is what attention consumes, and emitting in position order is what makes the
    boundary: fp8 keys are exact in fp16 and the query, scaled by a power of two, is split into two
    fp16 parts (22 significant bits; "fp16x2"), or exact in bf16 with a three-part bf16 split
    ("bf16x3", also bf16 keys); other key dtypes use 3xTF32. A one-pass fp16 query ("fp16") is
-   available where speed matters more than exact ties. Then ReLU, head weights, one logit a key.
+   available where speed matters more than exact ties, and the fp8 query ("fp8", the "_fp8q"
+   backends: DeepSeek-V3.2's e4m3 query, fp8 x fp8 products; its reference rounds the query the
+   same way, indexer.quantize_query_fp8). Then ReLU, head weights, one logit a key.
 2. triton_topk.topk_of_logits: the exact per-row top-k of those logits, emitted in position order.
+
+The per-row metadata (and prompt row blocks) come from the step's IndexerPlan (indexer_plan.py),
+built once per forward; without one the backend builds it from the host lists.
 """
 
 from __future__ import annotations
@@ -174,7 +179,7 @@ def _logits_kernel(
     firsts = offs_b  # PRELOAD: the first slot of each of the span's blocks
     if PRELOAD:
         n0_b = n_start + offs_b * BLOCK_N
-        firsts = tl.load(kv_slots_ptr + kv_off + n0_b, mask=n0_b <= pos, other=0).to(tl.int32)
+        firsts = tl.load(kv_slots_ptr + kv_off + n0_b, mask=n0_b <= pos, other=0)
     for b in range(SPAN_BLOCKS):
         n0 = n_start + b * BLOCK_N
         offs_n = n0 + tl.arange(0, BLOCK_N)
