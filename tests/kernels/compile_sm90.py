@@ -28,8 +28,9 @@ def indexer_cases():
         (True, 2, 1, True, False), (True, 3, 4, True, False), (True, 1, 1, False, False), (False, 1, 4, True, False),
         (False, 0, 1, False, False), (True, 4, 1, True, True), (True, 4, 4, True, True), (True, 4, 8, True, True),
         (True, 2, 4, True, True), (True, 4, 4, True, "direct"), (True, 4, 1, True, "direct"),
+        (True, 2, 1, True, "direct"), (True, 2, 4, True, "direct"), (True, 4, 8, True, "direct"),
     ):  # fmt: skip
-        direct, fold = fold == "direct", bool(fold)  # "direct": fold, fp8-typed keys, slots read before the loop
+        direct, fold = fold == "direct", fold is True  # "direct": fp8-typed keys, slots read before the loop
         k_ty = ("*fp8e4nv" if direct else "*u8") if fp8 else ("*bf16" if mode else F32)
         sig = {
             "q_ptr": F32, "w_ptr": F32, "kv_slots_ptr": "*i64", "row_kv_off_ptr": "*i32",
