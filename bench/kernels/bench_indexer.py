@@ -226,7 +226,7 @@ class options:
 
 # (name, logits options, query mode of indexer_topk_rows): the committed path first.
 DECODE_V3 = [
-    ("fp16x2 (current)", {}, None),
+    ("fp16x2 (v2)", {"fold": False}, None),
     ("fp16x2 fold", {"fold": True}, None),
     ("fp16x2 direct", {"direct": True}, None),
     ("fp8 query", {}, "fp8"),
@@ -234,7 +234,7 @@ DECODE_V3 = [
 ]
 # (name, prefill logits options, query mode, rows per block, prefill top-k stream piece)
 PREFILL_V3 = [
-    ("fp16x2 rows4 (current)", {}, None, 4, None),
+    ("fp16x2 rows4 (v2)", {"fold": False}, None, 4, None),
     ("fp8 query rows4 direct", {"direct": True}, "fp8", 4, None),
     ("fp8 query rows4 direct, top-k streamed 2048", {"direct": True}, "fp8", 4, 2048),
     ("fp8 query rows4 direct span64", {"direct": True, "max_span": 64}, "fp8", 4, None),
@@ -334,7 +334,7 @@ def prefill_v3(prompt: int, ceil: dict) -> list[dict]:
                      "roofline_frac": floor_us / t_full})  # fmt: skip
         print(rows[-1], flush=True)
         SAVE[0](rows)
-    # Chosen sets: every variant against the exact (current) one, and the fp8 query against its
+    # Chosen sets: every variant against the exact (v2) one, and the fp8 query against its
     # torch reference (the same rounding of the query, float32 products).
     exact = chosen.get(PREFILL_V3[0][0])
     qs, args = [0, prompt], (q, w, cache, kv_slots)
@@ -386,7 +386,7 @@ def main_v3(args) -> None:
         "of 64. us: CUDA-graph replay of logits + top-k; logits_us: the logits kernel alone; prefill: one "
         "prompt from position 0 (floor: its products once over the bf16 matmul rate); decode: 4K context "
         "(floor: bytes over the copy bandwidth). rows_differing_exact: rows whose chosen set differs from "
-        "the current exact path's; rows_differing_ref: from the torch reference of the same query mode. "
+        "the v2 exact path's; rows_differing_ref: from the torch reference of the same query mode. "
         "eager_us / eager_plan_us: the registry call from Python back to back, building the row metadata "
         "from host lists per call (every layer before) / given the step's plan."
     )

@@ -93,8 +93,8 @@ VARIANTS = {
     "bf16x3-bits4-sampled": ({"split": "bf16x3"}, 4, True),
     # Blocks as large as a CPU test's pages: the one-lookup-per-page load runs there too.
     "page-blocks-sampled": ({"block_n": 8} if not GPU else {"block_n": 64}, 5, True),
-    # Positive factors folded into the head weights (the key scale after the head sum).
-    "fp16x2-fold": ({"split": "fp16x2", "fold": True}, 4, True),
+    # Positive factors applied inside the ReLU, per product (the path before "fold").
+    "fp16x2-unfolded": ({"split": "fp16x2", "fold": False}, 4, True),
     # Block slots read before the key loop (and on the GPU fp8-typed key tiles).
     "fp16x2-direct": ({"split": "fp16x2", "direct": True} if GPU else {"direct": True, "block_n": 8}, 4, True),
 }

@@ -37,11 +37,15 @@ from .triton_topk import topk_of_logits
 _PROGRAMS_WANTED = 264
 # Options of the device path (indexer_topk_rows); bench/kernels/bench_indexer.py times the others.
 # fp16x2 with page-contiguous loads: 21.7 us at batch 64, 4K on the H200 (v1's gather, bf16x3: 30.8).
-LOGITS_OPTIONS: dict = {"split": "fp16x2", "paged": True}
+# fold (bench/results/2026-11-29-triton-indexer-v3): 8K prefill logits 1366 -> 1279 us, batch 64 at 4K
+# 20.5 -> 19.7 us; chosen sets as the unfolded path's (1 of 8192 prompt rows differs, a near-tie).
+# Not measured on the device yet, so not defaults: "direct", max_span, PREFILL_TOPK_STREAM.
+LOGITS_OPTIONS: dict = {"split": "fp16x2", "paged": True, "fold": True}
 # Query rows of one request per logits program in prefill (the MMA's N side is this x heads).
 PREFILL_ROWS = ROWS_PER_BLOCK
 # Logits options for row blocks (prefill), over LOGITS_OPTIONS; and the prefill top-k's warps
-# (None: by row length, as for decode). Unmeasured choices stay out of here.
+# (None: by row length, as for decode; 8 measured no faster, 4 twice as slow at 8K). Rows per
+# block: 4 (8 measured 10-25% slower with the fp8 query).
 PREFILL_OPTIONS: dict = {}
 PREFILL_TOPK_WARPS: int | None = None
 PREFILL_TOPK_STREAM: int | None = None  # the streamed top-k's piece size for prefill (None: off)
