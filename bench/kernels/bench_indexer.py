@@ -24,13 +24,9 @@ from bench_common import bf16_matmul_rate, copy_bandwidth, eager_time_us, graph_
 
 from nsaserve.kernels import kv_cache_format as fmt
 from nsaserve.kernels import triton_indexer
-from nsaserve.kernels.triton_indexer import (
-    PREFILL_ROWS,
-    indexer_logits,
-    indexer_topk_rows,
-    indexer_topk_triton,
-    row_blocks,
-)
+from nsaserve.kernels.indexer import indexer_topk_torch
+from nsaserve.kernels.indexer_plan import plan_from_host, row_blocks
+from nsaserve.kernels.triton_indexer import PREFILL_ROWS, indexer_logits, indexer_topk_rows, indexer_topk_triton
 from nsaserve.kernels.triton_topk import topk_of_logits
 
 HEADS, DIM, TOPK, PAGE = 32, 128, 2048, 64
@@ -202,12 +198,223 @@ def pick_variants() -> list[dict]:
     return out
 
 
+class options:
+    """Temporarily sets the module's options: logits (LOGITS_OPTIONS), prefill (PREFILL_OPTIONS),
+    topk_warps (PREFILL_TOPK_WARPS), topk_stream (PREFILL_TOPK_STREAM)."""
+
+    NAMES = ("PREFILL_TOPK_WARPS", "PREFILL_TOPK_STREAM")
+
+    def __init__(self, logits=None, prefill=None, topk_warps=None, topk_stream=None):
+        self.new = (logits or {}, prefill or {}, topk_warps, topk_stream)
+
+    def __enter__(self):
+        ti = triton_indexer
+        self.saved = (dict(ti.LOGITS_OPTIONS), dict(ti.PREFILL_OPTIONS), *(getattr(ti, n) for n in self.NAMES))
+        ti.LOGITS_OPTIONS.update(self.new[0])
+        ti.PREFILL_OPTIONS.update(self.new[1])
+        for n, v in zip(self.NAMES, self.new[2:]):
+            setattr(ti, n, v)
+
+    def __exit__(self, *exc):
+        ti = triton_indexer
+        for d, old in ((ti.LOGITS_OPTIONS, self.saved[0]), (ti.PREFILL_OPTIONS, self.saved[1])):
+            d.clear()
+            d.update(old)
+        for n, v in zip(self.NAMES, self.saved[2:]):
+            setattr(ti, n, v)
+
+
+# (name, logits options, query mode of indexer_topk_rows): the committed path first.
+DECODE_V3 = [
+    ("fp16x2 (v2)", {"fold": False}, None),
+    ("fp16x2 fold", {"fold": True}, None),
+    ("fp16x2 direct", {"direct": True}, None),
+    ("fp8 query", {}, "fp8"),
+    ("fp8 query direct", {"direct": True}, "fp8"),
+]
+# (name, prefill logits options, query mode, rows per block, prefill top-k stream piece)
+PREFILL_V3 = [
+    ("fp16x2 rows4 (v2)", {"fold": False}, None, 4, None),
+    ("fp8 query rows4 direct", {"direct": True}, "fp8", 4, None),
+    ("fp8 query rows4 direct, top-k streamed 2048", {"direct": True}, "fp8", 4, 2048),
+    ("fp8 query rows4 direct span64", {"direct": True, "max_span": 64}, "fp8", 4, None),
+    ("fp8 query rows4", {}, "fp8", 4, None),
+    ("fp8 query rows8 direct", {"direct": True}, "fp8", 8, None),
+    ("fp16x2 fold rows4", {"fold": True}, None, 4, None),
+    ("fp16x2 direct rows4", {"direct": True}, None, 4, None),
+]
+# Prefill top-k alone on one logits tensor: (name, num_warps, stream piece); the first is the current.
+TOPK_PREFILL = [
+    ("sampled, warps by length (current)", None, None),
+    ("sampled w8", 8, None),
+    ("streamed 1024 w4", 4, 1024),
+    ("streamed 2048 w4", 4, 2048),
+    ("streamed 2048 w8", 8, 2048),
+]
+SAVE = [lambda rows: None]  # main_v3 sets: rewrites the results file with a case's rows so far
+
+
+def decode_v3(batch: int, ctx: int, copy_bps: float) -> list[dict]:
+    key_bytes = DIM + 4
+    min_bytes = batch * ctx * (key_bytes + 8) + batch * HEADS * (DIM + 1) * 4
+    copies = max(2, min(128, math.ceil(4 * L2_BYTES / min_bytes)))
+    cache, kv_slots, row_pos, sets = build(batch, ctx, True, copies)
+    scale = DIM**-0.5
+    rows = []
+    for name, opts, query in DECODE_V3:
+        with options(logits=opts):
+            full = [
+                partial(indexer_topk_rows, q, w, cache, kv_slots, off, row_pos, ctx, TOPK, scale, PAGE, query=query)
+                for q, w, off in sets
+            ]
+            lopts = dict(triton_indexer.LOGITS_OPTIONS, **({"split": "fp8"} if query else {}))
+            lg = [
+                partial(indexer_logits, q, w, cache, kv_slots, off, row_pos, ctx, scale, PAGE, **lopts)
+                for q, w, off in sets
+            ]
+            try:
+                t_full, t_logits = graph_time_us(full), graph_time_us(lg)
+            except Exception as e:  # a variant that fails is recorded; the run goes on
+                rows.append(failed(f"decode b{batch} {ctx}", name, e))
+                continue
+        floor_us = min_bytes / copy_bps * 1e6
+        rows.append({"case": f"decode b{batch} {ctx}", "variant": name, "us": t_full, "logits_us": t_logits,
+                     "topk_us": t_full - t_logits, "floor_us": floor_us, "roofline_frac": floor_us / t_full})  # fmt: skip
+        print(rows[-1], flush=True)
+        SAVE[0](rows)
+    # The registry call from Python: host lists turned into row metadata per call (as every layer
+    # did before) against the step's plan built once and passed in.
+    q, w, _ = sets[0]
+    qs, cached, seqs = list(range(batch + 1)), [ctx - 1] * batch, [ctx] * batch
+    plan = plan_from_host(qs, cached, seqs, "cuda")
+    args = (q, w, cache, kv_slots, qs, cached, seqs, TOPK, scale, PAGE)
+    rows[0]["eager_us"] = eager_time_us(lambda: indexer_topk_triton(*args))
+    rows[0]["eager_plan_us"] = eager_time_us(lambda: indexer_topk_triton(*args, plan=plan))
+    return rows
+
+
+def failed(case: str, variant: str, e: Exception) -> dict:
+    row = {"case": case, "variant": variant, "error": f"{type(e).__name__}: {str(e)[:300]}"}
+    print(row, flush=True)
+    return row
+
+
+def differing(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Fraction of rows whose chosen sets differ."""
+    return float((a.sort(dim=1).values != b.sort(dim=1).values).any(dim=1).float().mean())
+
+
+def prefill_v3(prompt: int, ceil: dict) -> list[dict]:
+    cache, kv_slots, row_pos, row_kv_off, q, w = build_prompt(prompt, True)
+    scale = DIM**-0.5
+    flops = 2 * HEADS * DIM * prompt * (prompt + 1) / 2
+    floor_us = flops / ceil["bf16_TFLOPs"] / 1e6
+    rows, chosen = [], {}
+    for name, opts, query, rows_per, stream in PREFILL_V3:
+        blocks = row_blocks([0, prompt], rows_per, "cuda")
+        with options(prefill=opts, topk_stream=stream):
+            full = partial(
+                indexer_topk_rows, q, w, cache, kv_slots, row_kv_off, row_pos, prompt, TOPK, scale, PAGE, blocks,
+                query=query,
+            )  # fmt: skip
+            lopts = dict(triton_indexer.LOGITS_OPTIONS, **triton_indexer.PREFILL_OPTIONS)
+            lopts.update({"split": "fp8"} if query else {})
+            logits = partial(
+                indexer_logits, q, w, cache, kv_slots, row_kv_off, row_pos, prompt, scale, PAGE, row_blocks=blocks,
+                **lopts,
+            )  # fmt: skip
+            try:
+                t_full, t_logits = graph_time_us([full], reps=10), graph_time_us([logits], reps=10)
+                chosen[name] = full()
+            except Exception as e:  # a variant that fails is recorded; the run goes on
+                rows.append(failed(f"prefill {prompt}", name, e))
+                continue
+        rows.append({"case": f"prefill {prompt}", "variant": name, "us": t_full, "logits_us": t_logits,
+                     "topk_us": t_full - t_logits, "TFLOPs": flops / (t_full * 1e-6) / 1e12, "floor_us": floor_us,
+                     "roofline_frac": floor_us / t_full})  # fmt: skip
+        print(rows[-1], flush=True)
+        SAVE[0](rows)
+    # Chosen sets: every variant against the exact (v2) one, and the fp8 query against its
+    # torch reference (the same rounding of the query, float32 products).
+    exact = chosen.get(PREFILL_V3[0][0])
+    qs, args = [0, prompt], (q, w, cache, kv_slots)
+    ref8 = indexer_topk_torch(*args, qs, [0], [prompt], TOPK, scale, PAGE, query="fp8")
+    for r in rows:
+        if r["variant"] not in chosen:
+            continue
+        if exact is not None:
+            r["rows_differing_exact"] = differing(chosen[r["variant"]], exact)
+        if "fp8" in r["variant"]:
+            r["rows_differing_ref"] = differing(chosen[r["variant"]], ref8)
+    ref32 = indexer_topk_torch(*args, qs, [0], [prompt], TOPK, scale, PAGE)
+    if exact is not None:
+        rows[0]["rows_differing_ref"] = differing(exact, ref32)
+    plan = plan_from_host(qs, [0], [prompt], "cuda")
+    call = (q, w, cache, kv_slots, qs, [0], [prompt], TOPK, scale, PAGE)
+    rows[0]["eager_us"] = eager_time_us(lambda: indexer_topk_triton(*call), reps=10)
+    rows[0]["eager_plan_us"] = eager_time_us(lambda: indexer_topk_triton(*call, plan=plan), reps=10)
+    return rows
+
+
+def topk_alone_v3(prompt: int) -> list[dict]:
+    """The prefill top-k variants alone on one prompt's fp8-query logits."""
+    cache, kv_slots, row_pos, row_kv_off, q, w = build_prompt(prompt, True)
+    scale, rows = DIM**-0.5, []
+    lg = indexer_logits(q, w, cache, kv_slots, row_kv_off, row_pos, prompt, scale, PAGE, split="fp8")
+    ref8 = indexer_topk_torch(q, w, cache, kv_slots, [0, prompt], [0], [prompt], TOPK, scale, PAGE, query="fp8")
+    for name, warps, stream in TOPK_PREFILL:
+        fn = partial(topk_of_logits, lg, row_pos, TOPK, num_warps=warps, stream=stream)
+        try:
+            got = fn()
+            rows.append({"case": f"prefill {prompt} top-k alone", "variant": name,
+                         "us": graph_time_us([fn], reps=10), "rows_differing_ref": differing(got, ref8)})  # fmt: skip
+        except Exception as e:  # a variant that fails is recorded; the run goes on
+            rows.append(failed(f"prefill {prompt} top-k alone", name, e))
+        print(rows[-1], flush=True)
+        SAVE[0](rows)
+    return rows
+
+
+def main_v3(args) -> None:
+    ceilings = {"copy_TBps": copy_bandwidth() / 1e12, "bf16_TFLOPs": bf16_matmul_rate() / 1e12}
+    print(ceilings, flush=True)
+    rows = []
+    cols = ["case", "variant", "us", "logits_us", "topk_us", "TFLOPs", "floor_us", "roofline_frac",
+            "rows_differing_exact", "rows_differing_ref", "eager_us", "eager_plan_us", "error"]  # fmt: skip
+    notes = (
+        "fp8 index-key cache (DeepGEMM's 132-byte layout), GLM-5 indexer: 32 heads x 128, top-k 2048, pages "
+        "of 64. us: CUDA-graph replay of logits + top-k; logits_us: the logits kernel alone; prefill: one "
+        "prompt from position 0 (floor: its products once over the bf16 matmul rate); decode: 4K context "
+        "(floor: bytes over the copy bandwidth). rows_differing_exact: rows whose chosen set differs from "
+        "the v2 exact path's; rows_differing_ref: from the torch reference of the same query mode. "
+        "eager_us / eager_plan_us: the registry call from Python back to back, building the row metadata "
+        "from host lists per call (every layer before) / given the step's plan."
+    )
+    # The 8K prefill (the open target) first, then decode (targets to keep), the prefill top-k
+    # alone, then 2K; results are rewritten after every row so that a time limit still leaves a file.
+    SAVE[0] = lambda cur: write_results(args.name, args.out, ceilings, rows + cur, cols, notes)
+    for case in (("prefill", 8192), ("decode", 64), ("decode", 1), ("topk", 8192), ("prefill", 2048)):
+        if case[0] == "prefill":
+            rows += prefill_v3(case[1], ceilings)
+        elif case[0] == "topk":
+            rows += topk_alone_v3(case[1])
+        else:
+            rows += decode_v3(case[1], 4096, ceilings["copy_TBps"] * 1e12)
+        torch.cuda.empty_cache()
+        write_results(args.name, args.out, ceilings, rows, cols, notes)
+    print(f"copy {ceilings['copy_TBps']:.2f} TB/s, bf16 matmul {ceilings['bf16_TFLOPs']:.0f} TFLOP/s")
+    print_table(rows, cols)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="bench/results")
-    ap.add_argument("--name", default="triton-indexer-v2", help="results file stem after the date")
+    ap.add_argument("--name", default="triton-indexer-v3", help="results file stem after the date")
+    ap.add_argument("--suite", default="v3", choices=("v2", "v3"), help="v3: current vs new modes side by side")
     args = ap.parse_args()
     torch.manual_seed(0)
+    if args.suite == "v3":
+        return main_v3(args)
     ceilings = {"copy_TBps": copy_bandwidth() / 1e12, "bf16_TFLOPs": bf16_matmul_rate() / 1e12}
     picks = pick_variants()
     chosen = {"logits": dict(triton_indexer.LOGITS_OPTIONS), "topk_bits": triton_indexer.TOPK_BITS,

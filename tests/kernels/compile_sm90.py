@@ -24,10 +24,14 @@ F32 = "*fp32"
 def indexer_cases():
     # (fp8 keys, query split mode, rows per program, one lookup per page): every mode and both
     # load paths at least once.
-    for fp8, mode, rows, one_page in (
-        (True, 2, 1, True), (True, 3, 4, True), (True, 1, 1, False), (False, 1, 4, True), (False, 0, 1, False)
+    for fp8, mode, rows, one_page, fold in (
+        (True, 2, 1, True, False), (True, 3, 4, True, False), (True, 1, 1, False, False), (False, 1, 4, True, False),
+        (False, 0, 1, False, False), (True, 4, 1, True, True), (True, 4, 4, True, True), (True, 4, 8, True, True),
+        (True, 2, 4, True, True), (True, 4, 4, True, "direct"), (True, 4, 1, True, "direct"),
+        (True, 2, 1, True, "direct"), (True, 2, 4, True, "direct"), (True, 4, 8, True, "direct"),
     ):  # fmt: skip
-        k_ty = "*u8" if fp8 else ("*bf16" if mode else F32)
+        direct, fold = fold == "direct", fold is True  # "direct": fp8-typed keys, slots read before the loop
+        k_ty = ("*fp8e4nv" if direct else "*u8") if fp8 else ("*bf16" if mode else F32)
         sig = {
             "q_ptr": F32, "w_ptr": F32, "kv_slots_ptr": "*i64", "row_kv_off_ptr": "*i32",
             "row_pos_ptr": "*i32", "blk_row0_ptr": "*i32", "blk_rows_ptr": "*i32", "k_ptr": k_ty,
@@ -36,9 +40,10 @@ def indexer_cases():
         }  # fmt: skip
         consts = dict(
             D=128, PS=64, BLOCK_H=32, BLOCK_N=64, SPAN_BLOCKS=4, ROWS=rows, FP8=fp8, MODE=mode,
-            ONE_PAGE=one_page, PRECISION="tf32x3", INTERPRET=False,
+            ONE_PAGE=one_page, PRECISION="tf32x3", INTERPRET=False, FOLD=fold, PRELOAD=direct,
         )  # fmt: skip
-        yield f"logits fp8={fp8} mode={mode} rows={rows} one_page={one_page}", ti._logits_kernel, sig, consts, 4
+        name = f"logits fp8={fp8} mode={mode} rows={rows} one_page={one_page} fold={fold} direct={direct}"
+        yield name, ti._logits_kernel, sig, consts, 4
     sig = {
         "logits_ptr": F32, "row_pos_ptr": "*i32", "out_ptr": "*i64", "logits_stride": "i32",
         "out_stride": "i32", "topk": "i32", "width": "i32",
@@ -55,6 +60,8 @@ def indexer_cases():
     sig_s = {k: sig.get(k, "*i32") for k in names}  # the sampled kernel adds an int32 scratch row
     consts = dict(CHUNK=4096, SAMPLES=256, MARGIN=16, CAND=1024, BITS=6)
     yield "topk sampled", tk._topk_sampled_kernel, sig_s, consts, 8
+    consts = dict(SUB=2048, SAMPLES=256, MARGIN=16, CAND=1024, BITS=4, WTILES=1, NSUB=4)
+    yield "topk streamed", tk._topk_streamed_kernel, sig_s, consts, 4
     # A tiny test model's rows (tens of keys).
     consts = dict(CHUNK=32, SAMPLES=32, MARGIN=16, CAND=32, BITS=4)
     yield "topk sampled, 32 keys", tk._topk_sampled_kernel, sig_s, consts, 4
@@ -84,7 +91,13 @@ def main() -> int:
     failed = 0
     for name, fn, sig, consts, warps in [*indexer_cases(), *sparse_mla_cases()]:
         try:
-            triton.compile(ASTSource(fn, sig, consts), target=TARGET, options={"num_warps": warps, "num_stages": 2})
+            # Pointers 16-byte aligned, as the runtime specialises them (this turns on the pipelined
+            # async copies the device compiles).
+            attrs = {(i,): [["tt.divisibility", 16]] for i, ty in enumerate(sig.values()) if ty.startswith("*")}
+            stages = 3 if fn is ti._logits_kernel else 2
+            triton.compile(
+                ASTSource(fn, sig, consts, attrs), target=TARGET, options={"num_warps": warps, "num_stages": stages}
+            )
             print("ok  ", name, flush=True)
         except Exception as e:  # report every kernel, not just the first failure
             failed += 1

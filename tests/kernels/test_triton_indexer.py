@@ -16,7 +16,6 @@ pytest.importorskip("triton")
 
 from nsaserve.kernels import kv_cache_format as fmt  # noqa: E402
 from nsaserve.kernels import triton_indexer, triton_topk  # noqa: E402
-from nsaserve.kernels.indexer import indexer_topk_torch  # noqa: E402
 from nsaserve.kernels.registry import available, get_backend  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -69,20 +68,21 @@ def assert_same_sets(got, want):
         assert int((g >= 0).sum()) == int((w >= 0).sum())
 
 
-def run_both(case, topk, page_size):
+def run_both(case, topk, page_size, name="triton"):
+    """The Triton backend `name` and its torch reference ("triton_fp8q" -> "torch_fp8q")."""
     q, w, cache, kv_slots, qs, cached = case
     seq_lens = [c + (qs[i + 1] - qs[i]) for i, c in enumerate(cached)]
     scale = q.shape[-1] ** -0.5
-    want = indexer_topk_torch(q, w, cache, kv_slots, qs, cached, seq_lens, topk, scale, page_size)
+    ref = get_backend("indexer", name.replace("triton", "torch"))
+    want = ref(q, w, cache, kv_slots, qs, cached, seq_lens, topk, scale, page_size)
     d = lambda t: t.to(DEV)  # noqa: E731
-    got = get_backend("indexer", "triton")(
-        d(q), d(w), d(cache), d(kv_slots), qs, cached, seq_lens, topk, scale, page_size
-    )
+    got = get_backend("indexer", name)(d(q), d(w), d(cache), d(kv_slots), qs, cached, seq_lens, topk, scale, page_size)
     return got.cpu(), want
 
 
 def test_registered():
-    assert "triton" in available("indexer")
+    assert {"triton", "triton_fp8q"} <= set(available("indexer"))
+    assert {"triton", "triton_fp8q"} <= set(available("indexer_rows"))
 
 
 # Variants of the device path: (logits options, top-k digit bits). The first is the default.
@@ -93,6 +93,10 @@ VARIANTS = {
     "bf16x3-bits4-sampled": ({"split": "bf16x3"}, 4, True),
     # Blocks as large as a CPU test's pages: the one-lookup-per-page load runs there too.
     "page-blocks-sampled": ({"block_n": 8} if not GPU else {"block_n": 64}, 5, True),
+    # Positive factors applied inside the ReLU, per product (the path before "fold").
+    "fp16x2-unfolded": ({"split": "fp16x2", "fold": False}, 4, True),
+    # Block slots read before the key loop (and on the GPU fp8-typed key tiles).
+    "fp16x2-direct": ({"split": "fp16x2", "direct": True} if GPU else {"direct": True, "block_n": 8}, 4, True),
 }
 
 
@@ -155,7 +159,8 @@ def test_ties_prefer_lower_positions(variant):
 
 
 @pytest.mark.parametrize("fp8", [False, True])
-def test_whole_prompt(fp8):
+@pytest.mark.parametrize("stream", [None, 16])
+def test_whole_prompt(fp8, stream, monkeypatch):
     # A prompt from position 0: early rows take their whole context, later ones really select;
     # rows go through the logits kernel in blocks that share key tiles.
     if GPU:
@@ -163,11 +168,16 @@ def test_whole_prompt(fp8):
     else:
         seq_lens, heads, dim, page_size, topk = [44], 4, 32, 8, 16
     case = make_case(seq_lens, seq_lens, heads, dim, page_size, fp8, seed=9)
+    # stream: the prompt's top-k streamed in pieces (on the GPU 2048 keys; here 16 of the 44)
+    monkeypatch.setattr(triton_indexer, "PREFILL_TOPK_STREAM", stream and (2048 if GPU else stream))
     assert_same_sets(*run_both(case, topk, page_size))
 
 
-@pytest.mark.parametrize("bits,sampled", [(8, False), (4, False), (6, True), (4, True)])
-def test_topk_kernels_on_hard_rows(bits, sampled):
+@pytest.mark.parametrize(
+    "bits,sampled,stream",
+    [(8, False, None), (4, False, None), (6, True, None), (4, True, None), (4, True, 1024), (4, True, 256)],
+)
+def test_topk_kernels_on_hard_rows(bits, sampled, stream):
     # Rows of 3000 logits, top 700: random; few distinct values (ties everywhere); constant (the
     # sampled bracket then holds every key, more than it compacts: the full-row fallback runs);
     # negative and zero logits of both signs; and a row whose context fits (all positions taken).
@@ -182,5 +192,107 @@ def test_topk_kernels_on_hard_rows(bits, sampled):
     x[3, ::5] = 0.0
     x[3, 1::5] = -0.0
     pos = torch.tensor([n - 1, n - 1, n - 1, 2500, 600], dtype=torch.int32)
-    got = triton_topk.topk_of_logits(x.to(DEV), pos.to(DEV), k, bits=bits, sampled=sampled).cpu()
+    got = triton_topk.topk_of_logits(x.to(DEV), pos.to(DEV), k, bits=bits, sampled=sampled, stream=stream).cpu()
     assert_same_sets(got, select_topk(x, pos.long(), k))
+
+
+def _fp8_case(seq_lens, new, seed):
+    heads, dim, page_size = (32, 128, 64) if GPU else (4, 32, 8)
+    return make_case(seq_lens, new, heads, dim, page_size, True, seed), page_size
+
+
+def fp8_scores(case, page_size):
+    """Per row: the fp8-query reference's scores over its request's visible keys (float32)."""
+    from nsaserve.kernels.indexer import quantize_query_fp8
+
+    q, w, cache, kv_slots, qs, cached = case
+    q8, scale, out, off = quantize_query_fp8(q), q.shape[-1] ** -0.5, [], 0
+    for i, c in enumerate(cached):
+        n = qs[i + 1] - qs[i]
+        keys = fmt.gather_index_k(cache, kv_slots[off : off + c + n], page_size)
+        s = torch.einsum(
+            "th,thl->tl",
+            w[qs[i] : qs[i + 1]],
+            torch.relu(torch.einsum("thd,ld->thl", q8[qs[i] : qs[i + 1]], keys) * scale),
+        )
+        out += [s[t, : c + t + 1] for t in range(n)]
+        off += c + n
+    return out
+
+
+def assert_sets_equal_up_to_near_ties(got, want, scores, rel=2e-3):
+    """Same widths and padding; where a row's chosen sets differ, every position in one and not the
+    other scores within rel x the row's largest |score| of that row's k-th score (a near-tie at the
+    boundary: the tensor cores' fp8 accumulation is not float32's)."""
+    assert got.shape == want.shape
+    for r in range(got.shape[0]):
+        g, w = got[r], want[r]
+        gs, ws = set(g[g >= 0].tolist()), set(w[w >= 0].tolist())
+        assert len(gs) == len(ws) == int((g >= 0).sum()), f"row {r}"
+        if gs != ws:
+            sc = scores[r]
+            kth = sc.sort(descending=True).values[len(ws) - 1]
+            tol = rel * float(sc.abs().max())
+            for p in gs ^ ws:
+                assert abs(float(sc[p] - kth)) <= tol, (r, p, float(sc[p]), float(kth))
+
+
+@pytest.mark.parametrize("direct", [False, True])
+@pytest.mark.parametrize("prefill", [False, True])
+def test_fp8_query_matches_its_reference(prefill, direct, monkeypatch):
+    # DeepSeek-V3.2's path: the query rounded to e4m3 per (row, head), fp8 x fp8 products; the torch
+    # reference rounds the same way, so the two choose the same sets up to near-ties.
+    if GPU:
+        seq_lens, new, topk = ([3000, 2300], [40, 2300], 2048) if prefill else ([4096, 100, 2049, 8000], [1] * 4, 2048)
+    else:
+        seq_lens, new, topk = ([90, 44], [6, 44], 24) if prefill else ([70, 9, 33, 150], [1] * 4, 32)
+    case, page_size = _fp8_case(seq_lens, new, seed=21 + prefill)
+    opts = {"direct": direct} if GPU else {"direct": direct, "block_n": 8}  # CPU: blocks within pages
+    monkeypatch.setattr(triton_indexer, "LOGITS_OPTIONS", {**triton_indexer.LOGITS_OPTIONS, **opts})
+    got, want = run_both(case, topk, page_size, "triton_fp8q")
+    assert_sets_equal_up_to_near_ties(got, want, fp8_scores(case, page_size))
+
+
+def test_fp8_query_logits_match_reference_logits():
+    # The logits themselves (before the top-k) within float32 summation error of the reference's.
+    from nsaserve.kernels.indexer import quantize_query_fp8
+
+    seq_lens, new = ([2000], [64]) if GPU else ([40], [8])
+    (q, w, cache, kv_slots, qs, cached), page_size = _fp8_case(seq_lens, new, seed=23)
+    scale = q.shape[-1] ** -0.5
+    keys = fmt.gather_index_k(cache, kv_slots, page_size)
+    ref = torch.einsum("th,thl->tl", w, torch.relu(torch.einsum("thd,ld->thl", quantize_query_fp8(q), keys) * scale))
+    d = lambda t: t.to(DEV)  # noqa: E731
+    for rows in (1, 4):
+        plan = triton_indexer.plan_from_host(qs, cached, seq_lens, DEV, rows_per=rows)
+        blocks = plan.blocks if rows > 1 else None
+        got = triton_indexer.indexer_logits(
+            d(q),
+            d(w),
+            d(cache),
+            d(kv_slots),
+            plan.row_kv_off,
+            plan.row_pos,
+            plan.max_len,
+            scale,
+            page_size,
+            split="fp8",
+            row_blocks=blocks,
+        ).cpu()
+        for t in range(q.shape[0]):
+            n = cached[0] + t + 1
+            # (fp8 products are accumulated with less than float32's precision on the tensor cores)
+            torch.testing.assert_close(got[t, :n], ref[t, :n], rtol=1e-3, atol=1e-3 * float(ref[t, :n].abs().max()))
+
+
+def test_quantize_query_fp8():
+    from nsaserve.kernels.indexer import quantize_query_fp8
+
+    g = torch.Generator().manual_seed(4)
+    q = torch.randn(5, 3, 128, generator=g) * torch.tensor([1e-3, 1.0, 300.0])[None, :, None]
+    dq = quantize_query_fp8(q)
+    # e4m3 keeps 3 mantissa bits: relative error <= 2^-4 of each value above the block's subnormals.
+    big = q.abs() >= q.abs().amax(-1, keepdim=True) / 64
+    assert float(((dq - q).abs() / q.abs())[big].max()) <= 2**-4
+    assert torch.equal(quantize_query_fp8(dq), dq)  # already on the grid: unchanged
+    assert torch.equal(quantize_query_fp8(torch.zeros(2, 2, 128)), torch.zeros(2, 2, 128))

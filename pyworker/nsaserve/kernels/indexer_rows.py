@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from .indexer import select_topk
+from .indexer import query_for_cache, select_topk
 from .kv_cache_format import gather_index_k
 from .registry import register
 
@@ -34,7 +34,9 @@ def indexer_topk_rows_torch(
     topk: int,
     softmax_scale: float,
     page_size: int,
+    query: str = "float32",  # or "fp8": see kernels/indexer.py
 ) -> torch.Tensor:
+    q = query_for_cache(q, index_k_cache, query)
     num_tokens, heads, _ = q.shape
     width = min(topk, max_len)
     out = torch.full((num_tokens, width), -1, dtype=torch.int64, device=q.device)
@@ -53,3 +55,9 @@ def indexer_topk_rows_torch(
         scores = torch.einsum("th,thl->tl", weights[r0:r1], s)
         out[r0:r1] = select_topk(scores, row_pos[r0:r1].long(), topk)
     return out
+
+
+@register("indexer_rows", "torch_fp8q")
+def indexer_topk_rows_torch_fp8q(*args, **kwargs) -> torch.Tensor:
+    """indexer_topk_rows_torch with the query rounded to fp8 against an fp8 cache."""
+    return indexer_topk_rows_torch(*args, **kwargs, query="fp8")

@@ -22,7 +22,10 @@ from collections.abc import Callable
 #   "rmsnorm", "rope", "kv_store", "index_key_store": the small per-layer ops  (small_ops.py)
 #   "indexer_rows": the indexer with its per-row metadata on the device (a fixed per-request KV
 #                   layout, as CUDA graphs need): the backend of the same name as "indexer"'s
-#                   serves it  (indexer_rows.py)
+#                   serves it  (indexer_rows.py). Every "indexer" backend also takes plan=, the
+#                   step's IndexerPlan (indexer_plan.py, built once per forward in StepMeta).
+#                   "_fp8q" names: the query rounded to fp8 against an fp8 index-key cache, as
+#                   DeepSeek-V3.2's inference does (not float32-exact; see indexer.py)
 _BACKENDS: dict[tuple[str, str], Callable] = {}
 
 # Modules holding the built-in torch references; imported on first lookup so that importing the
@@ -43,6 +46,8 @@ _TRITON_BACKENDS = {
     ("kv_store", "triton"): "triton_kv_store:kv_store_triton",
     ("index_key_store", "triton"): "triton_kv_store:index_key_store_triton",
     ("indexer_rows", "triton"): "triton_indexer:indexer_topk_rows",
+    ("indexer", "triton_fp8q"): "triton_indexer:indexer_topk_triton_fp8q",
+    ("indexer_rows", "triton_fp8q"): "triton_indexer:indexer_topk_rows_fp8q",
 }
 
 # Backends whose calls neither synchronise with the host nor size a tensor from device data, so a
@@ -51,7 +56,7 @@ _TRITON_BACKENDS = {
 # reference (torch.unique / nonzero pick the experts that got tokens).
 _GRAPH_SAFE = {
     ("attention", "torch"), ("attention", "triton"),
-    ("indexer", "torch"), ("indexer", "triton"),
+    ("indexer", "torch"), ("indexer", "triton"), ("indexer", "torch_fp8q"), ("indexer", "triton_fp8q"),
     ("moe_route", "torch"), ("moe_route", "triton"),
     ("moe_experts", "torch_dense"), ("moe_experts", "triton"),
     ("rmsnorm", "torch"), ("rmsnorm", "triton"), ("rope", "torch"), ("rope", "triton"),

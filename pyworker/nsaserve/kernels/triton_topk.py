@@ -196,6 +196,69 @@ def _topk_sampled_kernel(
         tl.store(out_row + offs, tl.full([CHUNK], -1, tl.int64), mask=(offs >= k_eff) & (offs < width))
 
 
+@triton.jit
+def _topk_streamed_kernel(
+    logits_ptr, row_pos_ptr, out_ptr, scratch_ptr, logits_stride, out_stride, topk, width,
+    SUB: tl.constexpr, SAMPLES: tl.constexpr, MARGIN: tl.constexpr, CAND: tl.constexpr, BITS: tl.constexpr,
+    WTILES: tl.constexpr, NSUB: tl.constexpr,
+):  # fmt: skip
+    """(WTILES = cdiv(width, SUB), NSUB = cdiv(longest row, SUB): loop bounds; a row skips the pieces
+    past its own length. Constants, because Triton's CPU interpreter takes no runtime loop bound.)
+    The sampled select for long rows at a throughput: the row is streamed in SUB-key pieces
+    (only as many as the row has: work follows its length, registers follow SUB, so several rows
+    share a multiprocessor). Pass 1 counts keys above / inside the samples' bracket and compacts
+    those inside to scratch; the radix select runs over them (or, when the bracket misses or holds
+    more than CAND, over the whole row re-read per pass); pass 2 emits in position order."""
+    pos, k_eff, row_logits, out_row = _this_row(logits_ptr, row_pos_ptr, out_ptr, logits_stride, out_stride, topk)
+    offs = tl.arange(0, SUB)
+    n = pos + 1
+    nsub = (n + SUB - 1) // SUB
+    if n <= topk:
+        for c in tl.static_range(WTILES):
+            p = c * SUB + offs
+            tl.store(out_row + p, tl.where(p <= pos, p, -1).to(tl.int64), mask=p < width)
+    else:
+        j = tl.arange(0, SAMPLES)
+        su, _ = _order_keys(row_logits, (j * n) // SAMPLES, pos)
+        ss = tl.sort(su, dim=0, descending=True)
+        r = (k_eff * SAMPLES) // n  # expected rank of the k-th largest among the samples
+        zero = tl.zeros_like(ss)
+        hi = tl.max(tl.where(j == tl.maximum(r - MARGIN, 0), ss, zero), axis=0)
+        lo = tl.max(tl.where(j == tl.minimum(r + MARGIN, SAMPLES - 1), ss, zero), axis=0)
+        scratch_row = scratch_ptr + tl.program_id(0).to(tl.int64) * CAND
+        n_above = 0
+        n_inside = 0
+        for c in range(NSUB):
+            if c < nsub:
+                u, valid = _order_keys(row_logits, c * SUB + offs, pos)
+                above_hi = valid & (u > hi)
+                inside = valid & (u >= lo) & (u <= hi)
+                dst = n_inside + tl.cumsum(inside.to(tl.int32), axis=0) - 1
+                tl.store(scratch_row + dst, u.to(tl.int32, bitcast=True), mask=inside & (dst < CAND))
+                n_above += tl.sum(above_hi.to(tl.int32), axis=0)
+                n_inside += tl.sum(inside.to(tl.int32), axis=0)
+        if (n_above < k_eff) & (n_above + n_inside >= k_eff) & (n_inside <= CAND):
+            tl.debug_barrier()  # the compacted keys are read back by other threads of this program
+            cidx = tl.arange(0, CAND)
+            cvalid = cidx < n_inside
+            cu = tl.load(scratch_row + cidx, mask=cvalid, other=0).to(tl.uint32, bitcast=True)
+            thr, k_rem = _radix_select(cu, cvalid, k_eff - n_above, BITS)
+        else:
+            thr, k_rem = _radix_select_chunks(row_logits, offs, pos, k_eff, NSUB, SUB, BITS)
+        gt_seen = 0
+        eq_seen = 0
+        for c in range(NSUB):
+            if c < nsub:
+                p = c * SUB + offs
+                u, valid = _order_keys(row_logits, p, pos)
+                n_gt, n_eq = _emit(out_row, u, valid, p, thr, k_rem, gt_seen, eq_seen)
+                gt_seen += n_gt
+                eq_seen += n_eq
+        for c in tl.static_range(WTILES):
+            p = c * SUB + offs
+            tl.store(out_row + p, tl.full([SUB], -1, tl.int64), mask=(p >= k_eff) & (p < width))
+
+
 def _warps(chunk: int) -> int:
     # Measured on an H200 (first version): a 4K row was fastest with 8 warps (15.7 us vs 17.3 with
     # 16, 33 with 4); an 8K row with 16 (29 us vs 41 with 8).
@@ -209,14 +272,26 @@ def topk_of_logits(
     num_warps: int | None = None,
     bits: int = 4,
     sampled: bool = True,
+    stream: int | None = None,
 ) -> torch.Tensor:
     """Positions [T, min(topk, L)] of each row's top-k among logits[t, :row_pos[t] + 1]; -1 padded.
 
     bits: digit width of the radix select. sampled: bracket the k-th value with sorted samples
-    first (rows of up to CHUNK keys; longer rows use the plain select)."""
+    first (rows of up to CHUNK keys; longer rows use the plain select). stream: the sampled
+    select streamed in pieces of this many keys (_topk_streamed_kernel; rows of any length)."""
     rows, max_len = logits.shape
     width = min(topk, max_len)
     out = torch.empty((rows, width), dtype=torch.int64, device=logits.device)  # every entry is written
+    if stream:
+        sub = min(stream, triton.next_power_of_2(max(max_len, 16)))
+        cand = 1024 if sub >= 256 else sub
+        scratch = torch.empty((rows, cand), dtype=torch.int32, device=logits.device)
+        _topk_streamed_kernel[(rows,)](
+            logits, row_pos, out, scratch, logits.stride(0), out.stride(0), topk, width,
+            SUB=sub, SAMPLES=min(sub, 256), MARGIN=16, CAND=cand, BITS=bits, WTILES=triton.cdiv(width, sub), NSUB=triton.cdiv(max_len, sub),
+            num_warps=num_warps or (8 if sub >= 4096 else 4),
+        )  # fmt: skip
+        return out
     chunk = min(CHUNK, triton.next_power_of_2(max_len))
     warps = num_warps or _warps(chunk)
     if sampled and max_len <= chunk:

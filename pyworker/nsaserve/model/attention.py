@@ -59,10 +59,11 @@ class Indexer(nn.Module):
             q, k = hadamard_rotate(q), hadamard_rotate(k)
         pool.write_index_k(layer, batch.out_slots, k, get_backend("index_key_store", backends["index_key_store"]))
         weights = self.weights_proj(x.float()) * self.n_heads**-0.5
+        plan = meta.indexer  # row metadata built once per step (model/step_meta.py), shared by the layers
         if batch.static_kv_len is not None:  # no host lists (CUDA graphs): row metadata on the device
             topk_pos = get_backend("indexer_rows", backend)(
-                q.float(), weights.float(), pool.index_k[layer], batch.kv_slots, meta.token_kv_base.to(torch.int32),
-                batch.positions.to(torch.int32), batch.static_kv_len, self.topk, self.head_dim**-0.5, pool.page_size,
+                q.float(), weights.float(), pool.index_k[layer], batch.kv_slots, plan.row_kv_off,
+                plan.row_pos, plan.max_len, self.topk, self.head_dim**-0.5, pool.page_size,
             )  # fmt: skip
             return topk_to_slots(topk_pos, meta.token_kv_base, batch.kv_slots)
         topk_pos = get_backend("indexer", backend)(
@@ -76,6 +77,7 @@ class Indexer(nn.Module):
             self.topk,
             self.head_dim**-0.5,
             pool.page_size,
+            plan=plan,
         )
         return topk_to_slots(topk_pos, meta.token_kv_base, batch.kv_slots)
 

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..kernels.indexer_plan import IndexerPlan, plan_indexer
 from ..kernels.rope import rope_cos_sin
 
 
@@ -16,9 +17,18 @@ class StepMeta:
     # kv_start of each token's request: logical top-k position p of token t is physical slot
     # kv_slots[token_kv_base[t] + p] (kernels.indexer.topk_to_slots).
     token_kv_base: torch.Tensor  # int64 [T]
+    # The indexer's per-row metadata (and prompt-chunk row blocks), for every indexer layer.
+    indexer: IndexerPlan
 
 
 def build_step_meta(batch, inv_freq: torch.Tensor, attention_factor: float) -> StepMeta:
     cos, sin = rope_cos_sin(batch.positions, inv_freq, attention_factor)
     token_kv_base = batch.kv_start.to(torch.int64)[batch.token_req]
-    return StepMeta(cos=cos, sin=sin, token_kv_base=token_kv_base)
+    static = batch.static_kv_len is not None  # CUDA-graph decode: host lists are placeholders
+    indexer = plan_indexer(
+        batch.positions,
+        token_kv_base,
+        batch.static_kv_len if static else max(batch.seq_lens_host, default=0),
+        None if static else batch.query_start_host,
+    )
+    return StepMeta(cos=cos, sin=sin, token_kv_base=token_kv_base, indexer=indexer)
