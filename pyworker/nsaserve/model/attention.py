@@ -109,21 +109,22 @@ class MLAttention(nn.Module):
         )  # fmt: skip
         self.indexer = Indexer(cfg, wf, p + "indexer.") if cfg.indexer_types[layer] == "full" else None
 
-    def forward(self, x, batch, meta, pool, prev_topk_slots, backends):
+    def forward(self, x, batch, meta, pool, prev_topk_slots, kernels):
+        """kernels: model.Kernels (the backend names by kind, and the resolved functions)."""
         num_tokens = x.shape[0]
-        rms_norm, rope = get_backend("rmsnorm", backends["rmsnorm"]), get_backend("rope", backends["rope"])
+        rms_norm = kernels.rmsnorm
         qr = rms_norm(self.q_a_proj(x), self.q_a_layernorm.weight, LORA_NORM_EPS)
         q = self.q_b_proj(qr).view(num_tokens, self.heads, self.nope + self.rope_dim)
         q_nope, q_pe = q[..., : self.nope], q[..., self.nope :]
-        q_pe = rope(q_pe, meta.cos, meta.sin, self.mla_interleaved)
+        q_pe = kernels.rope(q_pe, meta.cos, meta.sin, self.mla_interleaved)
         # kv_a_layernorm of the latent c, RoPE of k_pe, and both into the cache at the tokens' slots.
-        get_backend("kv_store", backends["kv_store"])(
+        kernels.kv_store(
             pool.latent[self.layer], batch.out_slots, self.kv_a_proj_with_mqa(x), self.kv_a_layernorm.weight,
             LORA_NORM_EPS, meta.cos, meta.sin, self.mla_interleaved,
         )  # fmt: skip
 
         if self.indexer is not None:
-            topk_slots = self.indexer(x, qr, self.layer, batch, meta, pool, backends)
+            topk_slots = self.indexer(x, qr, self.layer, batch, meta, pool, kernels)
         elif prev_topk_slots is None:
             raise RuntimeError(f"layer {self.layer} shares top-k but no earlier layer computed one")
         else:
@@ -132,9 +133,15 @@ class MLAttention(nn.Module):
         # A quantised kv_b_proj is dequantised here once per layer call (it is small: [heads*(nope+v), R]).
         w = self.kv_b_proj.dense_weight().view(self.heads, self.nope + self.v_dim, self.rank)
         w_uk, w_uv = w[:, : self.nope], w[:, self.nope :]
-        q_lat = torch.einsum("thn,hnr->thr", q_nope, w_uk)
-        o_lat = get_backend("attention", backends["attention"])(
-            q_lat, q_pe, pool.latent[self.layer], topk_slots, self.softmax_scale
-        )
-        o = torch.einsum("thr,hvr->thv", o_lat.to(x.dtype), w_uv).reshape(num_tokens, self.heads * self.v_dim)
+        if kernels.resolved:
+            # The two absorbed products as batched matmuls over heads ([H, T, .] views; einsum
+            # reaches the same bmm after parsing its equation on every call).
+            q_lat = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)
+            o_lat = kernels.attention(q_lat, q_pe, pool.latent[self.layer], topk_slots, self.softmax_scale)
+            o = torch.bmm(o_lat.to(x.dtype).transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
+        else:
+            q_lat = torch.einsum("thn,hnr->thr", q_nope, w_uk)
+            o_lat = kernels.attention(q_lat, q_pe, pool.latent[self.layer], topk_slots, self.softmax_scale)
+            o = torch.einsum("thr,hvr->thv", o_lat.to(x.dtype), w_uv)
+        o = o.reshape(num_tokens, self.heads * self.v_dim)
         return self.tp.all_reduce(self.o_proj(o)), topk_slots
