@@ -1,20 +1,18 @@
 """Host time of the eager forward step of a GLM-5-shaped model on one GPU: enqueue, GPU and wall.
 
     PYTHONPATH=pyworker:bench/kernels python bench/kernels/bench_step_host.py --out bench/results \\
-        [--dense-layers 1 --moe-layers 2] [--batches 1,64,256] [--context 1536] [--paths lookup,resolved]
+        [--dense-layers 1 --moe-layers 2] [--batches 1,64,256] [--context 1536] [--paths lookup,resolved,fast]
 
 The model is built directly on the device (GLM-5 layer shapes, NVFP4 routed experts, bf16
 elsewhere, random weights; no checkpoint is written) with an FP8 KV cache whose pages hold random
 finite values, and the default CUDA kernels (Triton attention, indexer, small ops, routing and
 NVFP4 MoE). Cases: decode at each batch with --context cached tokens per request, a mixed step
 (one --mixed-prompt token prompt + --mixed-decodes decodes) and a prefill of --prefill tokens.
-Per case and host path (model.HOST_PATH_ENV: "lookup" = a registry lookup per kernel call and the
-old op sequence, "resolved" = kernels resolved once), over --iters steps each:
-- enqueue_ms: wall time of model(batch, pool) alone, the GPU idle at the start (host work and
-  launches; a host synchronisation inside the forward would show here as GPU time);
-- gpu_ms: CUDA events around the forward;
-- wall_ms: host time per step of back-to-back steps, synchronised at the end (what a server
-  loop pays when the host is the bound);
+Per case and host path (PATHS below: "lookup" = a registry lookup per kernel call and the op
+sequence before, "resolved" = kernels resolved once, "fast" = resolved + the short Triton launch
+path of kernels.triton_launch), medians over --iters steps (time_case says how each is taken):
+enqueue_ms (host time of the call), gpu_busy_ms (device time alone), wall_ms (back-to-back steps),
+host_waits (whether the call ever waits for the device), host/gpu (> 1: host-bound).
 The ForwardBatch is built outside the timed region (the worker builds it before the forward).
 One decode step is also profiled with torch.profiler: its top host ops go to the results.
 Ceilings measured in the same run: copy bandwidth and bf16 matmul rate (bench_common).
@@ -37,16 +35,32 @@ from nsaserve.kernels.quant.precision import ALWAYS_BF16
 from nsaserve.model import model as model_mod
 from nsaserve.model.config import parse_config
 from nsaserve.model.kv_pool import KVPool
+from nsaserve.model.mlp import MoE
 from nsaserve.model.model import CausalLM
 from nsaserve.model.parallel import TPGroup
 from nsaserve.protocol.builder import RequestSpec, SamplingSpec, build_plan
 from nsaserve.worker.batch import build_forward_batch
 
 PAGE = 64
+# torch.cuda._sleep counts GPU clock cycles; the H200 runs at up to 1.98 GHz (a longer spin is harmless).
+SPIN_CYCLES_PER_S = 2.0e9
 CUDA_BACKENDS = {
     "attention": "triton", "indexer": "triton", "rmsnorm": "triton", "rope": "triton", "kv_store": "triton",
     "index_key_store": "triton", "moe_route": "triton", "moe_experts": "triton",
 }  # fmt: skip
+
+
+# Host paths: (CausalLM.resolve_kernels, CausalLM.fast_launch).
+PATHS = {"lookup": (False, False), "resolved": (True, False), "fast": (True, True)}
+PATHS_DOC = (
+    f"lookup = a registry lookup per kernel call and the op sequence before ({model_mod.HOST_PATH_ENV}=lookup); "
+    f"resolved = kernels resolved once; fast = resolved + Triton launches through kernels.triton_launch "
+    f"({model_mod.FAST_LAUNCH_ENV}=1)"
+)
+
+
+def set_path(model, path: str) -> None:
+    model.resolve_kernels, model.fast_launch = PATHS[path]
 
 
 def build_model(dense_layers: int, moe_layers: int, device, overrides: dict | None = None):
@@ -120,11 +134,16 @@ class Plans:
 
 
 def time_case(model, pool, batch, iters: int) -> dict:
-    """enqueue / GPU / wall per step (medians), the GPU idle before each enqueue measurement."""
+    """Medians per step of: enqueue (host time of the call, the GPU idle at its start), gpu (CUDA
+    events around the call, GPU idle at its start: includes gaps where the GPU waits for the host),
+    gpu_busy (the same events while a spin kernel holds the GPU until the whole step is queued:
+    the device time alone, no host gaps), enqueue_blocked (host time of the call while the GPU is
+    held by that spin: longer than the spin only if the forward waits for the device), and wall
+    (back-to-back steps, synchronised once)."""
     for _ in range(2):  # compile and warm up
         model(batch, pool)
     torch.cuda.synchronize()
-    enq, gpu = [], []
+    enq, gpu, busy, blocked = [], [], [], []
     for _ in range(iters):
         torch.cuda.synchronize()
         e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -135,13 +154,67 @@ def time_case(model, pool, batch, iters: int) -> dict:
         e1.record()
         e1.synchronize()
         gpu.append(e0.elapsed_time(e1))
+    spin_ms = 4 * statistics.median(enq) + 20
+    for _ in range(max(3, iters // 2)):
+        torch.cuda.synchronize()
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(int(spin_ms * 1e-3 * SPIN_CYCLES_PER_S))
+        e0.record()
+        t0 = time.perf_counter()
+        model(batch, pool)
+        blocked.append((time.perf_counter() - t0) * 1e3)
+        e1.record()
+        e1.synchronize()
+        busy.append(e0.elapsed_time(e1))
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     for _ in range(iters):
         model(batch, pool)
     torch.cuda.synchronize()
     wall = (time.perf_counter() - t0) * 1e3 / iters
-    return {"enqueue_ms": statistics.median(enq), "gpu_ms": statistics.median(gpu), "wall_ms": wall}
+    med = statistics.median
+    return {
+        "enqueue_ms": med(enq), "gpu_ms": med(gpu), "gpu_busy_ms": med(busy), "wall_ms": wall,
+        "enqueue_blocked_ms": med(blocked), "host_waits": med(blocked) > 0.5 * spin_ms,
+    }  # fmt: skip
+
+
+def host_breakdown(model, pool, batch, spin_ms: float, reps: int = 5) -> dict:
+    """Host milliseconds per step spent in each kind of module (summed over layers; attention
+    without its indexer), the GPU held by a spin kernel so that nothing waits for it."""
+    acc, start, handles = {}, {}, []
+
+    def pre(mod, args):
+        start[id(mod)] = time.perf_counter()
+
+    def post(name):
+        def hook(mod, args, out):
+            acc[name] = acc.get(name, 0.0) + time.perf_counter() - start.pop(id(mod))
+
+        return hook
+
+    for layer in model.model.layers:
+        mlp = "moe" if isinstance(layer.mlp, MoE) else "dense_mlp"
+        for name, mod in (("attention", layer.self_attn), ("indexer", layer.self_attn.indexer), (mlp, layer.mlp)):
+            if mod is not None:
+                handles += [mod.register_forward_pre_hook(pre), mod.register_forward_hook(post(name))]
+    total = 0.0
+    try:
+        for _ in range(reps):
+            torch.cuda.synchronize()
+            torch.cuda._sleep(int(spin_ms * 1e-3 * SPIN_CYCLES_PER_S))
+            t0 = time.perf_counter()
+            model(batch, pool)
+            total += time.perf_counter() - t0
+        torch.cuda.synchronize()
+    finally:
+        for h in handles:
+            h.remove()
+    out = {k: v * 1e3 / reps for k, v in acc.items()}
+    out["attention"] -= out.get("indexer", 0.0)
+    out["total"] = total * 1e3 / reps
+    out["rest"] = out["total"] - sum(v for k, v in out.items() if k != "total")
+    return out
 
 
 def top_host_ops(model, pool, batch, n: int = 25) -> list[dict]:
@@ -209,7 +282,7 @@ def main() -> None:
     ap.add_argument("--mixed-decodes", type=int, default=63)
     ap.add_argument("--prefill", type=int, default=8192)
     ap.add_argument("--iters", type=int, default=10)
-    ap.add_argument("--paths", default="lookup,resolved", help="host paths to run, in this order")
+    ap.add_argument("--paths", default="lookup,resolved,fast", help=f"host paths to run, in this order: {list(PATHS)}")
     ap.add_argument("--profile-batch", type=int, default=64)
     ap.add_argument("--partial", default=None, help="write the results so far here after every case")
     args = ap.parse_args()
@@ -228,19 +301,19 @@ def main() -> None:
     print(f"model {args.dense_layers} dense + {args.moe_layers} MoE built with pool in "
           f"{time.perf_counter() - t_start:.1f} s", flush=True)  # fmt: skip
     paths = [p for p in args.paths.split(",") if p]
-    rows, profiles = [], {}
+    rows, profiles, breakdown = [], {}, {}
     layers = args.dense_layers + args.moe_layers
 
     def dump():
         if args.partial:
             with open(args.partial, "w") as f:
-                json.dump({"rows": rows, "profiles": profiles}, f, indent=1)
+                json.dump({"rows": rows, "profiles": profiles, "host_breakdown_ms": breakdown}, f, indent=1)
 
     prof_case = f"decode {args.profile_batch}"
     for name, batch in built.items():
         row = {"case": name, "tokens": batch.num_tokens}
         for path in paths:
-            model.resolve_kernels = path != "lookup"
+            set_path(model, path)
             try:
                 r = time_case(model, pool, batch, args.iters)
             except Exception as e:  # noqa: BLE001 - report and go on with the other cases
@@ -250,14 +323,18 @@ def main() -> None:
             for k, v in r.items():
                 row[f"{path}_{k}"] = v
             row[f"{path}_enqueue_per_layer_ms"] = r["enqueue_ms"] / layers
-        if len(paths) == 2 and f"{paths[0]}_wall_ms" in row and f"{paths[1]}_wall_ms" in row:
-            row["wall_ratio"] = row[f"{paths[0]}_wall_ms"] / row[f"{paths[1]}_wall_ms"]
-            row["enqueue_ratio"] = row[f"{paths[0]}_enqueue_ms"] / row[f"{paths[1]}_enqueue_ms"]
+            row[f"{path}_host/gpu"] = r["enqueue_ms"] / r["gpu_busy_ms"]
+        for path in paths[1:]:  # the first path over each later one
+            if f"{paths[0]}_wall_ms" in row and f"{path}_wall_ms" in row:
+                row[f"enqueue_{paths[0]}/{path}"] = row[f"{paths[0]}_enqueue_ms"] / row[f"{path}_enqueue_ms"]
+                row[f"wall_{paths[0]}/{path}"] = row[f"{paths[0]}_wall_ms"] / row[f"{path}_wall_ms"]
         print(row, flush=True)
         rows.append(row)
         if name == prof_case:  # the profile early: later cases may run out of time
             for path in paths:
-                model.resolve_kernels = path != "lookup"
+                set_path(model, path)
+                breakdown[path] = host_breakdown(model, pool, batch, 4 * row.get(f"{path}_enqueue_ms", 50.0) + 20)
+                print(f"host breakdown {path} (ms):", {k: round(v, 2) for k, v in breakdown[path].items()}, flush=True)
                 profiles[path] = top_host_ops(model, pool, batch)
                 print(f"profile {path}:", [(o["op"][:40], o["calls"], round(o["self_cpu_us"])) for o in profiles[path][:12]],
                       flush=True)  # fmt: skip
@@ -266,25 +343,34 @@ def main() -> None:
     ceilings = {"copy_TBps": copy_bandwidth() / 1e12, "bf16_TFLOPs": bf16_matmul_rate() / 1e12}
     cols = ["case", "tokens"]
     for path in paths:
-        cols += [f"{path}_enqueue_ms", f"{path}_gpu_ms", f"{path}_wall_ms", f"{path}_enqueue_per_layer_ms"]
-    if len(paths) == 2:
-        cols += ["enqueue_ratio", "wall_ratio"]
+        cols += [f"{path}_{c}" for c in ("enqueue_ms", "gpu_busy_ms", "wall_ms", "enqueue_per_layer_ms", "host_waits")]
+    for path in paths[1:]:
+        cols += [f"enqueue_{paths[0]}/{path}", f"wall_{paths[0]}/{path}"]
+    cols += [f"{path}_host/gpu" for path in paths]
     notes = (
         f"GLM-5 layer shapes, {args.dense_layers} dense + {args.moe_layers} MoE layers, NVFP4 routed experts, "
         f"bf16 elsewhere, FP8 KV cache, kernels {CUDA_BACKENDS}; decode context {args.context}. "
-        f"enqueue: the forward call's host time with the GPU idle at its start; gpu: CUDA events around it; "
-        f"wall: back-to-back steps, synchronised once. Host paths ({model_mod.HOST_PATH_ENV}): {paths}."
+        f"enqueue: the forward call's host time with the GPU idle at its start; gpu_busy: its device time "
+        f"alone (events while a spin kernel holds the GPU until the step is queued); wall: back-to-back steps, "
+        f"synchronised once; host_waits: the call took longer than half the spin (a device wait inside); "
+        f"host/gpu > 1: the step is host-bound. Host paths: {paths} ({PATHS_DOC})."
     )
     stem = write_results(args.name, args.out, ceilings, rows, cols, notes)
     with open(stem + ".json") as f:
         data = json.load(f)
-    data.update({"profiles": profiles, "launch_costs_us": launch, "machine": machine()})
+    data.update({"profiles": profiles, "host_breakdown_ms": breakdown, "launch_costs_us": launch, "machine": machine()})
     with open(stem + ".json", "w") as f:
         json.dump(data, f, indent=1)
     with open(stem + ".md", "a") as f:
         f.write("\n## Host microseconds per call, single ops (GPU idle)\n\n| op | us |\n|---|---|\n")
         for k, v in launch.items():
             f.write(f"| {k} | {v:.1f} |\n")
+        if breakdown:
+            kinds = list(next(iter(breakdown.values())))
+            f.write(f"\n## Host ms per {prof_case} step by module kind (summed over layers; GPU held by a spin)\n\n")
+            f.write("| path | " + " | ".join(kinds) + " |\n|---|" + "---|" * len(kinds) + "\n")
+            for path, b in breakdown.items():
+                f.write(f"| {path} | " + " | ".join(f"{b.get(k, 0.0):.2f}" for k in kinds) + " |\n")
         for path, ops in profiles.items():
             f.write(f"\n## torch.profiler, one {prof_case} step, path {path}: top host ops by self CPU time\n\n")
             f.write("| op | calls | self_cpu_us | cpu_total_us | device_us |\n|---|---|---|---|---|\n")

@@ -14,13 +14,14 @@ then read back through the cache like any other position.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ..kernels.hadamard import hadamard_rotate
 from ..kernels.indexer import topk_to_slots
 from ..kernels.norms import layer_norm
 from ..kernels.registry import get_backend
-from .linear import Norm
+from .linear import Linear, Norm, stacked_weight
 from .rope_params import mla_softmax_scale
 
 # transformers and the DeepSeek reference build q_a_layernorm / kv_a_layernorm (and the indexer's
@@ -108,18 +109,31 @@ class MLAttention(nn.Module):
             shard_dim=1, start=h0 * self.v_dim, length=self.heads * self.v_dim,
         )  # fmt: skip
         self.indexer = Indexer(cfg, wf, p + "indexer.") if cfg.indexer_types[layer] == "full" else None
+        self.q_lora = cfg.q_lora_rank
+        # q_a_proj and kv_a_proj_with_mqa read the same x: when both are plain Linears, one GEMM
+        # on their stacked weights (linear.stacked_weight) serves both.
+        self._qkv_a = None
+        self._stack_qkv_a = isinstance(self.q_a_proj, Linear) and isinstance(self.kv_a_proj_with_mqa, Linear)
+
+    def _q_and_kv_a(self, x, stacked: bool):
+        if not (stacked and self._stack_qkv_a):
+            return self.q_a_proj(x), self.kv_a_proj_with_mqa(x)
+        self._qkv_a = w = stacked_weight(self._qkv_a, self.q_a_proj, self.kv_a_proj_with_mqa)
+        qkv = F.linear(x.to(w.dtype), w)
+        return qkv[:, : self.q_lora], qkv[:, self.q_lora :]
 
     def forward(self, x, batch, meta, pool, prev_topk_slots, kernels):
         """kernels: model.Kernels (the backend names by kind, and the resolved functions)."""
         num_tokens = x.shape[0]
         rms_norm = kernels.rmsnorm
-        qr = rms_norm(self.q_a_proj(x), self.q_a_layernorm.weight, LORA_NORM_EPS)
+        q_a, kv_a = self._q_and_kv_a(x, kernels.resolved)
+        qr = rms_norm(q_a, self.q_a_layernorm.weight, LORA_NORM_EPS)
         q = self.q_b_proj(qr).view(num_tokens, self.heads, self.nope + self.rope_dim)
         q_nope, q_pe = q[..., : self.nope], q[..., self.nope :]
         q_pe = kernels.rope(q_pe, meta.cos, meta.sin, self.mla_interleaved)
         # kv_a_layernorm of the latent c, RoPE of k_pe, and both into the cache at the tokens' slots.
         kernels.kv_store(
-            pool.latent[self.layer], batch.out_slots, self.kv_a_proj_with_mqa(x), self.kv_a_layernorm.weight,
+            pool.latent[self.layer], batch.out_slots, kv_a, self.kv_a_layernorm.weight,
             LORA_NORM_EPS, meta.cos, meta.sin, self.mla_interleaved,
         )  # fmt: skip
 

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .linear import empty_param
+from .linear import Linear, empty_param, stacked_weight
 
 # Most bytes of dequantised expert weights a quantised MoE materialises at once; experts with tokens
 # are processed in groups that fit (at least one expert per group).
@@ -23,9 +23,18 @@ class GatedMLP(nn.Module):
         self.gate_proj = wf.linear(prefix + "gate_proj", hidden, inter, shard_dim=0, start=i0, length=n)
         self.up_proj = wf.linear(prefix + "up_proj", hidden, inter, shard_dim=0, start=i0, length=n)
         self.down_proj = wf.linear(prefix + "down_proj", inter, hidden, shard_dim=1, start=i0, length=n)
+        # gate and up read the same x: when both are plain Linears, one GEMM on their stacked
+        # weights (linear.stacked_weight) serves both.
+        self._gate_up = None
+        self._stack = isinstance(self.gate_proj, Linear) and isinstance(self.up_proj, Linear)
 
-    def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+    def forward(self, x, stacked: bool = False):
+        if not (stacked and self._stack):
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        self._gate_up = w = stacked_weight(self._gate_up, self.gate_proj, self.up_proj)
+        h = F.linear(x.to(w.dtype), w)
+        n = h.shape[1] // 2
+        return self.down_proj(F.silu(h[:, :n]) * h[:, n:])
 
 
 class DenseMLP(GatedMLP):
@@ -34,7 +43,7 @@ class DenseMLP(GatedMLP):
         self.tp = tp
 
     def forward(self, x, kernels=None):
-        return self.tp.all_reduce(super().forward(x))
+        return self.tp.all_reduce(super().forward(x, kernels is not None and kernels.resolved))
 
 
 class Router(nn.Module):
@@ -124,7 +133,7 @@ class MoE(nn.Module):
             y = kernels.moe_experts(x, ids, weights, self.w13, self.w2, self.first_expert)
         if self.shared_experts is not None:
             if kernels.resolved:
-                y.add_(self.shared_experts(x))  # float32 += bf16: the same sum, one launch fewer
+                y.add_(self.shared_experts(x, stacked=True))  # float32 += bf16: the same sum, one launch fewer
             else:
                 y = y + self.shared_experts(x).float()
         return self.tp.all_reduce(y.to(x.dtype))
