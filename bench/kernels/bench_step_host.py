@@ -155,7 +155,7 @@ def time_case(model, pool, batch, iters: int) -> dict:
         e1.synchronize()
         gpu.append(e0.elapsed_time(e1))
     spin_ms = 4 * statistics.median(enq) + 20
-    for _ in range(max(3, iters // 2)):
+    for _ in range(3):
         torch.cuda.synchronize()
         e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         torch.cuda._sleep(int(spin_ms * 1e-3 * SPIN_CYCLES_PER_S))
@@ -281,7 +281,7 @@ def main() -> None:
     ap.add_argument("--mixed-prompt", type=int, default=1024)
     ap.add_argument("--mixed-decodes", type=int, default=63)
     ap.add_argument("--prefill", type=int, default=8192)
-    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--iters", type=int, default=8)
     ap.add_argument("--paths", default="lookup,resolved,fast", help=f"host paths to run, in this order: {list(PATHS)}")
     ap.add_argument("--profile-batch", type=int, default=64)
     ap.add_argument("--partial", default=None, help="write the results so far here after every case")
