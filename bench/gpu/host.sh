@@ -10,10 +10,10 @@ log="$out/log.txt"
 tmp=$(mktemp -d)
 {
   nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,power.draw --format=csv 2>&1
-  timeout 30 python3 -m pytest -q -x -p no:cacheprovider tests/model/test_host_syncs.py \
-    -k "fast_launch or triton_backends or torch_backends" 2>&1 | grep -v "^$" | tail -15
+  timeout 35 python3 -m pytest -q -x -p no:cacheprovider tests/model/test_host_syncs.py \
+    -k "fast_launch or triton_backends" 2>&1 | grep -v "^$" | tail -15
   echo "tests exit: ${PIPESTATUS[0]}"
-  PYTHONPATH="$PYTHONPATH:bench/kernels" timeout 82 python3 bench/kernels/bench_step_host.py --out "$tmp" \
+  PYTHONPATH="$PYTHONPATH:bench/kernels" timeout 78 python3 bench/kernels/bench_step_host.py --out "$tmp" \
     --partial "$out/results.json" 2>&1 | grep -v -i "warn"
   echo "bench exit: ${PIPESTATUS[0]}"
 } > "$log" 2>&1

@@ -10,7 +10,8 @@ NVFP4 MoE). Cases: decode at each batch with --context cached tokens per request
 (one --mixed-prompt token prompt + --mixed-decodes decodes) and a prefill of --prefill tokens.
 Per case and host path (PATHS below: "lookup" = a registry lookup per kernel call and the op
 sequence before, "resolved" = kernels resolved once, "fast" = resolved + the short Triton launch
-path of kernels.triton_launch), medians over --iters steps (time_case says how each is taken):
+path of kernels.triton_launch), medians over --rounds x --iters steps with the paths interleaved
+(time_case says how each is taken):
 enqueue_ms (host time of the call), gpu_busy_ms (device time alone), wall_ms (back-to-back steps),
 host_waits (whether the call ever waits for the device), host/gpu (> 1: host-bound).
 The ForwardBatch is built outside the timed region (the worker builds it before the forward).
@@ -133,50 +134,54 @@ class Plans:
         return self.spec(rid, tokens, 0, self.pages(tokens))
 
 
-def time_case(model, pool, batch, iters: int) -> dict:
-    """Medians per step of: enqueue (host time of the call, the GPU idle at its start), gpu (CUDA
-    events around the call, GPU idle at its start: includes gaps where the GPU waits for the host),
-    gpu_busy (the same events while a spin kernel holds the GPU until the whole step is queued:
-    the device time alone, no host gaps), enqueue_blocked (host time of the call while the GPU is
-    held by that spin: longer than the spin only if the forward waits for the device), and wall
-    (back-to-back steps, synchronised once)."""
-    for _ in range(2):  # compile and warm up
-        model(batch, pool)
-    torch.cuda.synchronize()
-    enq, gpu, busy, blocked = [], [], [], []
+def time_case(model, pool, batch, iters: int, samples: dict | None = None) -> dict:
+    """Adds `iters` samples of each measure to `samples` (a dict of lists) and returns it:
+    enqueue (host time of the call, the GPU idle at its start), gpu (CUDA events around the call,
+    GPU idle at its start: includes gaps where the GPU waits for the host), gpu_busy (the same
+    events while a spin kernel holds the GPU until the whole step is queued: the device time
+    alone, no host gaps), enqueue_blocked (host time of the call while the GPU is held by that
+    spin: longer than the spin only if the forward waits for the device), and wall (back-to-back
+    steps, synchronised once; one sample per call of this function)."""
+    samples = samples if samples is not None else {}
+    add = lambda k, v: samples.setdefault(k, []).append(v)  # noqa: E731
+    model(batch, pool)
     for _ in range(iters):
         torch.cuda.synchronize()
         e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         e0.record()
         t0 = time.perf_counter()
         model(batch, pool)
-        enq.append((time.perf_counter() - t0) * 1e3)
+        add("enqueue_ms", (time.perf_counter() - t0) * 1e3)
         e1.record()
         e1.synchronize()
-        gpu.append(e0.elapsed_time(e1))
-    spin_ms = 4 * statistics.median(enq) + 20
-    for _ in range(3):
+        add("gpu_ms", e0.elapsed_time(e1))
+    spin_ms = 4 * statistics.median(samples["enqueue_ms"]) + 20
+    for _ in range(max(1, iters // 2)):
         torch.cuda.synchronize()
         e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         torch.cuda._sleep(int(spin_ms * 1e-3 * SPIN_CYCLES_PER_S))
         e0.record()
         t0 = time.perf_counter()
         model(batch, pool)
-        blocked.append((time.perf_counter() - t0) * 1e3)
+        blocked = (time.perf_counter() - t0) * 1e3
+        add("enqueue_blocked_ms", blocked)
+        add("host_waits", blocked > 0.5 * spin_ms)
         e1.record()
         e1.synchronize()
-        busy.append(e0.elapsed_time(e1))
+        add("gpu_busy_ms", e0.elapsed_time(e1))
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     for _ in range(iters):
         model(batch, pool)
     torch.cuda.synchronize()
-    wall = (time.perf_counter() - t0) * 1e3 / iters
-    med = statistics.median
-    return {
-        "enqueue_ms": med(enq), "gpu_ms": med(gpu), "gpu_busy_ms": med(busy), "wall_ms": wall,
-        "enqueue_blocked_ms": med(blocked), "host_waits": med(blocked) > 0.5 * spin_ms,
-    }  # fmt: skip
+    add("wall_ms", (time.perf_counter() - t0) * 1e3 / iters)
+    return samples
+
+
+def summarize(samples: dict) -> dict:
+    out = {k: statistics.median(v) for k, v in samples.items() if k != "host_waits"}
+    out["host_waits"] = any(samples.get("host_waits", []))
+    return out
 
 
 def host_breakdown(model, pool, batch, spin_ms: float, reps: int = 5) -> dict:
@@ -281,7 +286,8 @@ def main() -> None:
     ap.add_argument("--mixed-prompt", type=int, default=1024)
     ap.add_argument("--mixed-decodes", type=int, default=63)
     ap.add_argument("--prefill", type=int, default=8192)
-    ap.add_argument("--iters", type=int, default=8)
+    ap.add_argument("--iters", type=int, default=4, help="steps per path and round")
+    ap.add_argument("--rounds", type=int, default=4, help="rounds over the paths (order reversed every round)")
     ap.add_argument("--paths", default="lookup,resolved,fast", help=f"host paths to run, in this order: {list(PATHS)}")
     ap.add_argument("--profile-batch", type=int, default=64)
     ap.add_argument("--partial", default=None, help="write the results so far here after every case")
@@ -312,14 +318,23 @@ def main() -> None:
     prof_case = f"decode {args.profile_batch}"
     for name, batch in built.items():
         row = {"case": name, "tokens": batch.num_tokens}
+        samples = {path: {} for path in paths}
+        for rnd in range(args.rounds):  # paths interleaved, the order reversed every round: drift hits all alike
+            for path in paths if rnd % 2 == 0 else paths[::-1]:
+                if f"{path}_error" in row:
+                    continue
+                set_path(model, path)
+                try:
+                    if rnd == 0:
+                        model(batch, pool)  # compile and warm up
+                    time_case(model, pool, batch, args.iters, samples[path])
+                except Exception as e:  # noqa: BLE001 - report and go on with the other cases
+                    row[f"{path}_error"] = f"{type(e).__name__}: {e}"[:300]
+                    print(name, path, row[f"{path}_error"], flush=True)
         for path in paths:
-            set_path(model, path)
-            try:
-                r = time_case(model, pool, batch, args.iters)
-            except Exception as e:  # noqa: BLE001 - report and go on with the other cases
-                row[f"{path}_error"] = f"{type(e).__name__}: {e}"[:300]
-                print(name, path, row[f"{path}_error"], flush=True)
+            if f"{path}_error" in row or not samples[path]:
                 continue
+            r = summarize(samples[path])
             for k, v in r.items():
                 row[f"{path}_{k}"] = v
             row[f"{path}_enqueue_per_layer_ms"] = r["enqueue_ms"] / layers
@@ -331,9 +346,14 @@ def main() -> None:
         print(row, flush=True)
         rows.append(row)
         if name == prof_case:  # the profile early: later cases may run out of time
-            for path in paths:
-                set_path(model, path)
-                breakdown[path] = host_breakdown(model, pool, batch, 4 * row.get(f"{path}_enqueue_ms", 50.0) + 20)
+            parts = {path: [] for path in paths}
+            for rnd in range(2):
+                for path in paths if rnd == 0 else paths[::-1]:
+                    set_path(model, path)
+                    spin = 4 * row.get(f"{path}_enqueue_ms", 50.0) + 20
+                    parts[path].append(host_breakdown(model, pool, batch, spin, reps=3))
+            for path, (b0, b1) in parts.items():
+                breakdown[path] = {k: (b0[k] + b1[k]) / 2 for k in b0}
                 print(f"host breakdown {path} (ms):", {k: round(v, 2) for k, v in breakdown[path].items()}, flush=True)
                 profiles[path] = top_host_ops(model, pool, batch)
                 print(f"profile {path}:", [(o["op"][:40], o["calls"], round(o["self_cpu_us"])) for o in profiles[path][:12]],

@@ -148,11 +148,14 @@ class MLAttention(nn.Module):
         w = self.kv_b_proj.dense_weight().view(self.heads, self.nope + self.v_dim, self.rank)
         w_uk, w_uv = w[:, : self.nope], w[:, self.nope :]
         if kernels.resolved:
-            # The two absorbed products as batched matmuls over heads ([H, T, .] views; einsum
-            # reaches the same bmm after parsing its equation on every call).
-            q_lat = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)
+            # The two absorbed products as batched matmuls over heads, written through [H, T, .]
+            # views straight into token-major buffers, so that neither needs a copy after it
+            # (the attention kernel reads q_lat contiguous; o_proj reads [T, H * v]).
+            q_lat = x.new_empty(num_tokens, self.heads, self.rank)
+            torch.bmm(q_nope.transpose(0, 1), w_uk, out=q_lat.transpose(0, 1))
             o_lat = kernels.attention(q_lat, q_pe, pool.latent[self.layer], topk_slots, self.softmax_scale)
-            o = torch.bmm(o_lat.to(x.dtype).transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
+            o = x.new_empty(num_tokens, self.heads, self.v_dim)
+            torch.bmm(o_lat.to(x.dtype).transpose(0, 1), w_uv.transpose(1, 2), out=o.transpose(0, 1))
         else:
             q_lat = torch.einsum("thn,hnr->thr", q_nope, w_uk)
             o_lat = kernels.attention(q_lat, q_pe, pool.latent[self.layer], topk_slots, self.softmax_scale)
