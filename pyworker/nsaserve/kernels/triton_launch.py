@@ -14,6 +14,9 @@ as always; the kernel it returns is remembered. disable() restores Triton's path
 
 The global-constant check is skipped: the kernels here read module constants that never change.
 Interpreted functions (TRITON_INTERPRET=1, CPU tests) are left alone.
+
+Measured on an H200 (bench/results/2026-11-29-eager-step-host.md): no consistent gain per step
+within that host's noise, so the model leaves it off unless NSASERVE_TRITON_FAST_LAUNCH=1.
 """
 
 from __future__ import annotations

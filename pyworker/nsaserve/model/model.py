@@ -9,6 +9,7 @@ the checkpoint stores it in (weight_factory.py).
 from __future__ import annotations
 
 import os
+import sys
 
 import torch
 from torch import nn
@@ -51,16 +52,15 @@ class Kernels(dict):
         if resolved:
             for kind, name in names.items():
                 self.__dict__[kind] = load_backend(kind, name)
-        if "triton" in names.values():
+        if fast_launch and "triton" in names.values():
             from ..kernels import triton_launch
 
-            if fast_launch:
-                for kind, name in names.items():
-                    if name == "triton":
-                        load_backend(kind, name)  # imports the kernel modules whose launches enable() shortens
-                triton_launch.enable()
-            elif triton_launch.enabled():
-                triton_launch.disable()
+            for kind, name in names.items():
+                if name == "triton":
+                    load_backend(kind, name)  # imports the kernel modules whose launches enable() shortens
+            triton_launch.enable()
+        elif not fast_launch and "nsaserve.kernels.triton_launch" in sys.modules:
+            sys.modules["nsaserve.kernels.triton_launch"].disable()  # imported only by an earlier fast_launch
 
     def __getattr__(self, kind: str):  # reached only for kinds not stored as attributes
         if kind.startswith("__") or kind not in self:
