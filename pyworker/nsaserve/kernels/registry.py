@@ -79,13 +79,17 @@ def _lazy(target: str) -> Callable:
     mod_name, fn_name = target.split(":")
     fn: Callable | None = None
 
-    def call(*args, **kwargs):
+    def load() -> Callable:
         nonlocal fn
         if fn is None:
             fn = getattr(importlib.import_module(f"{__package__}.{mod_name}"), fn_name)
-        return fn(*args, **kwargs)
+        return fn
+
+    def call(*args, **kwargs):
+        return (fn or load())(*args, **kwargs)
 
     call.__name__ = fn_name
+    call.load = load
     return call
 
 
@@ -114,6 +118,14 @@ def get_backend(kind: str, name: str = "torch") -> Callable:
     except KeyError:
         have = sorted(n for k, n in _BACKENDS if k == kind)
         raise KeyError(f"no kernel backend {name!r} for {kind!r}; registered: {have}") from None
+
+
+def load_backend(kind: str, name: str = "torch") -> Callable:
+    """get_backend, with a lazily imported backend imported now and returned itself (no wrapper
+    left in the call path): for callers that resolve their kernels once, e.g. at model build."""
+    fn = get_backend(kind, name)
+    load = getattr(fn, "load", None)
+    return load() if load is not None else fn
 
 
 def graph_safe(kind: str, name: str) -> bool:

@@ -14,13 +14,14 @@ then read back through the cache like any other position.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ..kernels.hadamard import hadamard_rotate
 from ..kernels.indexer import topk_to_slots
 from ..kernels.norms import layer_norm
 from ..kernels.registry import get_backend
-from .linear import Norm
+from .linear import Linear, Norm, stacked_weight
 from .rope_params import mla_softmax_scale
 
 # transformers and the DeepSeek reference build q_a_layernorm / kv_a_layernorm (and the indexer's
@@ -110,22 +111,36 @@ class MLAttention(nn.Module):
             shard_dim=1, start=h0 * self.v_dim, length=self.heads * self.v_dim,
         )  # fmt: skip
         self.indexer = Indexer(cfg, wf, p + "indexer.") if cfg.indexer_types[layer] == "full" else None
+        self.q_lora = cfg.q_lora_rank
+        # q_a_proj and kv_a_proj_with_mqa read the same x: when both are plain Linears, one GEMM
+        # on their stacked weights (linear.stacked_weight) serves both.
+        self._qkv_a = None
+        self._stack_qkv_a = isinstance(self.q_a_proj, Linear) and isinstance(self.kv_a_proj_with_mqa, Linear)
 
-    def forward(self, x, batch, meta, pool, prev_topk_slots, backends):
+    def _q_and_kv_a(self, x, stacked: bool):
+        if not (stacked and self._stack_qkv_a):
+            return self.q_a_proj(x), self.kv_a_proj_with_mqa(x)
+        self._qkv_a = w = stacked_weight(self._qkv_a, self.q_a_proj, self.kv_a_proj_with_mqa)
+        qkv = F.linear(x.to(w.dtype), w)
+        return qkv[:, : self.q_lora], qkv[:, self.q_lora :]
+
+    def forward(self, x, batch, meta, pool, prev_topk_slots, kernels):
+        """kernels: model.Kernels (the backend names by kind, and the resolved functions)."""
         num_tokens = x.shape[0]
-        rms_norm, rope = get_backend("rmsnorm", backends["rmsnorm"]), get_backend("rope", backends["rope"])
-        qr = rms_norm(self.q_a_proj(x), self.q_a_layernorm.weight, LORA_NORM_EPS)
+        rms_norm = kernels.rmsnorm
+        q_a, kv_a = self._q_and_kv_a(x, kernels.resolved)
+        qr = rms_norm(q_a, self.q_a_layernorm.weight, LORA_NORM_EPS)
         q = self.q_b_proj(qr).view(num_tokens, self.heads, self.nope + self.rope_dim)
         q_nope, q_pe = q[..., : self.nope], q[..., self.nope :]
-        q_pe = rope(q_pe, meta.cos, meta.sin, self.mla_interleaved)
+        q_pe = kernels.rope(q_pe, meta.cos, meta.sin, self.mla_interleaved)
         # kv_a_layernorm of the latent c, RoPE of k_pe, and both into the cache at the tokens' slots.
-        get_backend("kv_store", backends["kv_store"])(
-            pool.latent[self.layer], batch.out_slots, self.kv_a_proj_with_mqa(x), self.kv_a_layernorm.weight,
+        kernels.kv_store(
+            pool.latent[self.layer], batch.out_slots, kv_a, self.kv_a_layernorm.weight,
             LORA_NORM_EPS, meta.cos, meta.sin, self.mla_interleaved,
         )  # fmt: skip
 
         if self.indexer is not None:
-            topk_slots = self.indexer(x, qr, self.layer, batch, meta, pool, backends)
+            topk_slots = self.indexer(x, qr, self.layer, batch, meta, pool, kernels)
         elif prev_topk_slots is None:
             raise RuntimeError(f"layer {self.layer} shares top-k but no earlier layer computed one")
         else:
@@ -134,9 +149,18 @@ class MLAttention(nn.Module):
         # A quantised kv_b_proj is dequantised here once per layer call (it is small: [heads*(nope+v), R]).
         w = self.kv_b_proj.dense_weight().view(self.heads, self.nope + self.v_dim, self.rank)
         w_uk, w_uv = w[:, : self.nope], w[:, self.nope :]
-        q_lat = torch.einsum("thn,hnr->thr", q_nope, w_uk)
-        o_lat = get_backend("attention", backends["attention"])(
-            q_lat, q_pe, pool.latent[self.layer], topk_slots, self.softmax_scale
-        )
-        o = torch.einsum("thr,hvr->thv", o_lat.to(x.dtype), w_uv).reshape(num_tokens, self.heads * self.v_dim)
+        if kernels.resolved:
+            # The two absorbed products as batched matmuls over heads, written through [H, T, .]
+            # views straight into token-major buffers, so that neither needs a copy after it
+            # (the attention kernel reads q_lat contiguous; o_proj reads [T, H * v]).
+            q_lat = x.new_empty(num_tokens, self.heads, self.rank)
+            torch.bmm(q_nope.transpose(0, 1), w_uk, out=q_lat.transpose(0, 1))
+            o_lat = kernels.attention(q_lat, q_pe, pool.latent[self.layer], topk_slots, self.softmax_scale)
+            o = x.new_empty(num_tokens, self.heads, self.v_dim)
+            torch.bmm(o_lat.to(x.dtype).transpose(0, 1), w_uv.transpose(1, 2), out=o.transpose(0, 1))
+        else:
+            q_lat = torch.einsum("thn,hnr->thr", q_nope, w_uk)
+            o_lat = kernels.attention(q_lat, q_pe, pool.latent[self.layer], topk_slots, self.softmax_scale)
+            o = torch.einsum("thr,hvr->thv", o_lat.to(x.dtype), w_uv)
+        o = o.reshape(num_tokens, self.heads * self.v_dim)
         return self.tp.all_reduce(self.o_proj(o)), topk_slots

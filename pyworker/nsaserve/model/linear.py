@@ -38,6 +38,24 @@ class Linear(nn.Module):
         return F.linear(x.to(self.weight.dtype), self.weight)
 
 
+def stacked_weight(stacked: torch.Tensor | None, *linears: Linear) -> torch.Tensor:
+    """The weights of `linears` (plain Linears of one dtype and input width) stacked along the
+    output dim, for one GEMM where there were several. Made on first use (after loading) and then
+    returned as long as it is still what the modules hold: the modules' weights become views of
+    it, so it costs no memory and in-place writes to either side (the loader's copies) show in
+    both. If a module's weight was replaced since, it is stacked again."""
+    first = linears[0].weight
+    if stacked is not None and first.data_ptr() == stacked.data_ptr():
+        return stacked
+    stacked = torch.cat([m.weight.detach() for m in linears])
+    row = 0
+    for m in linears:
+        n = m.weight.shape[0]
+        m.weight.data = stacked[row : row + n]
+        row += n
+    return stacked
+
+
 class Norm(nn.Module):
     """A norm's replicated weight (and bias for LayerNorm); the math lives in kernels.norms."""
 

@@ -6,8 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..kernels.registry import get_backend
-from .linear import empty_param
+from .linear import Linear, empty_param, stacked_weight
 
 # Most bytes of dequantised expert weights a quantised MoE materialises at once; experts with tokens
 # are processed in groups that fit (at least one expert per group).
@@ -24,9 +23,18 @@ class GatedMLP(nn.Module):
         self.gate_proj = wf.linear(prefix + "gate_proj", hidden, inter, shard_dim=0, start=i0, length=n)
         self.up_proj = wf.linear(prefix + "up_proj", hidden, inter, shard_dim=0, start=i0, length=n)
         self.down_proj = wf.linear(prefix + "down_proj", inter, hidden, shard_dim=1, start=i0, length=n)
+        # gate and up read the same x: when both are plain Linears, one GEMM on their stacked
+        # weights (linear.stacked_weight) serves both.
+        self._gate_up = None
+        self._stack = isinstance(self.gate_proj, Linear) and isinstance(self.up_proj, Linear)
 
-    def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+    def forward(self, x, stacked: bool = False):
+        if not (stacked and self._stack):
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        self._gate_up = w = stacked_weight(self._gate_up, self.gate_proj, self.up_proj)
+        h = F.linear(x.to(w.dtype), w)
+        n = h.shape[1] // 2
+        return self.down_proj(F.silu(h[:, :n]) * h[:, n:])
 
 
 class DenseMLP(GatedMLP):
@@ -34,8 +42,8 @@ class DenseMLP(GatedMLP):
         super().__init__(cfg.hidden_size, cfg.intermediate_size, tp, wf, prefix)
         self.tp = tp
 
-    def forward(self, x, backends=None):
-        return self.tp.all_reduce(super().forward(x))
+    def forward(self, x, kernels=None):
+        return self.tp.all_reduce(super().forward(x, kernels is not None and kernels.resolved))
 
 
 class Router(nn.Module):
@@ -81,15 +89,22 @@ class MoE(nn.Module):
         """Per-expert tensors that may be on disk and are read past (NVFP4 input_scale)."""
         return [n for ep, _ in self._expert_prefixes(prefix) for n in self.w13.ignored(ep) + self.w2.ignored(ep)]
 
-    def _routed(self, x, ids, weights, backend):
-        """Sum over the chosen experts this rank owns -> float32 [T, H]."""
+    def _routed(self, x, ids, weights, backend, every_expert: bool = False):
+        """Sum over the chosen experts this rank owns -> float32 [T, H].
+
+        every_expert: dequantise every local expert (in groups) rather than those that got tokens,
+        so that the host never learns which ones did (no synchronisation; the "torch_dense"
+        reference runs every expert on every token anyway)."""
         if not (self.w13.quantized or self.w2.quantized):
             return backend(x, ids, weights, self.w13.weight, self.w2.weight, self.first_expert)
         # Quantised: dequantise only the experts that got tokens, a bounded group at a time, and run
         # the same expert kernel on each group with the token's expert ids renumbered into it.
         local = ids - self.first_expert
         mine = (local >= 0) & (local < self.num_local)
-        active = torch.unique(local[mine])
+        if every_expert:
+            active = torch.arange(self.num_local, dtype=ids.dtype, device=ids.device)
+        else:
+            active = torch.unique(local[mine])
         per_group = max(
             1, DEQUANT_CHUNK_BYTES // (self.w13.dense_bytes_per_expert() + self.w2.dense_bytes_per_expert())
         )
@@ -104,19 +119,21 @@ class MoE(nn.Module):
             out += backend(x, group_ids, weights, self.w13.dense(group), self.w2.dense(group), 0)
         return out
 
-    def forward(self, x, backends):
+    def forward(self, x, kernels):
+        """kernels: model.Kernels (the backend names by kind, and the resolved functions)."""
         c = self.cfg
         logits = F.linear(x.float(), self.gate.weight)
-        weights, ids = get_backend("moe_route", backends["moe_route"])(
+        weights, ids = kernels.moe_route(
             logits, self.gate.e_score_correction_bias, c.num_experts_per_tok, c.n_group, c.topk_group,
             c.norm_topk_prob, c.routed_scaling_factor,
         )  # fmt: skip
-        if backends["moe_experts"] in ("torch", "torch_dense"):  # torch references take dense weights
-            y = self._routed(x, ids, weights, get_backend("moe_experts", backends["moe_experts"]))
+        if kernels["moe_experts"] in ("torch", "torch_dense"):  # torch references take dense weights
+            y = self._routed(x, ids, weights, kernels.moe_experts, kernels["moe_experts"] == "torch_dense")
         else:  # fused kernels read the stacks in their checkpoint layout (no dequantised copy)
-            y = get_backend("moe_experts", backends["moe_experts"])(
-                x, ids, weights, self.w13, self.w2, self.first_expert
-            )
+            y = kernels.moe_experts(x, ids, weights, self.w13, self.w2, self.first_expert)
         if self.shared_experts is not None:
-            y = y + self.shared_experts(x).float()
+            if kernels.resolved:
+                y.add_(self.shared_experts(x, stacked=True))  # float32 += bf16: the same sum, one launch fewer
+            else:
+                y = y + self.shared_experts(x).float()
         return self.tp.all_reduce(y.to(x.dtype))

@@ -8,10 +8,13 @@ the checkpoint stores it in (weight_factory.py).
 
 from __future__ import annotations
 
+import os
+import sys
+
 import torch
 from torch import nn
 
-from ..kernels.registry import get_backend
+from ..kernels.registry import get_backend, load_backend
 from .attention import MLAttention
 from .linear import Norm, empty_param
 from .mlp import DenseMLP, MoE
@@ -25,6 +28,44 @@ DEFAULT_BACKENDS = {
     "attention": "torch", "indexer": "torch", "moe_route": "torch", "moe_experts": "torch",
     "rmsnorm": "torch", "rope": "torch", "kv_store": "torch", "index_key_store": "torch",
 }  # fmt: skip
+
+# The eager forward's host path: "resolved" (kernel functions looked up once per change of the
+# backend names, fewer small torch ops per layer) or "lookup" (a registry lookup per kernel call,
+# the path before; kept to measure against, see bench/kernels/bench_step_host.py).
+HOST_PATH_ENV = "NSASERVE_EAGER_HOST_PATH"
+# "1": Triton kernels launch through kernels.triton_launch (Triton's binder, then the compiled
+# kernel's launcher directly); "0": Triton's own launch path.
+FAST_LAUNCH_ENV = "NSASERVE_TRITON_FAST_LAUNCH"
+
+
+class Kernels(dict):
+    """The kernel backends one forward uses: kind -> name as a dict (what the indexer and the
+    CUDA graphs read) and kind -> function as attributes (kernels.rmsnorm(...)).
+
+    resolved: every function is looked up (and a lazily imported Triton module imported) once,
+    here, and stored as an attribute; otherwise each attribute access asks the registry.
+    fast_launch: Triton kernels launch through kernels.triton_launch (process-wide)."""
+
+    def __init__(self, names: dict[str, str], resolved: bool = True, fast_launch: bool = False):
+        super().__init__(names)
+        self.resolved, self.fast_launch = resolved, fast_launch
+        if resolved:
+            for kind, name in names.items():
+                self.__dict__[kind] = load_backend(kind, name)
+        if fast_launch and "triton" in names.values():
+            from ..kernels import triton_launch
+
+            for kind, name in names.items():
+                if name == "triton":
+                    load_backend(kind, name)  # imports the kernel modules whose launches enable() shortens
+            triton_launch.enable()
+        elif not fast_launch and "nsaserve.kernels.triton_launch" in sys.modules:
+            sys.modules["nsaserve.kernels.triton_launch"].disable()  # imported only by an earlier fast_launch
+
+    def __getattr__(self, kind: str):  # reached only for kinds not stored as attributes
+        if kind.startswith("__") or kind not in self:
+            raise AttributeError(kind)
+        return get_backend(kind, self[kind])
 
 
 class DecoderLayer(nn.Module):
@@ -40,18 +81,18 @@ class DecoderLayer(nn.Module):
         else:
             self.mlp = DenseMLP(cfg, tp, wf, prefix)
 
-    def forward(self, h, pending, batch, meta, pool, prev_topk_slots, backends):
+    def forward(self, h, pending, batch, meta, pool, prev_topk_slots, kernels: Kernels):
         """h: the residual stream; pending: the previous layer's MLP output, not yet added to it
         (None before the first layer). Each residual add is fused into the RMSNorm that follows it.
         Returns (h, this layer's MLP output, top-k slots)."""
-        rms_norm = get_backend("rmsnorm", backends["rmsnorm"])
+        rms_norm = kernels.rmsnorm
         if pending is None:
             x = rms_norm(h, self.input_layernorm.weight, self.eps)
         else:
             x, h = rms_norm(pending, self.input_layernorm.weight, self.eps, h)
-        attn, topk_slots = self.self_attn(x, batch, meta, pool, prev_topk_slots, backends)
+        attn, topk_slots = self.self_attn(x, batch, meta, pool, prev_topk_slots, kernels)
         x, h = rms_norm(attn, self.post_attention_layernorm.weight, self.eps, h)
-        return h, self.mlp(x, backends), topk_slots
+        return h, self.mlp(x, kernels), topk_slots
 
 
 class Backbone(nn.Module):
@@ -76,6 +117,18 @@ class CausalLM(nn.Module):
         )
         self.register_buffer("inv_freq", inv_freq.to(device), persistent=False)
         self.backends = dict(DEFAULT_BACKENDS)
+        self.resolve_kernels = os.environ.get(HOST_PATH_ENV, "resolved") != "lookup"
+        self.fast_launch = os.environ.get(FAST_LAUNCH_ENV, "0") == "1"
+        self._kernels: Kernels | None = None
+
+    def kernels(self) -> Kernels:
+        """The backends in self.backends (set_backend writes there), resolved again only when a
+        name changed since the last forward."""
+        k = self._kernels
+        stale = k is None or (k.resolved, k.fast_launch) != (self.resolve_kernels, self.fast_launch)
+        if stale or not dict.__eq__(k, self.backends):
+            k = self._kernels = Kernels(self.backends, self.resolve_kernels, self.fast_launch)
+        return k
 
     def weight_targets(self) -> dict[str, tuple[torch.Tensor, tuple] | None]:
         """Every checkpoint tensor name this model expects -> (param, index) or None (the tensor
@@ -107,13 +160,14 @@ class CausalLM(nn.Module):
         cfg = self.cfg
         if batch.num_tokens == 0:
             return torch.zeros(0, cfg.vocab_size, dtype=torch.float32, device=self.inv_freq.device)
+        kernels = self.kernels()
         meta = build_step_meta(batch, self.inv_freq, self.rope_attention_factor)
         h = self.model.embed_tokens.weight[batch.input_ids]
         pending = topk_slots = None
         for layer in self.model.layers:
-            h, pending, topk_slots = layer(h, pending, batch, meta, pool, topk_slots, self.backends)
+            h, pending, topk_slots = layer(h, pending, batch, meta, pool, topk_slots, kernels)
         # Only the rows the sampler needs go through the last residual add, the final norm and lm_head.
-        rms_norm, rows = get_backend("rmsnorm", self.backends["rmsnorm"]), batch.logits_index
+        rms_norm, rows = kernels.rmsnorm, batch.logits_index
         if pending is None:
             h = rms_norm(h[rows], self.model.norm.weight, cfg.rms_norm_eps)
         else:
