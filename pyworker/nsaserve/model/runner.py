@@ -87,6 +87,20 @@ class ModelRunner:
         name = resolve(kind, name, self.device.type, self.dtype.itemsize * 8)
         get_backend(kind, name)  # fails now, not mid-step, when the name is unknown
         self.model.backends[kind] = name
+        if kind == "moe_experts" and name == "triton":
+            self._experts_to_kernel_layout()
+
+    def _experts_to_kernel_layout(self) -> None:
+        """The Triton MoE reads NVFP4 stacks re-laid out for it: done here, once, at load, so that
+        no forward pays (or synchronises for) it and no CUDA graph capture meets it."""
+        from ..kernels.triton_moe_w4a16 import RELAYOUT_STACKS
+
+        if not RELAYOUT_STACKS:
+            return
+        for layer in self.model.model.layers:
+            for stack in (getattr(layer.mlp, "w13", None), getattr(layer.mlp, "w2", None)):
+                if stack is not None and hasattr(stack, "to_kernel_layout"):
+                    stack.to_kernel_layout()
 
     @torch.no_grad()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
