@@ -2,9 +2,10 @@
 
     PYTHONPATH=pyworker python bench/kernels/bench_sparse_mla.py [--out bench/results]
 
-64 heads (GLM-5) and 128 (DeepSeek-V3.2), fp8 656-byte and bf16 576-wide latent caches, one query
-token per request, each selecting 2048 of its 4096 cached positions at random. First a small sweep
-of block shapes at batch 64 picks one config per cache type; then every case runs with it.
+64 heads (GLM-5), fp8 656-byte and bf16 576-wide latent caches, one query token per request, each
+selecting 2048 of its 4096 cached positions at random. Every launch variant (CONFIGS: block shape,
+pipeline depth, slots loaded a block ahead or not) runs side by side on the same inputs at each
+batch size; --warm only compiles them (run in parallel processes first, the on-disk cache is shared).
 Times are CUDA-graph replays rotating over enough index/query sets that the selected rows do not
 sit in L2; a prefill row runs 2048 query tokens through sparse_mla_prefill. Effective TFLOP/s
 counts 2 * heads * 2048 * (576 + 512) per token; the roofline is the larger of FLOPs over the bf16 matmul rate and bytes (selected rows, queries, fp32 output) over the
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import time
 
 import torch
 from bench_common import bf16_matmul_rate, copy_bandwidth, graph_time_us, print_table, write_results
@@ -25,10 +27,16 @@ from nsaserve.kernels.triton_sparse_mla import sparse_mla_decode, sparse_mla_pre
 RANK, ROPE, TOPK, CTX = 512, 64, 2048, 4096
 SCALE = 0.0625
 L2_BYTES = 60 << 20
-CONFIGS = [  # (block_n, num_warps, num_stages); 16 warps and scales-after-products measured slower (NOTES.md)
-    (64, 8, 2),
-    (64, 8, 3),
-]
+# name -> launch options. "default" is the committed launch; "pf" loads the next block's slots in
+# registers one block ahead, so the row gather is pipelined num_stages - 1 blocks ahead (2 for s3);
+# "n32s5" gets the same depth for the indirect load from 5 stages.
+CONFIGS = {
+    "default": {},
+    "pf-n32s3": {"prefetch": True, "block_n": 32, "num_stages": 3},
+    "pf-n32s4": {"prefetch": True, "block_n": 32, "num_stages": 4},
+    "n32s5": {"block_n": 32, "num_stages": 5},
+    "pf-n64s2": {"prefetch": True, "block_n": 64, "num_stages": 2},
+}
 PREFILL_TOKENS = 2048  # a prompt chunk after CTX cached positions: every row selects a full top-k
 
 
@@ -52,97 +60,117 @@ def build(batch: int, heads: int, fp8: bool, copies: int):
     return cache, kv_slots, sets
 
 
-def measure(batch, heads, fp8, cfg, ceil, logical=False, num_splits=None, prefill=False, skip_empty=False) -> dict:
-    torch.cuda.empty_cache()  # the previous case's buffers are gone with its frame
+def case_bytes_flops(batch, heads, fp8):
     row_bytes = fmt.latent_fp8_row_bytes(RANK, ROPE) if fp8 else 2 * (RANK + ROPE)
     min_bytes = batch * TOPK * row_bytes + batch * heads * ((RANK + ROPE) * 2 + RANK * 4)
-    flops = 2 * batch * heads * TOPK * (RANK + ROPE + RANK)
+    return min_bytes, 2 * batch * heads * TOPK * (RANK + ROPE + RANK)
+
+
+def measure_all(batch, heads, fp8, names, ceil, prefill=False, deadline=None) -> list[dict]:
+    """Every config in names on the same inputs (one cache build), side by side."""
+    torch.cuda.empty_cache()  # the previous case's buffers are gone with its frame
+    min_bytes, flops = case_bytes_flops(batch, heads, fp8)
     copies = 1 if prefill else max(2, min(32, math.ceil(4 * L2_BYTES / min_bytes)))
     cache, kv_slots, sets = build(batch, heads, fp8, copies)
-    bn, warps, stages = cfg
-    opts = {"block_n": bn, "num_warps": warps, "num_stages": stages}
-    if skip_empty:
-        opts["skip_empty"] = True
+    rows = []
+    for name in names:
+        if deadline is not None and time.monotonic() > deadline:
+            print(f"budget spent: {name} at batch {batch} skipped", flush=True)
+            break
+        opts = dict(CONFIGS[name])
 
-    def call(q_lat, q_pe, slots, pos, base):
-        if prefill:
-            return lambda: sparse_mla_prefill(q_lat, q_pe, cache, slots, SCALE, **opts)
-        if logical:
-            return lambda: sparse_mla_decode(
-                q_lat, q_pe, cache, pos, SCALE, token_kv_base=base, kv_slots=kv_slots, **opts
-            )
-        return lambda: sparse_mla_decode(q_lat, q_pe, cache, slots, SCALE, **opts)
+        def call(q_lat, q_pe, slots, pos, base, opts=opts):
+            if prefill:
+                return lambda: sparse_mla_prefill(q_lat, q_pe, cache, slots, SCALE, **opts)
+            return lambda: sparse_mla_decode(q_lat, q_pe, cache, slots, SCALE, **opts)
 
-    us = graph_time_us([call(*s) for s in sets], reps=10 if prefill else 30)
-    floor_us = max(flops / ceil["bf16"], min_bytes / ceil["copy"]) * 1e6
-    return {
-        "cache": "fp8" if fp8 else "bf16",
-        "heads": heads,
-        "batch": f"prefill {batch}" if prefill else batch,
-        "indices": "logical" if logical else "physical",
-        "config": f"n{bn}w{warps}s{stages}" + ("e" if skip_empty else ""),
-        "splits": "auto" if num_splits is None else num_splits,
-        "us": us,
-        "TFLOPs": flops / (us * 1e-6) / 1e12,
-        "TBps": min_bytes / (us * 1e-6) / 1e12,
-        "floor_us": floor_us,
-        "roofline_frac": floor_us / us,
-    }
+        try:
+            us = graph_time_us([call(*x) for x in sets], reps=10 if prefill else 30)
+        except Exception as e:  # a config that does not fit (shared memory, registers) is reported
+            print(f"config {name} fp8={fp8} batch {batch} failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
+            continue
+        floor_us = max(flops / ceil["bf16"], min_bytes / ceil["copy"]) * 1e6
+        rows.append(
+            {
+                "cache": "fp8" if fp8 else "bf16",
+                "heads": heads,
+                "batch": f"prefill {batch}" if prefill else batch,
+                "config": name,
+                "us": us,
+                "us_per_token": us / batch,
+                "TFLOPs": flops / (us * 1e-6) / 1e12,
+                "TBps": min_bytes / (us * 1e-6) / 1e12,
+                "floor_us": floor_us,
+                "roofline_frac": floor_us / us,
+            }
+        )
+        print(rows[-1], flush=True)
+    return rows
+
+
+def warm(names, batches) -> None:
+    """Compile every (config, batch, cache) launch on a small cache: same specialisation as the
+    measured launches (the split count follows the batch)."""
+    for fp8 in (True, False):
+        cache = fmt.alloc_latent(CTX, RANK, ROPE, fp8, torch.bfloat16, "cuda")
+        for batch in batches:
+            q_lat = torch.randn(batch, 64, RANK, device="cuda", dtype=torch.bfloat16)
+            q_pe = torch.randn(batch, 64, ROPE, device="cuda", dtype=torch.bfloat16)
+            slots = torch.randint(0, CTX, (batch, TOPK), device="cuda")
+            for name in names:
+                try:
+                    if batch >= PREFILL_TOKENS:
+                        sparse_mla_prefill(q_lat, q_pe, cache, slots, SCALE, **CONFIGS[name])
+                    else:
+                        sparse_mla_decode(q_lat, q_pe, cache, slots, SCALE, **CONFIGS[name])
+                except Exception as e:
+                    print(f"warm {name} fp8={fp8} batch {batch}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+    torch.cuda.synchronize()
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="bench/results")
-    ap.add_argument("--name", default="triton-sparse-mla-v2", help="results file stem after the date")
-    ap.add_argument("--quick", action="store_true", help="fewer table rows (the config sweep stays)")
+    ap.add_argument("--name", default="triton-sparse-mla-v3", help="results file stem after the date")
+    ap.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated names from CONFIGS")
+    ap.add_argument("--batches", default="64,128,256,1")
+    ap.add_argument("--prefill", default="default,pf-n32s4", help="configs run on a 2048-token prefill ('' for none)")
+    ap.add_argument("--budget", type=float, default=0.0, help="seconds after which no new case starts (0: none)")
+    ap.add_argument("--warm", action="store_true", help="only compile the launches (for parallel warm-up)")
     args = ap.parse_args()
+    names = [n for n in args.configs.split(",") if n]
+    batches = [int(b) for b in args.batches.split(",") if b]
+    prefill = [n for n in args.prefill.split(",") if n]
+    if args.warm:
+        warm(names, batches)
+        if prefill:
+            warm(prefill, [PREFILL_TOKENS])
+        return
+    deadline = time.monotonic() + args.budget if args.budget else None
     torch.manual_seed(0)
     ceil = {"copy": copy_bandwidth(), "bf16": bf16_matmul_rate()}
     ceilings = {"copy_TBps": ceil["copy"] / 1e12, "bf16_TFLOPs": ceil["bf16"] / 1e12}
-    sweep, rows, best = [], [], {}
+    print(f"copy {ceilings['copy_TBps']:.2f} TB/s, bf16 matmul {ceilings['bf16_TFLOPs']:.0f} TFLOP/s", flush=True)
+    rows = []
+    for batch in batches:
+        for fp8 in (True, False):
+            if deadline is None or time.monotonic() < deadline:
+                rows += measure_all(batch, 64, fp8, names, ceil, deadline=deadline)
     for fp8 in (True, False):
-        for cfg in CONFIGS:
-            try:
-                r = measure(64, 64, fp8, cfg, ceil)
-            except Exception as e:  # a config that does not fit (shared memory, registers) is skipped
-                print(f"config {cfg} fp8={fp8} failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
-                continue
-            sweep.append(r)
-            print(r, flush=True)
-            if fp8 not in best or r["us"] < best[fp8][1]:
-                best[fp8] = (cfg, r["us"])
-    for fp8 in (True, False):
-        if fp8 not in best:
-            continue
-        cases = ((64, 64), (64, 128)) if args.quick else ((64, 1), (64, 64), (64, 128), (128, 64))
-        for heads, batch in cases:
-            rows.append(measure(batch, heads, fp8, best[fp8][0], ceil))
-            print(rows[-1], flush=True)
-        if not args.quick:
-            rows.append(measure(64, 64, fp8, best[fp8][0], ceil, logical=True))
-            print(rows[-1], flush=True)
-        # The cost of testing every block for -1 entries (suffix "e"), on full top-k lists.
-        rows.append(measure(64, 64, fp8, best[fp8][0], ceil, skip_empty=True))
-        print(rows[-1], flush=True)
-        rows.append(measure(PREFILL_TOKENS, 64, fp8, best[fp8][0], ceil, prefill=True))
-        print(rows[-1], flush=True)
-    cols = [
-        "cache",
-        "heads",
-        "batch",
-        "indices",
-        "config",
-        "splits",
-        "us",
-        "TFLOPs",
-        "TBps",
-        "floor_us",
-        "roofline_frac",
-    ]
+        if prefill and (deadline is None or time.monotonic() < deadline):
+            rows += measure_all(PREFILL_TOKENS, 64, fp8, prefill, ceil, prefill=True, deadline=deadline)
+    cols = ["cache", "heads", "batch", "config", "us", "us_per_token", "TFLOPs", "TBps", "floor_us", "roofline_frac"]
+    best = {}
+    for r in rows:
+        key = (r["cache"], r["batch"])
+        if key not in best or r["us"] < best[key]["us"]:
+            best[key] = r
     notes = (
-        "Config sweep at batch 64, 64 heads: "
-        + ", ".join(f"{r['cache']} {r['config']} splits {r['splits']} {r['us']:.1f} us" for r in sweep)
-        + ". Target: >= 250 TFLOP/s effective at batch >= 64."
+        "Fastest per case: "
+        + "; ".join(
+            f"{c} {b}: {r['config']} {r['us']:.1f} us ({r['TFLOPs']:.0f} TFLOP/s)" for (c, b), r in best.items()
+        )
+        + ". Target: >= 250 TFLOP/s effective (<= 1.2 us per token) at batch >= 64."
     )
     write_results(args.name, args.out, ceilings, rows, cols, notes)
     print(notes)

@@ -33,18 +33,26 @@ from .triton_common import mma_operand
 
 
 @triton.jit
-def _attend_block(
-    q_lat, q_pe, idx, valid, m_i, l_i, acc, kv_base, kv_slots_ptr, cache_ptr, cache_f32_ptr, cache_bf16_ptr,
-    scale_log2, offs_r, offs_p, pmask,
-    R: tl.constexpr, P: tl.constexpr, G: tl.constexpr, ROW_BYTES: tl.constexpr, BLOCK_N: tl.constexpr,
-    FP8: tl.constexpr, LOGICAL: tl.constexpr, INTERPRET: tl.constexpr,
-):  # fmt: skip
-    """One block of BLOCK_N selected rows: gather, (dequantise), both products, online softmax."""
+def _block_slots(idx_ptr, kv_slots_ptr, kv_base, t, topk, offs_n, j1, LOGICAL: tl.constexpr):
+    """(valid, physical slot) of the selected rows offs_n of token t (-1 entries and the tail past
+    j1 are invalid and read slot 0 under a mask)."""
+    idx = tl.load(idx_ptr + t.to(tl.int64) * topk + offs_n, mask=offs_n < j1, other=-1)
+    valid = idx >= 0
     if LOGICAL:
         slot = tl.load(kv_slots_ptr + kv_base + idx, mask=valid, other=0)
     else:
         slot = idx
-    slot = tl.where(valid, slot, 0).to(tl.int64)
+    return valid, tl.where(valid, slot, 0).to(tl.int64)
+
+
+@triton.jit
+def _attend_block(
+    q_lat, q_pe, slot, valid, m_i, l_i, acc, cache_ptr, cache_f32_ptr, cache_bf16_ptr,
+    scale_log2, offs_r, offs_p, pmask,
+    R: tl.constexpr, P: tl.constexpr, G: tl.constexpr, ROW_BYTES: tl.constexpr, BLOCK_N: tl.constexpr,
+    FP8: tl.constexpr, INTERPRET: tl.constexpr,
+):  # fmt: skip
+    """One block of BLOCK_N selected rows: gather, (dequantise), both products, online softmax."""
     if FP8:
         codes = tl.load(cache_ptr + slot[:, None] * ROW_BYTES + offs_r[None, :], mask=valid[:, None], other=0)
         offs_g = tl.arange(0, R // G)
@@ -78,7 +86,7 @@ def _sparse_mla_kernel(
     SPLIT_LEN: tl.constexpr, R: tl.constexpr, P: tl.constexpr, P_PAD: tl.constexpr, G: tl.constexpr,
     ROW_BYTES: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     FP8: tl.constexpr, LOGICAL: tl.constexpr, SPLIT: tl.constexpr, SKIP_EMPTY: tl.constexpr,
-    INTERPRET: tl.constexpr,
+    PREFETCH: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
     t = tl.program_id(0)
     sp = tl.program_id(1)
@@ -102,24 +110,40 @@ def _sparse_mla_kernel(
     acc = tl.zeros([BLOCK_H, R], dtype=tl.float32)
     j0 = sp * SPLIT_LEN
     j1 = tl.minimum(j0 + SPLIT_LEN, topk)
-    for n in range(0, SPLIT_LEN, BLOCK_N):  # constexpr trip count: the interpreter needs one
-        offs_n = j0 + n + tl.arange(0, BLOCK_N)
-        idx = tl.load(idx_ptr + t.to(tl.int64) * topk + offs_n, mask=offs_n < j1, other=-1)
-        valid = idx >= 0
-        if SKIP_EMPTY:
-            # Rows early in a prompt select fewer than top-k keys (-1 padded): a block with nothing
-            # valid would add nothing, so its loads and products are skipped.
-            if tl.max(idx, axis=0) >= 0:
-                m_i, l_i, acc = _attend_block(
-                    q_lat, q_pe, idx, valid, m_i, l_i, acc, kv_base, kv_slots_ptr, cache_ptr, cache_f32_ptr,
-                    cache_bf16_ptr, scale_log2, offs_r, offs_p, pmask, R, P, G, ROW_BYTES, BLOCK_N, FP8, LOGICAL,
-                    INTERPRET,
-                )  # fmt: skip
-        else:
+    if PREFETCH:
+        # The next block's slots are loaded one iteration ahead into registers, so the software
+        # pipeliner sees the row gather as a direct load (not an indirect one) and issues it
+        # num_stages - 1 blocks ahead instead of (num_stages - 1) // 2.
+        valid_nx, slot_nx = _block_slots(
+            idx_ptr, kv_slots_ptr, kv_base, t, topk, j0 + tl.arange(0, BLOCK_N), j1, LOGICAL
+        )
+        for n in range(0, SPLIT_LEN, BLOCK_N):
+            valid, slot = valid_nx, slot_nx
+            valid_nx, slot_nx = _block_slots(
+                idx_ptr, kv_slots_ptr, kv_base, t, topk, j0 + n + BLOCK_N + tl.arange(0, BLOCK_N), j1, LOGICAL
+            )
             m_i, l_i, acc = _attend_block(
-                q_lat, q_pe, idx, valid, m_i, l_i, acc, kv_base, kv_slots_ptr, cache_ptr, cache_f32_ptr,
-                cache_bf16_ptr, scale_log2, offs_r, offs_p, pmask, R, P, G, ROW_BYTES, BLOCK_N, FP8, LOGICAL, INTERPRET,
+                q_lat, q_pe, slot, valid, m_i, l_i, acc, cache_ptr, cache_f32_ptr, cache_bf16_ptr, scale_log2,
+                offs_r, offs_p, pmask, R, P, G, ROW_BYTES, BLOCK_N, FP8, INTERPRET,
             )  # fmt: skip
+    else:
+        for n in range(0, SPLIT_LEN, BLOCK_N):
+            valid, slot = _block_slots(
+                idx_ptr, kv_slots_ptr, kv_base, t, topk, j0 + n + tl.arange(0, BLOCK_N), j1, LOGICAL
+            )
+            if SKIP_EMPTY:
+                # A block with nothing valid would add nothing: its loads and products are skipped
+                # (a branch around the loads: they are then not pipelined).
+                if tl.max(valid.to(tl.int32), axis=0) > 0:
+                    m_i, l_i, acc = _attend_block(
+                        q_lat, q_pe, slot, valid, m_i, l_i, acc, cache_ptr, cache_f32_ptr, cache_bf16_ptr,
+                        scale_log2, offs_r, offs_p, pmask, R, P, G, ROW_BYTES, BLOCK_N, FP8, INTERPRET,
+                    )  # fmt: skip
+            else:
+                m_i, l_i, acc = _attend_block(
+                    q_lat, q_pe, slot, valid, m_i, l_i, acc, cache_ptr, cache_f32_ptr, cache_bf16_ptr, scale_log2,
+                    offs_r, offs_p, pmask, R, P, G, ROW_BYTES, BLOCK_N, FP8, INTERPRET,
+                )  # fmt: skip
 
     has = l_i > 0.0
     out = acc / tl.where(has, l_i, 1.0)[:, None]
@@ -168,11 +192,15 @@ def sparse_mla_decode(
     num_warps: int = 8,
     num_stages: int = 2,
     skip_empty: bool = False,
+    prefetch: bool = False,
 ) -> torch.Tensor:
     """-> o_lat float32 [T, H, R]. Device-only (no host sync): CUDA-graph capturable.
 
     skip_empty: test each block of indices and skip those that are all -1 (costs a reduction per
-    block; pays off in prefill, where early rows select fewer than top-k keys)."""
+    block and keeps the row loads out of the software pipeline).
+    prefetch: load the next block's slots one iteration ahead in registers, so the row gather is
+    pipelined num_stages - 1 blocks ahead (without it, an indirect load, (num_stages - 1) // 2);
+    skip_empty is then ignored (its branch would keep the loads out of the pipeline)."""
     tokens, heads, rank = q_lat.shape
     rope = q_pe.shape[2]
     topk = indices.shape[1]
@@ -213,7 +241,7 @@ def sparse_mla_decode(
         heads, topk, num_splits, softmax_scale * 1.4426950408889634,
         SPLIT_LEN=split_len, R=rank, P=rope, P_PAD=max(16, triton.next_power_of_2(rope)), G=group,
         ROW_BYTES=row_bytes, BLOCK_H=block_h, BLOCK_N=block_n, FP8=fp8, LOGICAL=logical, SPLIT=split,
-        SKIP_EMPTY=skip_empty, INTERPRET=interp, num_warps=num_warps, num_stages=num_stages,
+        SKIP_EMPTY=skip_empty and not prefetch, PREFETCH=prefetch, INTERPRET=interp, num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     if split:
         _combine_kernel[(tokens, heads)](

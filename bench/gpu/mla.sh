@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# Triton sparse MLA (GLM-5: 64 heads, d_qk 576, d_v 512, top-2048) on one CUDA GPU, bounded to ~90 s:
+# the CUDA tests (launch variants and the committed launch against the torch reference) in parallel
+# with a compile warm-up of every benchmarked launch (one process per config, shared on-disk cache),
+# then bench/kernels/bench_sparse_mla.py alone on the GPU: all configs side by side at batch 64, 128,
+# 256, 1 for both cache formats, copy bandwidth and matmul rate measured in the same run.
+# Writes $OUT/mla/{log.txt,results.json,results.md}; prints a summary last.
+# Usage (from the repository root): OUT=dir bash bench/gpu/mla.sh
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+out="${OUT:?set OUT}/mla"
+mkdir -p "$out"
+log="$out/log.txt"
+tmp=$(mktemp -d)
+export PYTHONPATH="$PWD/pyworker:$PWD/bench/kernels:${PYTHONPATH:-}"
+start=$SECONDS
+bench=bench/kernels/bench_sparse_mla.py
+{
+  nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,power.draw --format=csv 2>&1
+  echo "== tests + warm-up (t=$((SECONDS - start)) s)"
+  t=tests/kernels/test_triton_sparse_mla.py
+  timeout 42 python3 -m pytest -q -p no:cacheprovider "$t" -k variants >"$tmp/t1.txt" 2>&1 &
+  p1=$!
+  timeout 42 python3 -m pytest -q -p no:cacheprovider "$t" -k "matches_reference and not variants or split" \
+    >"$tmp/t2.txt" 2>&1 &
+  p2=$!
+  pw=()
+  for c in default pf-n32s3 pf-n32s4 n32s5 pf-n64s2; do
+    pre=""
+    case $c in default | pf-n32s4) pre=$c ;; esac
+    timeout 40 python3 "$bench" --warm --configs "$c" --prefill "$pre" >"$tmp/w_$c.txt" 2>&1 &
+    pw+=($!)
+  done
+  wait $p1; r1=$?
+  wait $p2; r2=$?
+  for p in "${pw[@]}"; do wait "$p"; done
+  echo "-- tests (variants): rc $r1"; tail -15 "$tmp/t1.txt"
+  echo "-- tests (reference, splits, prefill): rc $r2"; tail -15 "$tmp/t2.txt"
+  cat "$tmp"/w_*.txt
+  left=$((84 - (SECONDS - start)))
+  echo "== bench, budget $((left > 10 ? left - 6 : 4)) s (t=$((SECONDS - start)) s)"
+  timeout $((left > 10 ? left : 10)) python3 "$bench" --out "$tmp" --budget $((left > 10 ? left - 6 : 4)) 2>&1
+  echo "bench exit: $? (t=$((SECONDS - start)) s)"
+} >"$log" 2>&1
+cp "$tmp"/*.json "$out/results.json" 2>/dev/null
+cp "$tmp"/*.md "$out/results.md" 2>/dev/null
+rm -rf "$tmp"
+echo "mla summary ($((SECONDS - start)) s): tests variants rc=$r1, reference rc=$r2"
+grep -E "passed|failed|error" "$log" | grep -v "^E " | tail -4
+sed -n '/^Fastest per case/,$p' "$log" | tail -60
