@@ -21,21 +21,24 @@ bench=bench/kernels/bench_sparse_mla.py
   t=tests/kernels/test_triton_sparse_mla.py
   timeout 42 python3 -m pytest -q -p no:cacheprovider "$t" -k variants >"$tmp/t1.txt" 2>&1 &
   p1=$!
-  timeout 42 python3 -m pytest -q -p no:cacheprovider "$t" -k "matches_reference and not variants or split" \
-    >"$tmp/t2.txt" 2>&1 &
+  timeout 42 python3 -m pytest -q -p no:cacheprovider "$t" -k "test_matches_reference or test_split_counts" >"$tmp/t2.txt" 2>&1 &
   p2=$!
+  timeout 42 python3 -m pytest -q -p no:cacheprovider "$t" -k "prefill" >"$tmp/t3.txt" 2>&1 &
+  p3=$!
   pw=()
-  for c in default pf-n32s3 pf-n32s4 n32s5 pf-n64s2; do
-    pre=""
-    case $c in default | pf-n32s4) pre=$c ;; esac
-    timeout 40 python3 "$bench" --warm --configs "$c" --prefill "$pre" >"$tmp/w_$c.txt" 2>&1 &
+  for c in default pf-n32s3 pf-n32s4 n32s5 pf-n64s2 pf-n32s4-trim; do
+    pre="" b=64,128,256,1
+    case $c in default | pf-n32s4) pre=$c ;; pf-n32s4-trim) pre=$c b="" ;; esac
+    timeout 40 python3 "$bench" --warm --configs "$c" --batches "$b" --prefill "$pre" >"$tmp/w_$c.txt" 2>&1 &
     pw+=($!)
   done
   wait $p1; r1=$?
   wait $p2; r2=$?
+  wait $p3; r3=$?
   for p in "${pw[@]}"; do wait "$p"; done
   echo "-- tests (variants): rc $r1"; tail -15 "$tmp/t1.txt"
-  echo "-- tests (reference, splits, prefill): rc $r2"; tail -15 "$tmp/t2.txt"
+  echo "-- tests (reference, splits): rc $r2"; tail -15 "$tmp/t2.txt"
+  echo "-- tests (prefill): rc $r3"; tail -15 "$tmp/t3.txt"
   cat "$tmp"/w_*.txt
   left=$((84 - (SECONDS - start)))
   echo "== bench, budget $((left > 10 ? left - 6 : 4)) s (t=$((SECONDS - start)) s)"
@@ -45,6 +48,6 @@ bench=bench/kernels/bench_sparse_mla.py
 cp "$tmp"/*.json "$out/results.json" 2>/dev/null
 cp "$tmp"/*.md "$out/results.md" 2>/dev/null
 rm -rf "$tmp"
-echo "mla summary ($((SECONDS - start)) s): tests variants rc=$r1, reference rc=$r2"
-grep -E "passed|failed|error" "$log" | grep -v "^E " | tail -4
+echo "mla summary ($((SECONDS - start)) s): tests variants rc=$r1, reference rc=$r2, prefill rc=$r3"
+grep -E "passed|failed" "$log" | grep -v "^E " | tail -6
 sed -n '/^Fastest per case/,$p' "$log" | tail -60

@@ -62,8 +62,9 @@ def indexer_cases():
 
 def sparse_mla_cases():
     for fp8 in (True, False):
-        for logical, split, skip, prefetch in (
-            (False, True, False, False), (True, False, True, False), (False, True, False, True), (True, True, False, True)
+        for logical, split, skip, prefetch, trim in (
+            (False, True, False, False, False), (True, False, True, False, False), (False, True, False, True, False),
+            (True, True, False, True, True), (False, False, False, True, True)
         ):  # fmt: skip
             cache_ty = "*u8" if fp8 else "*bf16"
             sig = {
@@ -75,9 +76,9 @@ def sparse_mla_cases():
             consts = dict(
                 SPLIT_LEN=1024, R=512, P=64, P_PAD=64, G=128, ROW_BYTES=656 if fp8 else 576, BLOCK_H=64,
                 BLOCK_N=32 if prefetch else 64, FP8=fp8, LOGICAL=logical, SPLIT=split, SKIP_EMPTY=skip,
-                PREFETCH=prefetch, INTERPRET=False,
+                PREFETCH=prefetch, TRIM=trim, TRIM_LEN=1024, INTERPRET=False,
             )  # fmt: skip
-            name = f"sparse mla fp8={fp8} logical={logical} skip={skip} prefetch={prefetch}"
+            name = f"sparse mla fp8={fp8} logical={logical} skip={skip} prefetch={prefetch} trim={trim}"
             yield name, tm._sparse_mla_kernel, sig, consts, 8
     sig = {"o_part_ptr": F32, "lse_ptr": F32, "out_ptr": F32, "heads": "i32", "num_splits": "i32"}
     yield "sparse mla combine", tm._combine_kernel, sig, dict(R=512, BLOCK_S=8), 4

@@ -75,10 +75,10 @@ def test_matches_reference(fp8, heads, logical):
 
 @pytest.mark.parametrize("fp8", [False, True])
 @pytest.mark.parametrize("logical", [False, True])
-@pytest.mark.parametrize("variant", ["prefetch", "prefetch_split3"])
+@pytest.mark.parametrize("variant", ["prefetch", "prefetch_split3", "prefetch_trim"])
 def test_variants_match_reference(fp8, logical, variant):
-    # The launch option the benchmark compares (slots loaded a block ahead), on -1 padded lists, with
-    # and without the fused slot transform, one part or an uneven split.
+    # The launch options the benchmark compares (slots loaded a block ahead; the loop ended at the last
+    # valid entry), on -1 padded lists, with and without the fused slot transform, auto or uneven splits.
     if GPU:
         tokens, heads, rank, rope, topk, bn = 6, 64, 512, 64, 2048, 32
     else:
@@ -91,6 +91,8 @@ def test_variants_match_reference(fp8, logical, variant):
     opts["prefetch"] = True
     if variant == "prefetch_split3":
         opts["num_splits"] = 3
+    elif variant == "prefetch_trim":
+        opts["trim"] = True  # the loop bound from the last valid entry (compiled only; on CPU, masks)
     if logical:
         got = sparse_mla_decode(
             d(q_lat), d(q_pe), d(cache), d(pos), 0.0625, token_kv_base=d(base), kv_slots=d(kv_slots), **opts
@@ -141,7 +143,8 @@ def prefill_case(prompt, cached, heads, rank, rope, topk, fp8, seed):
 
 @pytest.mark.parametrize("fp8", [False, True])
 @pytest.mark.parametrize("logical", [False, True])
-def test_prefill_matches_reference(fp8, logical):
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_prefill_matches_reference(fp8, logical, pipelined):
     # GLM-5 shapes on the GPU (a chunk crossing top-k); a tiny model's (rope 8: padded to an MMA K) on CPU.
     if GPU:
         prompt, cached, heads, rank, rope, topk = 700, 1800, 64, 512, 64, 2048
@@ -151,12 +154,15 @@ def test_prefill_matches_reference(fp8, logical):
     slots = topk_to_slots(pos, base, kv_slots)
     want = sparse_mla_torch(q_lat, q_pe, cache, slots, 0.0625)
     d = lambda t: t.to(DEV)  # noqa: E731
+    # pipelined: slots a block ahead and the loop ended at the last valid entry instead of skip_empty.
+    kw = {"prefetch": True, "trim": True, "block_n": 32 if GPU else 16, "num_stages": 4} if pipelined else {}
     if logical:
         got = sparse_mla_prefill(
-            d(q_lat), d(q_pe), d(cache), d(pos), 0.0625, token_kv_base=d(base), kv_slots=d(kv_slots)
+            d(q_lat), d(q_pe), d(cache), d(pos), 0.0625, token_kv_base=d(base), kv_slots=d(kv_slots), **kw
         )
     else:
-        got = sparse_mla_prefill(d(q_lat), d(q_pe), d(cache), d(slots), 0.0625, block_n=16 if not GPU else 64)
+        kw.setdefault("block_n", 16 if not GPU else 64)
+        got = sparse_mla_prefill(d(q_lat), d(q_pe), d(cache), d(slots), 0.0625, **kw)
     got = got.cpu()
     assert torch.isfinite(got).all()
     assert rel_err(got, want) < 1e-2

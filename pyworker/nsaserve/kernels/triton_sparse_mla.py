@@ -86,7 +86,7 @@ def _sparse_mla_kernel(
     SPLIT_LEN: tl.constexpr, R: tl.constexpr, P: tl.constexpr, P_PAD: tl.constexpr, G: tl.constexpr,
     ROW_BYTES: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     FP8: tl.constexpr, LOGICAL: tl.constexpr, SPLIT: tl.constexpr, SKIP_EMPTY: tl.constexpr,
-    PREFETCH: tl.constexpr, INTERPRET: tl.constexpr,
+    PREFETCH: tl.constexpr, TRIM: tl.constexpr, TRIM_LEN: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
     t = tl.program_id(0)
     sp = tl.program_id(1)
@@ -110,6 +110,14 @@ def _sparse_mla_kernel(
     acc = tl.zeros([BLOCK_H, R], dtype=tl.float32)
     j0 = sp * SPLIT_LEN
     j1 = tl.minimum(j0 + SPLIT_LEN, topk)
+    if TRIM:
+        # Loop only up to the last valid entry of this part of the list (prefill rows early in a
+        # prompt select fewer than top-k keys and are -1 padded): a loop bound, not a branch around
+        # the loads, so the loads stay pipelined. Compiled only (the interpreter needs a constexpr
+        # trip count).
+        offs_all = j0 + tl.arange(0, TRIM_LEN)
+        row = tl.load(idx_ptr + t.to(tl.int64) * topk + offs_all, mask=offs_all < j1, other=-1)
+        n_end = tl.cdiv(tl.max(tl.where(row >= 0, offs_all - j0 + 1, 0), axis=0), BLOCK_N) * BLOCK_N
     if PREFETCH:
         # The next block's slots are loaded one iteration ahead into registers, so the software
         # pipeliner sees the row gather as a direct load (not an indirect one) and issues it
@@ -117,7 +125,7 @@ def _sparse_mla_kernel(
         valid_nx, slot_nx = _block_slots(
             idx_ptr, kv_slots_ptr, kv_base, t, topk, j0 + tl.arange(0, BLOCK_N), j1, LOGICAL
         )
-        for n in range(0, SPLIT_LEN, BLOCK_N):
+        for n in range(0, n_end if TRIM else SPLIT_LEN, BLOCK_N):
             valid, slot = valid_nx, slot_nx
             valid_nx, slot_nx = _block_slots(
                 idx_ptr, kv_slots_ptr, kv_base, t, topk, j0 + n + BLOCK_N + tl.arange(0, BLOCK_N), j1, LOGICAL
@@ -127,7 +135,7 @@ def _sparse_mla_kernel(
                 offs_r, offs_p, pmask, R, P, G, ROW_BYTES, BLOCK_N, FP8, INTERPRET,
             )  # fmt: skip
     else:
-        for n in range(0, SPLIT_LEN, BLOCK_N):
+        for n in range(0, n_end if TRIM else SPLIT_LEN, BLOCK_N):
             valid, slot = _block_slots(
                 idx_ptr, kv_slots_ptr, kv_base, t, topk, j0 + n + tl.arange(0, BLOCK_N), j1, LOGICAL
             )
@@ -193,6 +201,7 @@ def sparse_mla_decode(
     num_stages: int = 2,
     skip_empty: bool = False,
     prefetch: bool = False,
+    trim: bool = False,
 ) -> torch.Tensor:
     """-> o_lat float32 [T, H, R]. Device-only (no host sync): CUDA-graph capturable.
 
@@ -200,7 +209,9 @@ def sparse_mla_decode(
     block and keeps the row loads out of the software pipeline).
     prefetch: load the next block's slots one iteration ahead in registers, so the row gather is
     pipelined num_stages - 1 blocks ahead (without it, an indirect load, (num_stages - 1) // 2);
-    skip_empty is then ignored (its branch would keep the loads out of the pipeline)."""
+    skip_empty is then ignored (its branch would keep the loads out of the pipeline).
+    trim: end each program's loop at the last valid (>= 0) entry of its part of the list (one read
+    of the list first; compiled kernels only, the interpreter runs the whole list under masks)."""
     tokens, heads, rank = q_lat.shape
     rope = q_pe.shape[2]
     topk = indices.shape[1]
@@ -241,7 +252,9 @@ def sparse_mla_decode(
         heads, topk, num_splits, softmax_scale * 1.4426950408889634,
         SPLIT_LEN=split_len, R=rank, P=rope, P_PAD=max(16, triton.next_power_of_2(rope)), G=group,
         ROW_BYTES=row_bytes, BLOCK_H=block_h, BLOCK_N=block_n, FP8=fp8, LOGICAL=logical, SPLIT=split,
-        SKIP_EMPTY=skip_empty and not prefetch, PREFETCH=prefetch, INTERPRET=interp, num_warps=num_warps, num_stages=num_stages,
+        SKIP_EMPTY=skip_empty and not prefetch, PREFETCH=prefetch,
+        TRIM=trim and not interp, TRIM_LEN=triton.next_power_of_2(split_len), INTERPRET=interp,
+        num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     if split:
         _combine_kernel[(tokens, heads)](
