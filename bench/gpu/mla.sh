@@ -7,9 +7,9 @@
 # Writes $OUT/mla/{log.txt,results.json,results.md}; prints a summary last.
 # Usage (from the repository root): OUT=dir bash bench/gpu/mla.sh
 set -uo pipefail
+mkdir -p "${OUT:?set OUT}/mla"
+out="$(cd "$OUT/mla" && pwd)"
 cd "$(dirname "$0")/../.."
-out="${OUT:?set OUT}/mla"
-mkdir -p "$out"
 log="$out/log.txt"
 tmp=$(mktemp -d)
 export PYTHONPATH="$PWD/pyworker:$PWD/bench/kernels:${PYTHONPATH:-}"
