@@ -32,6 +32,7 @@ L2_BYTES = 60 << 20
 # "n32s5" gets the same depth for the indirect load from 5 stages.
 CONFIGS = {
     "default": {},
+    "n64s3": {"num_stages": 3},  # the fp8 launch of the previous results (idx 2 ahead, rows 1 ahead)
     "pf-n32s3": {"prefetch": True, "block_n": 32, "num_stages": 3},
     "pf-n32s4": {"prefetch": True, "block_n": 32, "num_stages": 4},
     "n32s5": {"block_n": 32, "num_stages": 5},
@@ -140,7 +141,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--name", default="triton-sparse-mla-v3", help="results file stem after the date")
-    ap.add_argument("--configs", default="default,pf-n32s3,pf-n32s4,n32s5,pf-n64s2", help="names from CONFIGS")
+    ap.add_argument("--configs", default="default,pf-n32s3,pf-n32s4,n32s5,pf-n64s2,n64s3", help="names from CONFIGS")
     ap.add_argument("--batches", default="64,128,256,1")
     ap.add_argument(
         "--prefill", default="default,pf-n32s4,pf-n32s4-trim", help="configs run on 2048-token prefills ('' for none)"
