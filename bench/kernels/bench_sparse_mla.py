@@ -69,9 +69,12 @@ def case_bytes_flops(batch, heads, fp8):
     return min_bytes, 2 * batch * heads * TOPK * (RANK + ROPE + RANK)
 
 
-def measure_all(batch, heads, fp8, names, ceil, prefill=False, causal=False, deadline=None) -> list[dict]:
+def measure_all(
+    batch, heads, fp8, names, ceil, prefill=False, causal=False, contiguous=False, deadline=None
+) -> list[dict]:
     """Every config in names on the same inputs (one cache build), side by side. causal (prefill):
-    query row i selects only min(i + 1, top-k) keys, -1 padded, as at the start of a prompt."""
+    query row i selects only min(i + 1, top-k) keys, -1 padded, as at the start of a prompt.
+    contiguous (a control for the gather): each token reads 2048 physically consecutive rows."""
     torch.cuda.empty_cache()  # the previous case's buffers are gone with its frame
     min_bytes, flops = case_bytes_flops(batch, heads, fp8)
     copies = 1 if prefill else max(2, min(32, math.ceil(4 * L2_BYTES / min_bytes)))
@@ -81,6 +84,9 @@ def measure_all(batch, heads, fp8, names, ceil, prefill=False, causal=False, dea
         sets = [(q_lat, q_pe, torch.where(keep, slots, -1), pos, base) for q_lat, q_pe, slots, pos, base in sets]
         frac = float(keep.float().mean())  # FLOPs and bytes of the valid entries only
         min_bytes, flops = int(min_bytes * frac), flops * frac
+    if contiguous:
+        row0 = lambda base: base[:, None] + torch.arange(TOPK, device="cuda")[None, :]  # noqa: E731
+        sets = [(q_lat, q_pe, row0(base), pos, base) for q_lat, q_pe, slots, pos, base in sets]
     rows = []
     for name in names:
         if deadline is not None and time.monotonic() > deadline:
@@ -103,7 +109,9 @@ def measure_all(batch, heads, fp8, names, ceil, prefill=False, causal=False, dea
             {
                 "cache": "fp8" if fp8 else "bf16",
                 "heads": heads,
-                "batch": (f"causal prefill {batch}" if causal else f"prefill {batch}") if prefill else batch,
+                "batch": (f"causal prefill {batch}" if causal else f"prefill {batch}")
+                if prefill
+                else (f"{batch} contiguous" if contiguous else batch),
                 "config": name,
                 "us": us,
                 "us_per_token": us / batch,
@@ -167,6 +175,11 @@ def main() -> None:
         for fp8 in (True, False):
             if deadline is None or time.monotonic() < deadline:
                 rows += measure_all(batch, 64, fp8, names, ceil, deadline=deadline)
+    # Control: the same work on physically consecutive rows (how much of the time is the random gather).
+    for fp8 in (True, False):
+        if deadline is None or time.monotonic() < deadline:
+            ctl = [n for n in ("default", "pf-n32s3") if n in names]
+            rows += measure_all(64, 64, fp8, ctl, ceil, contiguous=True, deadline=deadline)
     for causal in (False, True):
         for fp8 in (True, False):
             if prefill and (deadline is None or time.monotonic() < deadline):
