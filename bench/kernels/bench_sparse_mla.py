@@ -37,6 +37,8 @@ CONFIGS = {
     "pf-n32s4": {"prefetch": True, "block_n": 32, "num_stages": 4},
     "n32s5": {"block_n": 32, "num_stages": 5},
     "pf-n64s2": {"prefetch": True, "block_n": 64, "num_stages": 2},
+    # one program per (token, head block), no merge: at batch 64 half the SMs idle, no combine pass
+    "pf-n32s3-x1": {"prefetch": True, "block_n": 32, "num_stages": 3, "num_splits": 1},
     # prefill: the loop ended at each list's last valid entry instead of skip_empty's branch per block
     "pf-n32s4-trim": {"prefetch": True, "trim": True, "block_n": 32, "num_stages": 4},
 }
@@ -149,7 +151,9 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--name", default="triton-sparse-mla-v3", help="results file stem after the date")
-    ap.add_argument("--configs", default="default,pf-n32s3,pf-n32s4,n32s5,pf-n64s2,n64s3", help="names from CONFIGS")
+    ap.add_argument(
+        "--configs", default="default,pf-n32s3,pf-n32s4,n32s5,pf-n64s2,n64s3,pf-n32s3-x1", help="names from CONFIGS"
+    )
     ap.add_argument("--batches", default="64,128,256,1")
     ap.add_argument(
         "--prefill", default="default,pf-n32s4,pf-n32s4-trim", help="configs run on 2048-token prefills ('' for none)"
