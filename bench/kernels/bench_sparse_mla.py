@@ -27,20 +27,25 @@ from nsaserve.kernels.triton_sparse_mla import sparse_mla_decode, sparse_mla_pre
 RANK, ROPE, TOPK, CTX = 512, 64, 2048, 4096
 SCALE = 0.0625
 L2_BYTES = 60 << 20
-# name -> launch options. "default" is the committed launch; "pf" loads the next block's slots in
-# registers one block ahead, so the row gather is pipelined num_stages - 1 blocks ahead (2 for s3);
-# "n32s5" gets the same depth for the indirect load from 5 stages.
+# name -> launch options, all explicit. "default" is the committed launch (decode: slots a block
+# ahead, 64 rows, 2 stages; prefill: the same with 32 rows, 4 stages and the loop trimmed); "v2" the
+# launch before (the slots loaded in the block that uses them, so the row gather is an indirect load,
+# pipelined (num_stages - 1) // 2 blocks ahead; prefill: skip_empty's branch around each block).
+# "pf" loads the next block's slots one block ahead: the rows are pipelined num_stages - 1 ahead.
 CONFIGS = {
     "default": {},
-    "n64s3": {"num_stages": 3},  # the fp8 launch of the previous results (idx 2 ahead, rows 1 ahead)
+    "v2": {"prefetch": False, "block_n": 64, "num_stages": 2},
+    "n64s3": {"prefetch": False, "block_n": 64, "num_stages": 3},  # the fp8 launch of the v2 results
     "pf-n32s3": {"prefetch": True, "block_n": 32, "num_stages": 3},
-    "pf-n32s4": {"prefetch": True, "block_n": 32, "num_stages": 4},
-    "n32s5": {"block_n": 32, "num_stages": 5},
+    "pf-n32s4": {"prefetch": True, "trim": False, "block_n": 32, "num_stages": 4},
+    "n32s5": {"prefetch": False, "block_n": 32, "num_stages": 5},
     "pf-n64s2": {"prefetch": True, "block_n": 64, "num_stages": 2},
     # one program per (token, head block), no merge: at batch 64 half the SMs idle, no combine pass
+    "pf-n64s2-x1": {"prefetch": True, "block_n": 64, "num_stages": 2, "num_splits": 1},
     "pf-n32s3-x1": {"prefetch": True, "block_n": 32, "num_stages": 3, "num_splits": 1},
     # prefill: the loop ended at each list's last valid entry instead of skip_empty's branch per block
     "pf-n32s4-trim": {"prefetch": True, "trim": True, "block_n": 32, "num_stages": 4},
+    "pf-n64s2-trim": {"prefetch": True, "trim": True, "block_n": 64, "num_stages": 2},
 }
 PREFILL_TOKENS = 2048  # a prompt chunk after CTX cached positions: every row selects a full top-k
 
@@ -151,12 +156,10 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--name", default="triton-sparse-mla-v3", help="results file stem after the date")
-    ap.add_argument(
-        "--configs", default="default,pf-n32s3,pf-n32s4,n32s5,pf-n64s2,n64s3,pf-n32s3-x1", help="names from CONFIGS"
-    )
+    ap.add_argument("--configs", default="v2,default,pf-n32s3,pf-n64s2-x1,pf-n32s3-x1", help="names from CONFIGS")
     ap.add_argument("--batches", default="64,128,256,1")
     ap.add_argument(
-        "--prefill", default="default,pf-n32s4,pf-n32s4-trim", help="configs run on 2048-token prefills ('' for none)"
+        "--prefill", default="v2,default,pf-n64s2-trim", help="configs run on 2048-token prefills ('' for none)"
     )
     ap.add_argument("--budget", type=float, default=0.0, help="seconds after which no new case starts (0: none)")
     ap.add_argument("--warm", action="store_true", help="only compile the launches (for parallel warm-up)")
@@ -182,7 +185,7 @@ def main() -> None:
     # Control: the same work on physically consecutive rows (how much of the time is the random gather).
     for fp8 in (True, False):
         if deadline is None or time.monotonic() < deadline:
-            ctl = [n for n in ("default", "pf-n32s3") if n in names]
+            ctl = [n for n in ("v2", "default") if n in names]
             rows += measure_all(64, 64, fp8, ctl, ceil, contiguous=True, deadline=deadline)
     for causal in (False, True):
         for fp8 in (True, False):

@@ -75,10 +75,10 @@ def test_matches_reference(fp8, heads, logical):
 
 @pytest.mark.parametrize("fp8", [False, True])
 @pytest.mark.parametrize("logical", [False, True])
-@pytest.mark.parametrize("variant", ["prefetch", "prefetch_split3", "prefetch_trim"])
+@pytest.mark.parametrize("variant", ["prefetch", "prefetch_split3", "prefetch_trim", "indirect_s3"])
 def test_variants_match_reference(fp8, logical, variant):
-    # The launch options the benchmark compares (slots loaded a block ahead; the loop ended at the last
-    # valid entry), on -1 padded lists, with and without the fused slot transform, auto or uneven splits.
+    # The launch options the benchmark compares (slots loaded a block ahead or not; the loop ended at
+    # the last valid entry), on -1 padded lists, with and without the fused slot transform.
     if GPU:
         tokens, heads, rank, rope, topk, bn = 6, 64, 512, 64, 2048, 32
     else:
@@ -88,7 +88,7 @@ def test_variants_match_reference(fp8, logical, variant):
     want = sparse_mla_torch(q_lat, q_pe, cache, slots, 0.0625)
     d = lambda t: t.to(DEV)  # noqa: E731
     opts = {"block_n": bn, "num_stages": 3}
-    opts["prefetch"] = True
+    opts["prefetch"] = variant != "indirect_s3"  # indirect: the slots loaded in the block that uses them
     if variant == "prefetch_split3":
         opts["num_splits"] = 3
     elif variant == "prefetch_trim":
@@ -147,21 +147,23 @@ def prefill_case(prompt, cached, heads, rank, rope, topk, fp8, seed):
 def test_prefill_matches_reference(fp8, logical, pipelined):
     # GLM-5 shapes on the GPU (a chunk crossing top-k); a tiny model's (rope 8: padded to an MMA K) on CPU.
     if GPU:
-        prompt, cached, heads, rank, rope, topk = 700, 1800, 64, 512, 64, 2048
+        prompt, cached, heads, rank, rope, topk = 320, 1800, 64, 512, 64, 2048
     else:
         prompt, cached, heads, rank, rope, topk = 20, 4, 4, 32, 8, 24
     q_lat, q_pe, cache, pos, base, kv_slots = prefill_case(prompt, cached, heads, rank, rope, topk, fp8, seed=11 + fp8)
     slots = topk_to_slots(pos, base, kv_slots)
     want = sparse_mla_torch(q_lat, q_pe, cache, slots, 0.0625)
     d = lambda t: t.to(DEV)  # noqa: E731
-    # pipelined: slots a block ahead and the loop ended at the last valid entry instead of skip_empty.
-    kw = {"prefetch": True, "trim": True, "block_n": 32 if GPU else 16, "num_stages": 4} if pipelined else {}
+    # pipelined (the default): slots a block ahead, the loop ended at the last valid entry; else the
+    # indirect load with skip_empty's branch around each block.
+    kw = {} if pipelined else {"prefetch": False}
     if logical:
         got = sparse_mla_prefill(
             d(q_lat), d(q_pe), d(cache), d(pos), 0.0625, token_kv_base=d(base), kv_slots=d(kv_slots), **kw
         )
     else:
-        kw.setdefault("block_n", 16 if not GPU else 64)
+        if not GPU or not pipelined:
+            kw["block_n"] = 64 if GPU else 16
         got = sparse_mla_prefill(d(q_lat), d(q_pe), d(cache), d(slots), 0.0625, **kw)
     got = got.cpu()
     assert torch.isfinite(got).all()

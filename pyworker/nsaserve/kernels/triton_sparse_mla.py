@@ -17,10 +17,17 @@ registers (code x group scale, in fp32, then rounded) before both products.
 Indices are either physical slots (the registry's interface), or, with the slot transform fused,
 logical top-k positions p that the kernel maps to kv_slots[token_kv_base[t] + p] itself.
 
+Pipelining: the slots of the next block are loaded one iteration ahead (loop-carried), so Triton's
+software pipeliner treats the row gather as a direct load (cp.async into shared memory, num_stages
+- 1 blocks ahead) rather than an indirect one. What bounds the kernel on Hopper is read in the
+compiled code (bench/kernels/NOTES.md): Triton lays out a product that feeds another product with
+all warps along M, so with 64 heads (M = 64) on 8 warps both warpgroups compute the same QK^T
+tile, in N = BLOCK_N / 2 instructions whose operands are re-read from shared memory.
+
 Prefill (sparse_mla_prefill, and the registry backend from PREFILL_TOKENS query tokens) is the same
-kernel launched without splits and testing each block of indices for -1 entries: rows early in a
-prompt select fewer than top-k keys. The rope part is zero-padded to an MMA-sized K (>= 16) so
-small test models run compiled too.
+kernel launched without splits, each program's loop ending at the last valid entry of its list
+(rows early in a prompt select fewer than top-k keys). The rope part is zero-padded to an MMA-sized
+K (>= 16) so small test models run compiled too.
 """
 
 from __future__ import annotations
@@ -195,21 +202,23 @@ def sparse_mla_decode(
     kv_slots: torch.Tensor | None = None,
     num_splits: int | None = None,
     block_h: int = 64,
-    # Fastest of the H200 sweep in bench/kernels/bench_sparse_mla.py (batch 64, 64 heads).
+    # Fastest of the H200 comparison in bench/kernels/bench_sparse_mla.py (64 heads, batch 1-256, fp8
+    # and bf16 caches; bench/results/2026-11-29-triton-sparse-mla-v3): slots a block ahead, 64 rows, 2 stages.
     block_n: int = 64,
     num_warps: int = 8,
     num_stages: int = 2,
     skip_empty: bool = False,
-    prefetch: bool = False,
+    prefetch: bool = True,
     trim: bool = False,
 ) -> torch.Tensor:
     """-> o_lat float32 [T, H, R]. Device-only (no host sync): CUDA-graph capturable.
 
     skip_empty: test each block of indices and skip those that are all -1 (costs a reduction per
     block and keeps the row loads out of the software pipeline).
-    prefetch: load the next block's slots one iteration ahead in registers, so the row gather is
-    pipelined num_stages - 1 blocks ahead (without it, an indirect load, (num_stages - 1) // 2);
-    skip_empty is then ignored (its branch would keep the loads out of the pipeline).
+    prefetch: load the next block's slots one iteration ahead in registers, so the software pipeliner
+    sees the row gather as a direct load: issued num_stages - 1 blocks ahead (as an indirect load,
+    (num_stages - 1) // 2) and the index load leaves the pipeline; skip_empty is then ignored (its
+    branch would keep the loads out of the pipeline).
     trim: end each program's loop at the last valid (>= 0) entry of its part of the list (one read
     of the list first; compiled kernels only, the interpreter runs the whole list under masks)."""
     tokens, heads, rank = q_lat.shape
@@ -264,7 +273,7 @@ def sparse_mla_decode(
 
 
 # From this many query tokens in a step, the step is treated as prefill: no splits are needed to fill
-# the GPU, and blocks of -1 entries (rows with short causal contexts) are worth testing for.
+# the GPU, and the rows' -1 tails (short causal contexts) are worth trimming.
 PREFILL_TOKENS = 256
 # Launch options of the registry backend (bench/kernels/bench_sparse_mla.py sweeps the others).
 DECODE_OPTIONS: dict = {}
@@ -273,8 +282,15 @@ PREFILL_OPTIONS: dict = {}
 
 def sparse_mla_prefill(q_lat, q_pe, latent_cache, indices, softmax_scale, token_kv_base=None, kv_slots=None, **kw):
     """Sparse MLA over many query tokens (a prompt chunk): every (token, head block) is one
-    program walking its own top-k list, skipping the all -1 blocks of early rows. Same math and
-    arguments as sparse_mla_decode."""
+    program walking its own top-k list up to its last valid entry (early rows of a prompt select
+    fewer than top-k keys). Same math and arguments as sparse_mla_decode. Defaults: the fastest of
+    the H200 comparison (2048 query tokens, full and causal lists): slots a block ahead, the loop
+    trimmed, 32 rows, 4 stages; with prefetch=False, blocks of -1 entries are skipped by a branch."""
+    kw.setdefault("prefetch", True)
+    kw.setdefault("trim", True)
+    if kw["prefetch"]:
+        kw.setdefault("block_n", 32)
+        kw.setdefault("num_stages", 4)
     kw.setdefault("skip_empty", True)
     kw.setdefault("num_splits", 1)
     return sparse_mla_decode(q_lat, q_pe, latent_cache, indices, softmax_scale, token_kv_base, kv_slots, **kw)
