@@ -46,6 +46,9 @@ CONFIGS = {
     # prefill: the loop ended at each list's last valid entry instead of skip_empty's branch per block
     "pf-n32s4-trim": {"prefetch": True, "trim": True, "block_n": 32, "num_stages": 4},
     "pf-n64s2-trim": {"prefetch": True, "trim": True, "block_n": 64, "num_stages": 2},
+    # -1 entries: their scale/k_pe loads masked too (else all read slot 0); and the loop trimmed
+    "mask": {"mask_all": True},
+    "mask-trim": {"mask_all": True, "trim": True},
 }
 PREFILL_TOKENS = 2048  # a prompt chunk after CTX cached positions: every row selects a full top-k
 
@@ -77,11 +80,12 @@ def case_bytes_flops(batch, heads, fp8):
 
 
 def measure_all(
-    batch, heads, fp8, names, ceil, prefill=False, causal=False, contiguous=False, deadline=None
+    batch, heads, fp8, names, ceil, prefill=False, causal=False, contiguous=False, half=False, deadline=None
 ) -> list[dict]:
     """Every config in names on the same inputs (one cache build), side by side. causal (prefill):
     query row i selects only min(i + 1, top-k) keys, -1 padded, as at the start of a prompt.
-    contiguous (a control for the gather): each token reads 2048 physically consecutive rows."""
+    contiguous (a control for the gather): each token reads 2048 physically consecutive rows.
+    half (decode of short contexts): the second half of every list is -1 (1024 positions cached)."""
     torch.cuda.empty_cache()  # the previous case's buffers are gone with its frame
     min_bytes, flops = case_bytes_flops(batch, heads, fp8)
     copies = 1 if prefill else max(2, min(32, math.ceil(4 * L2_BYTES / min_bytes)))
@@ -91,6 +95,10 @@ def measure_all(
         sets = [(q_lat, q_pe, torch.where(keep, slots, -1), pos, base) for q_lat, q_pe, slots, pos, base in sets]
         frac = float(keep.float().mean())  # FLOPs and bytes of the valid entries only
         min_bytes, flops = int(min_bytes * frac), flops * frac
+    if half:
+        tail = torch.arange(TOPK // 2, TOPK, device="cuda")
+        sets = [(ql, qp, slots.clone().index_fill_(1, tail, -1), pos, base) for ql, qp, slots, pos, base in sets]
+        min_bytes, flops = min_bytes // 2, flops / 2
     if contiguous:
         row0 = lambda base: base[:, None] + torch.arange(TOPK, device="cuda")[None, :]  # noqa: E731
         sets = [(q_lat, q_pe, row0(base), pos, base) for q_lat, q_pe, slots, pos, base in sets]
@@ -118,7 +126,7 @@ def measure_all(
                 "heads": heads,
                 "batch": (f"causal prefill {batch}" if causal else f"prefill {batch}")
                 if prefill
-                else (f"{batch} contiguous" if contiguous else batch),
+                else (f"{batch} contiguous" if contiguous else f"{batch} half -1" if half else batch),
                 "config": name,
                 "us": us,
                 "us_per_token": us / batch,
@@ -187,6 +195,10 @@ def main() -> None:
         if deadline is None or time.monotonic() < deadline:
             ctl = [n for n in ("v2", "default") if n in names]
             rows += measure_all(64, 64, fp8, ctl, ceil, contiguous=True, deadline=deadline)
+    # Decode of short contexts: half of every list is -1.
+    for fp8 in (True, False):
+        if deadline is None or time.monotonic() < deadline:
+            rows += measure_all(64, 64, fp8, ["default", "mask", "mask-trim"], ceil, half=True, deadline=deadline)
     for causal in (False, True):
         for fp8 in (True, False):
             if prefill and (deadline is None or time.monotonic() < deadline):

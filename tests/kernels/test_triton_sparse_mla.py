@@ -75,7 +75,7 @@ def test_matches_reference(fp8, heads, logical):
 
 @pytest.mark.parametrize("fp8", [False, True])
 @pytest.mark.parametrize("logical", [False, True])
-@pytest.mark.parametrize("variant", ["prefetch", "prefetch_split3", "prefetch_trim", "indirect_s3"])
+@pytest.mark.parametrize("variant", ["prefetch", "prefetch_split3", "prefetch_trim", "indirect_s3", "mask_all"])
 def test_variants_match_reference(fp8, logical, variant):
     # The launch options the benchmark compares (slots loaded a block ahead or not; the loop ended at
     # the last valid entry), on -1 padded lists, with and without the fused slot transform.
@@ -93,6 +93,8 @@ def test_variants_match_reference(fp8, logical, variant):
         opts["num_splits"] = 3
     elif variant == "prefetch_trim":
         opts["trim"] = True  # the loop bound from the last valid entry (compiled only; on CPU, masks)
+    elif variant == "mask_all":
+        opts.update(mask_all=True, trim=True)  # -1 entries' scale and k_pe loads masked as well
     if logical:
         got = sparse_mla_decode(
             d(q_lat), d(q_pe), d(cache), d(pos), 0.0625, token_kv_base=d(base), kv_slots=d(kv_slots), **opts

@@ -57,24 +57,31 @@ def _attend_block(
     q_lat, q_pe, slot, valid, m_i, l_i, acc, cache_ptr, cache_f32_ptr, cache_bf16_ptr,
     scale_log2, offs_r, offs_p, pmask,
     R: tl.constexpr, P: tl.constexpr, G: tl.constexpr, ROW_BYTES: tl.constexpr, BLOCK_N: tl.constexpr,
-    FP8: tl.constexpr, INTERPRET: tl.constexpr,
+    FP8: tl.constexpr, MASK_ALL: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
     """One block of BLOCK_N selected rows: gather, (dequantise), both products, online softmax."""
     if FP8:
         codes = tl.load(cache_ptr + slot[:, None] * ROW_BYTES + offs_r[None, :], mask=valid[:, None], other=0)
         offs_g = tl.arange(0, R // G)
-        sc = tl.load(cache_f32_ptr + slot[:, None] * (ROW_BYTES // 4) + R // 4 + offs_g[None, :])
+        # -1 entries read slot 0; with MASK_ALL their scale and k_pe loads are masked as well, else
+        # every program with -1 entries reads that one row (the causal prefill without trim ran slower
+        # than full lists).
+        vmask = valid[:, None] if MASK_ALL else tl.full([BLOCK_N, 1], 1, tl.int1)
+        sc = tl.load(cache_f32_ptr + slot[:, None] * (ROW_BYTES // 4) + R // 4 + offs_g[None, :], mask=vmask, other=0.0)
         vals = codes.to(tl.float8e4nv, bitcast=True).to(tl.float32)
         vals = tl.reshape(vals, [BLOCK_N, R // G, G]) * sc[:, :, None]
         c = mma_operand(tl.reshape(vals, [BLOCK_N, R]), INTERPRET)
         pe_at = (R + 4 * (R // G)) // 2
         k_pe = tl.load(
-            cache_bf16_ptr + slot[:, None] * (ROW_BYTES // 2) + pe_at + offs_p[None, :], mask=pmask[None, :], other=0.0
+            cache_bf16_ptr + slot[:, None] * (ROW_BYTES // 2) + pe_at + offs_p[None, :],
+            mask=vmask & pmask[None, :],
+            other=0.0,
         )
     else:
         row = slot[:, None] * (R + P)
+        vmask = valid[:, None] if MASK_ALL else tl.full([BLOCK_N, 1], 1, tl.int1)
         c = mma_operand(tl.load(cache_ptr + row + offs_r[None, :], mask=valid[:, None], other=0.0), INTERPRET)
-        k_pe = tl.load(cache_ptr + row + R + offs_p[None, :], mask=pmask[None, :], other=0.0)
+        k_pe = tl.load(cache_ptr + row + R + offs_p[None, :], mask=vmask & pmask[None, :], other=0.0)
     s = tl.dot(q_lat, tl.trans(c)) + tl.dot(q_pe, tl.trans(mma_operand(k_pe, INTERPRET)))  # [BLOCK_H, BLOCK_N]
     s = tl.where(valid[None, :], s * scale_log2, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -93,7 +100,8 @@ def _sparse_mla_kernel(
     SPLIT_LEN: tl.constexpr, R: tl.constexpr, P: tl.constexpr, P_PAD: tl.constexpr, G: tl.constexpr,
     ROW_BYTES: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     FP8: tl.constexpr, LOGICAL: tl.constexpr, SPLIT: tl.constexpr, SKIP_EMPTY: tl.constexpr,
-    PREFETCH: tl.constexpr, TRIM: tl.constexpr, TRIM_LEN: tl.constexpr, INTERPRET: tl.constexpr,
+    PREFETCH: tl.constexpr, TRIM: tl.constexpr, TRIM_LEN: tl.constexpr, MASK_ALL: tl.constexpr,
+    INTERPRET: tl.constexpr,
 ):  # fmt: skip
     t = tl.program_id(0)
     sp = tl.program_id(1)
@@ -139,7 +147,7 @@ def _sparse_mla_kernel(
             )
             m_i, l_i, acc = _attend_block(
                 q_lat, q_pe, slot, valid, m_i, l_i, acc, cache_ptr, cache_f32_ptr, cache_bf16_ptr, scale_log2,
-                offs_r, offs_p, pmask, R, P, G, ROW_BYTES, BLOCK_N, FP8, INTERPRET,
+                offs_r, offs_p, pmask, R, P, G, ROW_BYTES, BLOCK_N, FP8, MASK_ALL, INTERPRET,
             )  # fmt: skip
     else:
         for n in range(0, n_end if TRIM else SPLIT_LEN, BLOCK_N):
@@ -152,12 +160,12 @@ def _sparse_mla_kernel(
                 if tl.max(valid.to(tl.int32), axis=0) > 0:
                     m_i, l_i, acc = _attend_block(
                         q_lat, q_pe, slot, valid, m_i, l_i, acc, cache_ptr, cache_f32_ptr, cache_bf16_ptr,
-                        scale_log2, offs_r, offs_p, pmask, R, P, G, ROW_BYTES, BLOCK_N, FP8, INTERPRET,
+                        scale_log2, offs_r, offs_p, pmask, R, P, G, ROW_BYTES, BLOCK_N, FP8, MASK_ALL, INTERPRET,
                     )  # fmt: skip
             else:
                 m_i, l_i, acc = _attend_block(
                     q_lat, q_pe, slot, valid, m_i, l_i, acc, cache_ptr, cache_f32_ptr, cache_bf16_ptr, scale_log2,
-                    offs_r, offs_p, pmask, R, P, G, ROW_BYTES, BLOCK_N, FP8, INTERPRET,
+                    offs_r, offs_p, pmask, R, P, G, ROW_BYTES, BLOCK_N, FP8, MASK_ALL, INTERPRET,
                 )  # fmt: skip
 
     has = l_i > 0.0
@@ -210,6 +218,7 @@ def sparse_mla_decode(
     skip_empty: bool = False,
     prefetch: bool = True,
     trim: bool = False,
+    mask_all: bool = False,
 ) -> torch.Tensor:
     """-> o_lat float32 [T, H, R]. Device-only (no host sync): CUDA-graph capturable.
 
@@ -220,7 +229,9 @@ def sparse_mla_decode(
     (num_stages - 1) // 2) and the index load leaves the pipeline; skip_empty is then ignored (its
     branch would keep the loads out of the pipeline).
     trim: end each program's loop at the last valid (>= 0) entry of its part of the list (one read
-    of the list first; compiled kernels only, the interpreter runs the whole list under masks)."""
+    of the list first; compiled kernels only, the interpreter runs the whole list under masks).
+    mask_all: mask the scale and k_pe loads of -1 entries too (they read slot 0 otherwise: one row
+    read by every program with -1 entries). Not yet timed on the device."""
     tokens, heads, rank = q_lat.shape
     rope = q_pe.shape[2]
     topk = indices.shape[1]
@@ -262,7 +273,8 @@ def sparse_mla_decode(
         SPLIT_LEN=split_len, R=rank, P=rope, P_PAD=max(16, triton.next_power_of_2(rope)), G=group,
         ROW_BYTES=row_bytes, BLOCK_H=block_h, BLOCK_N=block_n, FP8=fp8, LOGICAL=logical, SPLIT=split,
         SKIP_EMPTY=skip_empty and not prefetch, PREFETCH=prefetch,
-        TRIM=trim and not interp, TRIM_LEN=triton.next_power_of_2(split_len), INTERPRET=interp,
+        TRIM=trim and not interp, TRIM_LEN=triton.next_power_of_2(split_len), MASK_ALL=mask_all,
+        INTERPRET=interp,
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     if split:
