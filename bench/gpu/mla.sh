@@ -27,7 +27,7 @@ bench=bench/kernels/bench_sparse_mla.py
   p3=$!
   pw=()
   # The x1 configs compile to the batch-128 kernels of default and pf-n32s3 (one split).
-  for c in v2 default pf-n32s3 pf-n64s2-trim mask mask-trim; do
+  for c in v2 default pf-n64s3 pf-n32s3 pf-n64s2-trim mask mask-trim; do
     pre="" b=64,128,256,1
     case $c in v2 | default) pre=$c ;; pf-n64s2-trim) pre=$c b="" ;; mask | mask-trim) b=64 ;; esac
     timeout 40 python3 "$bench" --warm --configs "$c" --batches "$b" --prefill "$pre" >"$tmp/w_$c.txt" 2>&1 &
