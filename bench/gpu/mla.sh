@@ -19,8 +19,10 @@ bench=bench/kernels/bench_sparse_mla.py
   nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,power.draw --format=csv 2>&1
   echo "== tests + warm-up (t=$((SECONDS - start)) s)"
   t=tests/kernels/test_triton_sparse_mla.py
-  timeout 42 python3 -m pytest -q -p no:cacheprovider "$t" -k variants >"$tmp/t1.txt" 2>&1 &
+  timeout 42 python3 -m pytest -q -p no:cacheprovider "$t" -k "variants and prefetch" >"$tmp/t1.txt" 2>&1 &
   p1=$!
+  timeout 42 python3 -m pytest -q -p no:cacheprovider "$t" -k "variants and not prefetch" >"$tmp/t4.txt" 2>&1 &
+  p4=$!
   timeout 42 python3 -m pytest -q -p no:cacheprovider "$t" -k "test_matches_reference or test_split_counts" >"$tmp/t2.txt" 2>&1 &
   p2=$!
   timeout 42 python3 -m pytest -q -p no:cacheprovider "$t" -k "prefill" >"$tmp/t3.txt" 2>&1 &
@@ -36,8 +38,10 @@ bench=bench/kernels/bench_sparse_mla.py
   wait $p1; r1=$?
   wait $p2; r2=$?
   wait $p3; r3=$?
+  wait $p4; r4=$?
   for p in "${pw[@]}"; do wait "$p"; done
-  echo "-- tests (variants): rc $r1"; tail -15 "$tmp/t1.txt"
+  echo "-- tests (prefetch variants): rc $r1"; tail -15 "$tmp/t1.txt"
+  echo "-- tests (indirect, mask_all variants): rc $r4"; tail -15 "$tmp/t4.txt"
   echo "-- tests (reference, splits): rc $r2"; tail -15 "$tmp/t2.txt"
   echo "-- tests (prefill): rc $r3"; tail -15 "$tmp/t3.txt"
   cat "$tmp"/w_*.txt
@@ -49,6 +53,6 @@ bench=bench/kernels/bench_sparse_mla.py
 cp "$tmp"/*.json "$out/results.json" 2>/dev/null
 cp "$tmp"/*.md "$out/results.md" 2>/dev/null
 rm -rf "$tmp"
-echo "mla summary ($((SECONDS - start)) s): tests variants rc=$r1, reference rc=$r2, prefill rc=$r3"
+echo "mla summary ($((SECONDS - start)) s): tests variants rc=$r1/$r4, reference rc=$r2, prefill rc=$r3"
 grep -E "passed|failed" "$log" | grep -v "^E " | tail -6
 sed -n '/^Fastest per case/,$p' "$log" | tail -60
