@@ -211,10 +211,11 @@ def sparse_mla_decode(
     num_splits: int | None = None,
     block_h: int = 64,
     # Fastest of the H200 comparison in bench/kernels/bench_sparse_mla.py (64 heads, batch 1-256, fp8
-    # and bf16 caches; bench/results/2026-11-29-triton-sparse-mla-v3): slots a block ahead, 64 rows, 2 stages.
-    block_n: int = 64,
+    # and bf16 caches; bench/results/2026-11-29-triton-sparse-mla-v3): slots a block ahead, 64 rows and
+    # 2 stages; for a single (token, head block) 32 rows and 3 stages (1.1x there, 0.85x at batch >= 64).
+    block_n: int | None = None,
     num_warps: int = 8,
-    num_stages: int = 2,
+    num_stages: int | None = None,
     skip_empty: bool = False,
     prefetch: bool = True,
     trim: bool = False,
@@ -252,6 +253,9 @@ def sparse_mla_decode(
         raise ValueError("logical indices need kv_slots")
     block_h = min(block_h, max(16, triton.next_power_of_2(heads)))
     head_blocks = triton.cdiv(heads, block_h)
+    single = tokens * head_blocks == 1 and prefetch
+    block_n = block_n or (32 if single else 64)
+    num_stages = num_stages or (3 if single else 2)
     if num_splits is None:
         # One full wave: a program holds a multiprocessor (its shared memory), so tokens x head
         # blocks x splits up to the multiprocessor count, and no split shorter than a few blocks.
