@@ -2,9 +2,10 @@
 
     PYTHONPATH=pyworker python bench/kernels/bench_sparse_mla.py [--out bench/results]
 
-64 heads (GLM-5) and 128 (DeepSeek-V3.2), fp8 656-byte and bf16 576-wide latent caches, one query
-token per request, each selecting 2048 of its 4096 cached positions at random. First a small sweep
-of block shapes at batch 64 picks one config per cache type; then every case runs with it.
+64 heads (GLM-5), fp8 656-byte and bf16 576-wide latent caches, one query token per request, each
+selecting 2048 of its 4096 cached positions at random. Every launch variant (CONFIGS: block shape,
+pipeline depth, slots loaded a block ahead or not) runs side by side on the same inputs at each
+batch size; --warm only compiles them (run in parallel processes first, the on-disk cache is shared).
 Times are CUDA-graph replays rotating over enough index/query sets that the selected rows do not
 sit in L2; a prefill row runs 2048 query tokens through sparse_mla_prefill. Effective TFLOP/s
 counts 2 * heads * 2048 * (576 + 512) per token; the roofline is the larger of FLOPs over the bf16 matmul rate and bytes (selected rows, queries, fp32 output) over the
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import time
 
 import torch
 from bench_common import bf16_matmul_rate, copy_bandwidth, graph_time_us, print_table, write_results
@@ -25,10 +27,31 @@ from nsaserve.kernels.triton_sparse_mla import sparse_mla_decode, sparse_mla_pre
 RANK, ROPE, TOPK, CTX = 512, 64, 2048, 4096
 SCALE = 0.0625
 L2_BYTES = 60 << 20
-CONFIGS = [  # (block_n, num_warps, num_stages); 16 warps and scales-after-products measured slower (NOTES.md)
-    (64, 8, 2),
-    (64, 8, 3),
-]
+# name -> launch options, all explicit. "default" is the committed launch (decode: slots a block
+# ahead, 64 rows, 2 stages; prefill: the same with 32 rows, 4 stages and the loop trimmed); "v2" the
+# launch before (the slots loaded in the block that uses them, so the row gather is an indirect load,
+# pipelined (num_stages - 1) // 2 blocks ahead; prefill: skip_empty's branch around each block).
+# "pf" loads the next block's slots one block ahead: the rows are pipelined num_stages - 1 ahead.
+CONFIGS = {
+    "default": {},
+    "v2": {"prefetch": False, "block_n": 64, "num_stages": 2},
+    "n64s3": {"prefetch": False, "block_n": 64, "num_stages": 3},  # the fp8 launch of the v2 results
+    "pf-n32s3": {"prefetch": True, "block_n": 32, "num_stages": 3},
+    "pf-n32s4": {"prefetch": True, "trim": False, "block_n": 32, "num_stages": 4},
+    "n32s5": {"prefetch": False, "block_n": 32, "num_stages": 5},
+    "pf-n64s2": {"prefetch": True, "block_n": 64, "num_stages": 2},
+    # fp8 only: 64-row blocks 2 ahead (226 KB of shared memory; bf16 would need 288 KB and fails)
+    "pf-n64s3": {"prefetch": True, "block_n": 64, "num_stages": 3},
+    # one program per (token, head block), no merge: at batch 64 half the SMs idle, no combine pass
+    "pf-n64s2-x1": {"prefetch": True, "block_n": 64, "num_stages": 2, "num_splits": 1},
+    "pf-n32s3-x1": {"prefetch": True, "block_n": 32, "num_stages": 3, "num_splits": 1},
+    # prefill: the loop ended at each list's last valid entry instead of skip_empty's branch per block
+    "pf-n32s4-trim": {"prefetch": True, "trim": True, "block_n": 32, "num_stages": 4},
+    "pf-n64s2-trim": {"prefetch": True, "trim": True, "block_n": 64, "num_stages": 2},
+    # -1 entries: their scale/k_pe loads masked too (else all read slot 0); and the loop trimmed
+    "mask": {"mask_all": True},
+    "mask-trim": {"mask_all": True, "trim": True},
+}
 PREFILL_TOKENS = 2048  # a prompt chunk after CTX cached positions: every row selects a full top-k
 
 
@@ -52,97 +75,152 @@ def build(batch: int, heads: int, fp8: bool, copies: int):
     return cache, kv_slots, sets
 
 
-def measure(batch, heads, fp8, cfg, ceil, logical=False, num_splits=None, prefill=False, skip_empty=False) -> dict:
-    torch.cuda.empty_cache()  # the previous case's buffers are gone with its frame
+def case_bytes_flops(batch, heads, fp8):
     row_bytes = fmt.latent_fp8_row_bytes(RANK, ROPE) if fp8 else 2 * (RANK + ROPE)
     min_bytes = batch * TOPK * row_bytes + batch * heads * ((RANK + ROPE) * 2 + RANK * 4)
-    flops = 2 * batch * heads * TOPK * (RANK + ROPE + RANK)
+    return min_bytes, 2 * batch * heads * TOPK * (RANK + ROPE + RANK)
+
+
+def measure_all(
+    batch, heads, fp8, names, ceil, prefill=False, causal=False, contiguous=False, half=False, deadline=None
+) -> list[dict]:
+    """Every config in names on the same inputs (one cache build), side by side. causal (prefill):
+    query row i selects only min(i + 1, top-k) keys, -1 padded, as at the start of a prompt.
+    contiguous (a control for the gather): each token reads 2048 physically consecutive rows.
+    half (decode of short contexts): the second half of every list is -1 (1024 positions cached)."""
+    torch.cuda.empty_cache()  # the previous case's buffers are gone with its frame
+    min_bytes, flops = case_bytes_flops(batch, heads, fp8)
     copies = 1 if prefill else max(2, min(32, math.ceil(4 * L2_BYTES / min_bytes)))
     cache, kv_slots, sets = build(batch, heads, fp8, copies)
-    bn, warps, stages = cfg
-    opts = {"block_n": bn, "num_warps": warps, "num_stages": stages}
-    if skip_empty:
-        opts["skip_empty"] = True
+    if causal:
+        keep = torch.arange(TOPK, device="cuda")[None, :] <= torch.arange(batch, device="cuda")[:, None]
+        sets = [(q_lat, q_pe, torch.where(keep, slots, -1), pos, base) for q_lat, q_pe, slots, pos, base in sets]
+        frac = float(keep.float().mean())  # FLOPs and bytes of the valid entries only
+        min_bytes, flops = int(min_bytes * frac), flops * frac
+    if half:
+        tail = torch.arange(TOPK // 2, TOPK, device="cuda")
+        sets = [(ql, qp, slots.clone().index_fill_(1, tail, -1), pos, base) for ql, qp, slots, pos, base in sets]
+        min_bytes, flops = min_bytes // 2, flops / 2
+    if contiguous:
+        row0 = lambda base: base[:, None] + torch.arange(TOPK, device="cuda")[None, :]  # noqa: E731
+        sets = [(q_lat, q_pe, row0(base), pos, base) for q_lat, q_pe, slots, pos, base in sets]
+    rows = []
+    for name in names:
+        if deadline is not None and time.monotonic() > deadline:
+            print(f"budget spent: {name} at batch {batch} skipped", flush=True)
+            break
+        opts = dict(CONFIGS[name])
 
-    def call(q_lat, q_pe, slots, pos, base):
-        if prefill:
-            return lambda: sparse_mla_prefill(q_lat, q_pe, cache, slots, SCALE, **opts)
-        if logical:
-            return lambda: sparse_mla_decode(
-                q_lat, q_pe, cache, pos, SCALE, token_kv_base=base, kv_slots=kv_slots, **opts
-            )
-        return lambda: sparse_mla_decode(q_lat, q_pe, cache, slots, SCALE, **opts)
+        def call(q_lat, q_pe, slots, pos, base, opts=opts):
+            if prefill:
+                return lambda: sparse_mla_prefill(q_lat, q_pe, cache, slots, SCALE, **opts)
+            return lambda: sparse_mla_decode(q_lat, q_pe, cache, slots, SCALE, **opts)
 
-    us = graph_time_us([call(*s) for s in sets], reps=10 if prefill else 30)
-    floor_us = max(flops / ceil["bf16"], min_bytes / ceil["copy"]) * 1e6
-    return {
-        "cache": "fp8" if fp8 else "bf16",
-        "heads": heads,
-        "batch": f"prefill {batch}" if prefill else batch,
-        "indices": "logical" if logical else "physical",
-        "config": f"n{bn}w{warps}s{stages}" + ("e" if skip_empty else ""),
-        "splits": "auto" if num_splits is None else num_splits,
-        "us": us,
-        "TFLOPs": flops / (us * 1e-6) / 1e12,
-        "TBps": min_bytes / (us * 1e-6) / 1e12,
-        "floor_us": floor_us,
-        "roofline_frac": floor_us / us,
-    }
+        try:
+            us = graph_time_us([call(*x) for x in sets], reps=10 if prefill else 30)
+        except Exception as e:  # a config that does not fit (shared memory, registers) is reported
+            print(f"config {name} fp8={fp8} batch {batch} failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
+            continue
+        floor_us = max(flops / ceil["bf16"], min_bytes / ceil["copy"]) * 1e6
+        rows.append(
+            {
+                "cache": "fp8" if fp8 else "bf16",
+                "heads": heads,
+                "batch": (f"causal prefill {batch}" if causal else f"prefill {batch}")
+                if prefill
+                else (f"{batch} contiguous" if contiguous else f"{batch} half -1" if half else batch),
+                "config": name,
+                "us": us,
+                "us_per_token": us / batch,
+                "TFLOPs": flops / (us * 1e-6) / 1e12,
+                "TBps": min_bytes / (us * 1e-6) / 1e12,
+                "floor_us": floor_us,
+                "roofline_frac": floor_us / us,
+            }
+        )
+        print(rows[-1], flush=True)
+    return rows
+
+
+def warm(names, batches) -> None:
+    """Compile every (config, batch, cache) launch on a small cache: same specialisation as the
+    measured launches (the split count follows the batch)."""
+    for fp8 in (True, False):
+        cache = fmt.alloc_latent(CTX, RANK, ROPE, fp8, torch.bfloat16, "cuda")
+        for batch in batches:
+            q_lat = torch.randn(batch, 64, RANK, device="cuda", dtype=torch.bfloat16)
+            q_pe = torch.randn(batch, 64, ROPE, device="cuda", dtype=torch.bfloat16)
+            slots = torch.randint(0, CTX, (batch, TOPK), device="cuda")
+            for name in names:
+                try:
+                    if batch >= PREFILL_TOKENS:
+                        sparse_mla_prefill(q_lat, q_pe, cache, slots, SCALE, **CONFIGS[name])
+                    else:
+                        sparse_mla_decode(q_lat, q_pe, cache, slots, SCALE, **CONFIGS[name])
+                except Exception as e:
+                    print(f"warm {name} fp8={fp8} batch {batch}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+    torch.cuda.synchronize()
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="bench/results")
-    ap.add_argument("--name", default="triton-sparse-mla-v2", help="results file stem after the date")
-    ap.add_argument("--quick", action="store_true", help="fewer table rows (the config sweep stays)")
+    ap.add_argument("--name", default="triton-sparse-mla-v3", help="results file stem after the date")
+    ap.add_argument(
+        "--configs", default="v2,default,pf-n64s3,pf-n32s3,pf-n64s2-x1,pf-n32s3-x1", help="names from CONFIGS"
+    )
+    ap.add_argument("--batches", default="64,128,256,1")
+    ap.add_argument(
+        "--prefill", default="v2,default,pf-n64s2-trim", help="configs run on 2048-token prefills ('' for none)"
+    )
+    ap.add_argument("--budget", type=float, default=0.0, help="seconds after which no new case starts (0: none)")
+    ap.add_argument("--warm", action="store_true", help="only compile the launches (for parallel warm-up)")
     args = ap.parse_args()
+    names = [n for n in args.configs.split(",") if n]
+    batches = [int(b) for b in args.batches.split(",") if b]
+    prefill = [n for n in args.prefill.split(",") if n]
+    if args.warm:
+        warm(names, batches)
+        if prefill:
+            warm(prefill, [PREFILL_TOKENS])
+        return
+    deadline = time.monotonic() + args.budget if args.budget else None
     torch.manual_seed(0)
     ceil = {"copy": copy_bandwidth(), "bf16": bf16_matmul_rate()}
     ceilings = {"copy_TBps": ceil["copy"] / 1e12, "bf16_TFLOPs": ceil["bf16"] / 1e12}
-    sweep, rows, best = [], [], {}
+    print(f"copy {ceilings['copy_TBps']:.2f} TB/s, bf16 matmul {ceilings['bf16_TFLOPs']:.0f} TFLOP/s", flush=True)
+    rows = []
+    for batch in batches:
+        for fp8 in (True, False):
+            if deadline is None or time.monotonic() < deadline:
+                rows += measure_all(batch, 64, fp8, names, ceil, deadline=deadline)
+    # Control: the same work on physically consecutive rows (how much of the time is the random gather).
     for fp8 in (True, False):
-        for cfg in CONFIGS:
-            try:
-                r = measure(64, 64, fp8, cfg, ceil)
-            except Exception as e:  # a config that does not fit (shared memory, registers) is skipped
-                print(f"config {cfg} fp8={fp8} failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
-                continue
-            sweep.append(r)
-            print(r, flush=True)
-            if fp8 not in best or r["us"] < best[fp8][1]:
-                best[fp8] = (cfg, r["us"])
+        if deadline is None or time.monotonic() < deadline:
+            ctl = [n for n in ("v2", "default") if n in names]
+            rows += measure_all(64, 64, fp8, ctl, ceil, contiguous=True, deadline=deadline)
+    # Decode of short contexts: half of every list is -1.
     for fp8 in (True, False):
-        if fp8 not in best:
-            continue
-        cases = ((64, 64), (64, 128)) if args.quick else ((64, 1), (64, 64), (64, 128), (128, 64))
-        for heads, batch in cases:
-            rows.append(measure(batch, heads, fp8, best[fp8][0], ceil))
-            print(rows[-1], flush=True)
-        if not args.quick:
-            rows.append(measure(64, 64, fp8, best[fp8][0], ceil, logical=True))
-            print(rows[-1], flush=True)
-        # The cost of testing every block for -1 entries (suffix "e"), on full top-k lists.
-        rows.append(measure(64, 64, fp8, best[fp8][0], ceil, skip_empty=True))
-        print(rows[-1], flush=True)
-        rows.append(measure(PREFILL_TOKENS, 64, fp8, best[fp8][0], ceil, prefill=True))
-        print(rows[-1], flush=True)
-    cols = [
-        "cache",
-        "heads",
-        "batch",
-        "indices",
-        "config",
-        "splits",
-        "us",
-        "TFLOPs",
-        "TBps",
-        "floor_us",
-        "roofline_frac",
-    ]
+        if deadline is None or time.monotonic() < deadline:
+            rows += measure_all(64, 64, fp8, ["default", "mask", "mask-trim"], ceil, half=True, deadline=deadline)
+    for causal in (False, True):
+        for fp8 in (True, False):
+            if prefill and (deadline is None or time.monotonic() < deadline):
+                rows += measure_all(
+                    PREFILL_TOKENS, 64, fp8, prefill, ceil, prefill=True, causal=causal, deadline=deadline
+                )
+    cols = ["cache", "heads", "batch", "config", "us", "us_per_token", "TFLOPs", "TBps", "floor_us", "roofline_frac"]
+    best = {}
+    for r in rows:
+        key = (r["cache"], r["batch"])
+        if key not in best or r["us"] < best[key]["us"]:
+            best[key] = r
     notes = (
-        "Config sweep at batch 64, 64 heads: "
-        + ", ".join(f"{r['cache']} {r['config']} splits {r['splits']} {r['us']:.1f} us" for r in sweep)
-        + ". Target: >= 250 TFLOP/s effective at batch >= 64."
+        "Fastest per case: "
+        + "; ".join(
+            f"{c} {b}: {r['config']} {r['us']:.1f} us ({r['TFLOPs']:.0f} TFLOP/s)" for (c, b), r in best.items()
+        )
+        + ". Target: >= 250 TFLOP/s effective (<= 1.2 us per token) at batch >= 64."
     )
     write_results(args.name, args.out, ceilings, rows, cols, notes)
     print(notes)

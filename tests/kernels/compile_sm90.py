@@ -68,8 +68,17 @@ def indexer_cases():
 
 
 def sparse_mla_cases():
+    # The launches the benchmark and the registry use, with the launch's specialisation (16-byte
+    # divisible pointers, heads and top-k): without it Triton pipelines nothing, so neither the
+    # shared memory nor the schedule would be the launched kernel's.
+    attrs = {(i,): [["tt.divisibility", 16]] for i in range(12)}
     for fp8 in (True, False):
-        for logical, split, skip in ((False, True, False), (True, False, True)):
+        for logical, split, skip, prefetch, trim, mask_all, block_n, stages in (
+            (False, True, False, True, False, False, 64, 2),  # decode default
+            (True, False, True, True, True, False, 32, 4),  # prefill default
+            (False, True, False, False, False, False, 64, 2),  # v2
+            (True, True, False, True, True, True, 64, 2),  # trim + mask_all
+        ):  # fmt: skip
             cache_ty = "*u8" if fp8 else "*bf16"
             sig = {
                 "q_lat_ptr": "*bf16", "q_pe_ptr": "*bf16", "cache_ptr": cache_ty,
@@ -78,10 +87,13 @@ def sparse_mla_cases():
                 "topk": "i32", "num_splits": "i32", "scale_log2": "fp32",
             }  # fmt: skip
             consts = dict(
-                SPLIT_LEN=1024, R=512, P=64, P_PAD=64, G=128, ROW_BYTES=656 if fp8 else 576, BLOCK_H=64,
-                BLOCK_N=64, FP8=fp8, LOGICAL=logical, SPLIT=split, SKIP_EMPTY=skip, INTERPRET=False,
+                SPLIT_LEN=1024 if split else 2048, R=512, P=64, P_PAD=64, G=128, ROW_BYTES=656 if fp8 else 576,
+                BLOCK_H=64, BLOCK_N=block_n, FP8=fp8, LOGICAL=logical, SPLIT=split, SKIP_EMPTY=skip,
+                PREFETCH=prefetch, TRIM=trim, TRIM_LEN=1024 if split else 2048, MASK_ALL=mask_all,
+                INTERPRET=False,
             )  # fmt: skip
-            yield f"sparse mla fp8={fp8} logical={logical} skip={skip}", tm._sparse_mla_kernel, sig, consts, 8
+            name = f"sparse mla fp8={fp8} logical={logical} prefetch={prefetch} trim={trim} n{block_n}s{stages}"
+            yield name, tm._sparse_mla_kernel, sig, consts, 8, {"num_stages": stages, "attrs": attrs}
     sig = {"o_part_ptr": F32, "lse_ptr": F32, "out_ptr": F32, "heads": "i32", "num_splits": "i32"}
     yield "sparse mla combine", tm._combine_kernel, sig, dict(R=512, BLOCK_S=8), 4
 
@@ -89,16 +101,21 @@ def sparse_mla_cases():
 def main() -> int:
     assert not os.environ.get("TRITON_INTERPRET"), "run without TRITON_INTERPRET"
     failed = 0
-    for name, fn, sig, consts, warps in [*indexer_cases(), *sparse_mla_cases()]:
+    for name, fn, sig, consts, warps, *extra in [*indexer_cases(), *sparse_mla_cases()]:
+        opts = extra[0] if extra else {}
         try:
             # Pointers 16-byte aligned, as the runtime specialises them (this turns on the pipelined
-            # async copies the device compiles).
-            attrs = {(i,): [["tt.divisibility", 16]] for i, ty in enumerate(sig.values()) if ty.startswith("*")}
-            stages = 3 if fn is ti._logits_kernel else 2
-            triton.compile(
-                ASTSource(fn, sig, consts, attrs), target=TARGET, options={"num_warps": warps, "num_stages": stages}
+            # async copies the device compiles), unless the case gives its own attributes.
+            default_attrs = {(i,): [["tt.divisibility", 16]] for i, ty in enumerate(sig.values()) if ty.startswith("*")}
+            stages = opts.get("num_stages", 3 if fn is ti._logits_kernel else 2)
+            k = triton.compile(
+                ASTSource(fn, sig, consts, opts.get("attrs", default_attrs)),
+                target=TARGET,
+                options={"num_warps": warps, "num_stages": stages},
             )
-            print("ok  ", name, flush=True)
+            # An H100/H200 block may use up to 227 KB of shared memory.
+            assert k.metadata.shared <= 227 * 1024, f"{k.metadata.shared} bytes of shared memory"
+            print("ok  ", name, f"(shared {k.metadata.shared} B)", flush=True)
         except Exception as e:  # report every kernel, not just the first failure
             failed += 1
             print("FAIL", name, f"{type(e).__name__}: {str(e)[:2000]}", flush=True)

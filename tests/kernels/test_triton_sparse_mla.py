@@ -73,6 +73,39 @@ def test_matches_reference(fp8, heads, logical):
     assert rel_err(got, want) < 1e-2  # bf16 operands (P and, for fp8, the dequantised latent)
 
 
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("logical", [False, True])
+@pytest.mark.parametrize("variant", ["prefetch", "prefetch_split3", "prefetch_trim", "indirect_s3", "mask_all"])
+def test_variants_match_reference(fp8, logical, variant):
+    # The launch options the benchmark compares (slots loaded a block ahead or not; the loop ended at
+    # the last valid entry), on -1 padded lists, with and without the fused slot transform.
+    if GPU:
+        tokens, heads, rank, rope, topk, bn = 6, 64, 512, 64, 2048, 32
+    else:
+        tokens, heads, rank, rope, topk, bn = 3, 16, 128, 32, 48, 16
+    q_lat, q_pe, cache, pos, base, kv_slots = make_case(tokens, heads, rank, rope, topk, fp8, seed=3 + fp8)
+    slots = topk_to_slots(pos, base, kv_slots)
+    want = sparse_mla_torch(q_lat, q_pe, cache, slots, 0.0625)
+    d = lambda t: t.to(DEV)  # noqa: E731
+    opts = {"block_n": bn, "num_stages": 3}
+    opts["prefetch"] = variant != "indirect_s3"  # indirect: the slots loaded in the block that uses them
+    if variant == "prefetch_split3":
+        opts["num_splits"] = 3
+    elif variant == "prefetch_trim":
+        opts["trim"] = True  # the loop bound from the last valid entry (compiled only; on CPU, masks)
+    elif variant == "mask_all":
+        opts.update(mask_all=True, trim=True)  # -1 entries' scale and k_pe loads masked as well
+    if logical:
+        got = sparse_mla_decode(
+            d(q_lat), d(q_pe), d(cache), d(pos), 0.0625, token_kv_base=d(base), kv_slots=d(kv_slots), **opts
+        )
+    else:
+        got = sparse_mla_decode(d(q_lat), d(q_pe), d(cache), d(slots), 0.0625, **opts)
+    got = got.cpu()
+    assert torch.isfinite(got).all()
+    assert rel_err(got, want) < 1e-2
+
+
 @pytest.mark.parametrize("num_splits", [1, 3])
 def test_split_counts_agree(num_splits):
     # One program per token (no merge), and an uneven split whose last part is short.
@@ -112,22 +145,28 @@ def prefill_case(prompt, cached, heads, rank, rope, topk, fp8, seed):
 
 @pytest.mark.parametrize("fp8", [False, True])
 @pytest.mark.parametrize("logical", [False, True])
-def test_prefill_matches_reference(fp8, logical):
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_prefill_matches_reference(fp8, logical, pipelined):
     # GLM-5 shapes on the GPU (a chunk crossing top-k); a tiny model's (rope 8: padded to an MMA K) on CPU.
     if GPU:
-        prompt, cached, heads, rank, rope, topk = 700, 1800, 64, 512, 64, 2048
+        prompt, cached, heads, rank, rope, topk = 320, 1800, 64, 512, 64, 2048
     else:
         prompt, cached, heads, rank, rope, topk = 20, 4, 4, 32, 8, 24
     q_lat, q_pe, cache, pos, base, kv_slots = prefill_case(prompt, cached, heads, rank, rope, topk, fp8, seed=11 + fp8)
     slots = topk_to_slots(pos, base, kv_slots)
     want = sparse_mla_torch(q_lat, q_pe, cache, slots, 0.0625)
     d = lambda t: t.to(DEV)  # noqa: E731
+    # pipelined (the default): slots a block ahead, the loop ended at the last valid entry; else the
+    # indirect load with skip_empty's branch around each block.
+    kw = {} if pipelined else {"prefetch": False}
     if logical:
         got = sparse_mla_prefill(
-            d(q_lat), d(q_pe), d(cache), d(pos), 0.0625, token_kv_base=d(base), kv_slots=d(kv_slots)
+            d(q_lat), d(q_pe), d(cache), d(pos), 0.0625, token_kv_base=d(base), kv_slots=d(kv_slots), **kw
         )
     else:
-        got = sparse_mla_prefill(d(q_lat), d(q_pe), d(cache), d(slots), 0.0625, block_n=16 if not GPU else 64)
+        if not GPU or not pipelined:
+            kw["block_n"] = 64 if GPU else 16
+        got = sparse_mla_prefill(d(q_lat), d(q_pe), d(cache), d(slots), 0.0625, **kw)
     got = got.cpu()
     assert torch.isfinite(got).all()
     assert rel_err(got, want) < 1e-2

@@ -17,10 +17,17 @@ registers (code x group scale, in fp32, then rounded) before both products.
 Indices are either physical slots (the registry's interface), or, with the slot transform fused,
 logical top-k positions p that the kernel maps to kv_slots[token_kv_base[t] + p] itself.
 
+Pipelining: the slots of the next block are loaded one iteration ahead (loop-carried), so Triton's
+software pipeliner treats the row gather as a direct load (cp.async into shared memory, num_stages
+- 1 blocks ahead) rather than an indirect one. What bounds the kernel on Hopper is read in the
+compiled code (bench/kernels/NOTES.md): Triton lays out a product that feeds another product with
+all warps along M, so with 64 heads (M = 64) on 8 warps both warpgroups compute the same QK^T
+tile, in N = BLOCK_N / 2 instructions whose operands are re-read from shared memory.
+
 Prefill (sparse_mla_prefill, and the registry backend from PREFILL_TOKENS query tokens) is the same
-kernel launched without splits and testing each block of indices for -1 entries: rows early in a
-prompt select fewer than top-k keys. The rope part is zero-padded to an MMA-sized K (>= 16) so
-small test models run compiled too.
+kernel launched without splits, each program's loop ending at the last valid entry of its list
+(rows early in a prompt select fewer than top-k keys). The rope part is zero-padded to an MMA-sized
+K (>= 16) so small test models run compiled too.
 """
 
 from __future__ import annotations
@@ -33,33 +40,48 @@ from .triton_common import mma_operand
 
 
 @triton.jit
-def _attend_block(
-    q_lat, q_pe, idx, valid, m_i, l_i, acc, kv_base, kv_slots_ptr, cache_ptr, cache_f32_ptr, cache_bf16_ptr,
-    scale_log2, offs_r, offs_p, pmask,
-    R: tl.constexpr, P: tl.constexpr, G: tl.constexpr, ROW_BYTES: tl.constexpr, BLOCK_N: tl.constexpr,
-    FP8: tl.constexpr, LOGICAL: tl.constexpr, INTERPRET: tl.constexpr,
-):  # fmt: skip
-    """One block of BLOCK_N selected rows: gather, (dequantise), both products, online softmax."""
+def _block_slots(idx_ptr, kv_slots_ptr, kv_base, t, topk, offs_n, j1, LOGICAL: tl.constexpr):
+    """(valid, physical slot) of the selected rows offs_n of token t (-1 entries and the tail past
+    j1 are invalid and read slot 0 under a mask)."""
+    idx = tl.load(idx_ptr + t.to(tl.int64) * topk + offs_n, mask=offs_n < j1, other=-1)
+    valid = idx >= 0
     if LOGICAL:
         slot = tl.load(kv_slots_ptr + kv_base + idx, mask=valid, other=0)
     else:
         slot = idx
-    slot = tl.where(valid, slot, 0).to(tl.int64)
+    return valid, tl.where(valid, slot, 0).to(tl.int64)
+
+
+@triton.jit
+def _attend_block(
+    q_lat, q_pe, slot, valid, m_i, l_i, acc, cache_ptr, cache_f32_ptr, cache_bf16_ptr,
+    scale_log2, offs_r, offs_p, pmask,
+    R: tl.constexpr, P: tl.constexpr, G: tl.constexpr, ROW_BYTES: tl.constexpr, BLOCK_N: tl.constexpr,
+    FP8: tl.constexpr, MASK_ALL: tl.constexpr, INTERPRET: tl.constexpr,
+):  # fmt: skip
+    """One block of BLOCK_N selected rows: gather, (dequantise), both products, online softmax."""
     if FP8:
         codes = tl.load(cache_ptr + slot[:, None] * ROW_BYTES + offs_r[None, :], mask=valid[:, None], other=0)
         offs_g = tl.arange(0, R // G)
-        sc = tl.load(cache_f32_ptr + slot[:, None] * (ROW_BYTES // 4) + R // 4 + offs_g[None, :])
+        # -1 entries read slot 0; with MASK_ALL their scale and k_pe loads are masked as well, else
+        # every program with -1 entries reads that one row (the causal prefill without trim ran slower
+        # than full lists).
+        vmask = valid[:, None] if MASK_ALL else tl.full([BLOCK_N, 1], 1, tl.int1)
+        sc = tl.load(cache_f32_ptr + slot[:, None] * (ROW_BYTES // 4) + R // 4 + offs_g[None, :], mask=vmask, other=0.0)
         vals = codes.to(tl.float8e4nv, bitcast=True).to(tl.float32)
         vals = tl.reshape(vals, [BLOCK_N, R // G, G]) * sc[:, :, None]
         c = mma_operand(tl.reshape(vals, [BLOCK_N, R]), INTERPRET)
         pe_at = (R + 4 * (R // G)) // 2
         k_pe = tl.load(
-            cache_bf16_ptr + slot[:, None] * (ROW_BYTES // 2) + pe_at + offs_p[None, :], mask=pmask[None, :], other=0.0
+            cache_bf16_ptr + slot[:, None] * (ROW_BYTES // 2) + pe_at + offs_p[None, :],
+            mask=vmask & pmask[None, :],
+            other=0.0,
         )
     else:
         row = slot[:, None] * (R + P)
+        vmask = valid[:, None] if MASK_ALL else tl.full([BLOCK_N, 1], 1, tl.int1)
         c = mma_operand(tl.load(cache_ptr + row + offs_r[None, :], mask=valid[:, None], other=0.0), INTERPRET)
-        k_pe = tl.load(cache_ptr + row + R + offs_p[None, :], mask=pmask[None, :], other=0.0)
+        k_pe = tl.load(cache_ptr + row + R + offs_p[None, :], mask=vmask & pmask[None, :], other=0.0)
     s = tl.dot(q_lat, tl.trans(c)) + tl.dot(q_pe, tl.trans(mma_operand(k_pe, INTERPRET)))  # [BLOCK_H, BLOCK_N]
     s = tl.where(valid[None, :], s * scale_log2, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -78,6 +100,7 @@ def _sparse_mla_kernel(
     SPLIT_LEN: tl.constexpr, R: tl.constexpr, P: tl.constexpr, P_PAD: tl.constexpr, G: tl.constexpr,
     ROW_BYTES: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     FP8: tl.constexpr, LOGICAL: tl.constexpr, SPLIT: tl.constexpr, SKIP_EMPTY: tl.constexpr,
+    PREFETCH: tl.constexpr, TRIM: tl.constexpr, TRIM_LEN: tl.constexpr, MASK_ALL: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):  # fmt: skip
     t = tl.program_id(0)
@@ -102,24 +125,48 @@ def _sparse_mla_kernel(
     acc = tl.zeros([BLOCK_H, R], dtype=tl.float32)
     j0 = sp * SPLIT_LEN
     j1 = tl.minimum(j0 + SPLIT_LEN, topk)
-    for n in range(0, SPLIT_LEN, BLOCK_N):  # constexpr trip count: the interpreter needs one
-        offs_n = j0 + n + tl.arange(0, BLOCK_N)
-        idx = tl.load(idx_ptr + t.to(tl.int64) * topk + offs_n, mask=offs_n < j1, other=-1)
-        valid = idx >= 0
-        if SKIP_EMPTY:
-            # Rows early in a prompt select fewer than top-k keys (-1 padded): a block with nothing
-            # valid would add nothing, so its loads and products are skipped.
-            if tl.max(idx, axis=0) >= 0:
-                m_i, l_i, acc = _attend_block(
-                    q_lat, q_pe, idx, valid, m_i, l_i, acc, kv_base, kv_slots_ptr, cache_ptr, cache_f32_ptr,
-                    cache_bf16_ptr, scale_log2, offs_r, offs_p, pmask, R, P, G, ROW_BYTES, BLOCK_N, FP8, LOGICAL,
-                    INTERPRET,
-                )  # fmt: skip
-        else:
+    if TRIM:
+        # Loop only up to the last valid entry of this part of the list (prefill rows early in a
+        # prompt select fewer than top-k keys and are -1 padded): a loop bound, not a branch around
+        # the loads, so the loads stay pipelined. Compiled only (the interpreter needs a constexpr
+        # trip count).
+        offs_all = j0 + tl.arange(0, TRIM_LEN)
+        row = tl.load(idx_ptr + t.to(tl.int64) * topk + offs_all, mask=offs_all < j1, other=-1)
+        n_end = tl.cdiv(tl.max(tl.where(row >= 0, offs_all - j0 + 1, 0), axis=0), BLOCK_N) * BLOCK_N
+    if PREFETCH:
+        # The next block's slots are loaded one iteration ahead into registers, so the software
+        # pipeliner sees the row gather as a direct load (not an indirect one) and issues it
+        # num_stages - 1 blocks ahead instead of (num_stages - 1) // 2.
+        valid_nx, slot_nx = _block_slots(
+            idx_ptr, kv_slots_ptr, kv_base, t, topk, j0 + tl.arange(0, BLOCK_N), j1, LOGICAL
+        )
+        for n in range(0, n_end if TRIM else SPLIT_LEN, BLOCK_N):
+            valid, slot = valid_nx, slot_nx
+            valid_nx, slot_nx = _block_slots(
+                idx_ptr, kv_slots_ptr, kv_base, t, topk, j0 + n + BLOCK_N + tl.arange(0, BLOCK_N), j1, LOGICAL
+            )
             m_i, l_i, acc = _attend_block(
-                q_lat, q_pe, idx, valid, m_i, l_i, acc, kv_base, kv_slots_ptr, cache_ptr, cache_f32_ptr,
-                cache_bf16_ptr, scale_log2, offs_r, offs_p, pmask, R, P, G, ROW_BYTES, BLOCK_N, FP8, LOGICAL, INTERPRET,
+                q_lat, q_pe, slot, valid, m_i, l_i, acc, cache_ptr, cache_f32_ptr, cache_bf16_ptr, scale_log2,
+                offs_r, offs_p, pmask, R, P, G, ROW_BYTES, BLOCK_N, FP8, MASK_ALL, INTERPRET,
             )  # fmt: skip
+    else:
+        for n in range(0, n_end if TRIM else SPLIT_LEN, BLOCK_N):
+            valid, slot = _block_slots(
+                idx_ptr, kv_slots_ptr, kv_base, t, topk, j0 + n + tl.arange(0, BLOCK_N), j1, LOGICAL
+            )
+            if SKIP_EMPTY:
+                # A block with nothing valid would add nothing: its loads and products are skipped
+                # (a branch around the loads: they are then not pipelined).
+                if tl.max(valid.to(tl.int32), axis=0) > 0:
+                    m_i, l_i, acc = _attend_block(
+                        q_lat, q_pe, slot, valid, m_i, l_i, acc, cache_ptr, cache_f32_ptr, cache_bf16_ptr,
+                        scale_log2, offs_r, offs_p, pmask, R, P, G, ROW_BYTES, BLOCK_N, FP8, MASK_ALL, INTERPRET,
+                    )  # fmt: skip
+            else:
+                m_i, l_i, acc = _attend_block(
+                    q_lat, q_pe, slot, valid, m_i, l_i, acc, cache_ptr, cache_f32_ptr, cache_bf16_ptr, scale_log2,
+                    offs_r, offs_p, pmask, R, P, G, ROW_BYTES, BLOCK_N, FP8, MASK_ALL, INTERPRET,
+                )  # fmt: skip
 
     has = l_i > 0.0
     out = acc / tl.where(has, l_i, 1.0)[:, None]
@@ -163,16 +210,29 @@ def sparse_mla_decode(
     kv_slots: torch.Tensor | None = None,
     num_splits: int | None = None,
     block_h: int = 64,
-    # Fastest of the H200 sweep in bench/kernels/bench_sparse_mla.py (batch 64, 64 heads).
-    block_n: int = 64,
+    # Fastest of the H200 comparison in bench/kernels/bench_sparse_mla.py (64 heads, batch 1-256, fp8
+    # and bf16 caches; bench/results/2026-11-29-triton-sparse-mla-v3): slots a block ahead, 64 rows and
+    # 2 stages; for a single (token, head block) 32 rows and 3 stages (1.1x there, 0.85x at batch >= 64).
+    block_n: int | None = None,
     num_warps: int = 8,
-    num_stages: int = 2,
+    num_stages: int | None = None,
     skip_empty: bool = False,
+    prefetch: bool = True,
+    trim: bool = False,
+    mask_all: bool = False,
 ) -> torch.Tensor:
     """-> o_lat float32 [T, H, R]. Device-only (no host sync): CUDA-graph capturable.
 
     skip_empty: test each block of indices and skip those that are all -1 (costs a reduction per
-    block; pays off in prefill, where early rows select fewer than top-k keys)."""
+    block and keeps the row loads out of the software pipeline).
+    prefetch: load the next block's slots one iteration ahead in registers, so the software pipeliner
+    sees the row gather as a direct load: issued num_stages - 1 blocks ahead (as an indirect load,
+    (num_stages - 1) // 2) and the index load leaves the pipeline; skip_empty is then ignored (its
+    branch would keep the loads out of the pipeline).
+    trim: end each program's loop at the last valid (>= 0) entry of its part of the list (one read
+    of the list first; compiled kernels only, the interpreter runs the whole list under masks).
+    mask_all: mask the scale and k_pe loads of -1 entries too (they read slot 0 otherwise: one row
+    read by every program with -1 entries). Not yet timed on the device."""
     tokens, heads, rank = q_lat.shape
     rope = q_pe.shape[2]
     topk = indices.shape[1]
@@ -193,6 +253,9 @@ def sparse_mla_decode(
         raise ValueError("logical indices need kv_slots")
     block_h = min(block_h, max(16, triton.next_power_of_2(heads)))
     head_blocks = triton.cdiv(heads, block_h)
+    single = tokens * head_blocks == 1 and prefetch
+    block_n = block_n or (32 if single else 64)
+    num_stages = num_stages or (3 if single else 2)
     if num_splits is None:
         # One full wave: a program holds a multiprocessor (its shared memory), so tokens x head
         # blocks x splits up to the multiprocessor count, and no split shorter than a few blocks.
@@ -213,7 +276,10 @@ def sparse_mla_decode(
         heads, topk, num_splits, softmax_scale * 1.4426950408889634,
         SPLIT_LEN=split_len, R=rank, P=rope, P_PAD=max(16, triton.next_power_of_2(rope)), G=group,
         ROW_BYTES=row_bytes, BLOCK_H=block_h, BLOCK_N=block_n, FP8=fp8, LOGICAL=logical, SPLIT=split,
-        SKIP_EMPTY=skip_empty, INTERPRET=interp, num_warps=num_warps, num_stages=num_stages,
+        SKIP_EMPTY=skip_empty and not prefetch, PREFETCH=prefetch,
+        TRIM=trim and not interp, TRIM_LEN=triton.next_power_of_2(split_len), MASK_ALL=mask_all,
+        INTERPRET=interp,
+        num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     if split:
         _combine_kernel[(tokens, heads)](
@@ -223,7 +289,7 @@ def sparse_mla_decode(
 
 
 # From this many query tokens in a step, the step is treated as prefill: no splits are needed to fill
-# the GPU, and blocks of -1 entries (rows with short causal contexts) are worth testing for.
+# the GPU, and the rows' -1 tails (short causal contexts) are worth trimming.
 PREFILL_TOKENS = 256
 # Launch options of the registry backend (bench/kernels/bench_sparse_mla.py sweeps the others).
 DECODE_OPTIONS: dict = {}
@@ -232,8 +298,15 @@ PREFILL_OPTIONS: dict = {}
 
 def sparse_mla_prefill(q_lat, q_pe, latent_cache, indices, softmax_scale, token_kv_base=None, kv_slots=None, **kw):
     """Sparse MLA over many query tokens (a prompt chunk): every (token, head block) is one
-    program walking its own top-k list, skipping the all -1 blocks of early rows. Same math and
-    arguments as sparse_mla_decode."""
+    program walking its own top-k list up to its last valid entry (early rows of a prompt select
+    fewer than top-k keys). Same math and arguments as sparse_mla_decode. Defaults: the fastest of
+    the H200 comparison (2048 query tokens, full and causal lists): slots a block ahead, the loop
+    trimmed, 32 rows, 4 stages; with prefetch=False, blocks of -1 entries are skipped by a branch."""
+    kw.setdefault("prefetch", True)
+    kw.setdefault("trim", True)
+    if kw["prefetch"]:
+        kw.setdefault("block_n", 32)
+        kw.setdefault("num_stages", 4)
     kw.setdefault("skip_empty", True)
     kw.setdefault("num_splits", 1)
     return sparse_mla_decode(q_lat, q_pe, latent_cache, indices, softmax_scale, token_kv_base, kv_slots, **kw)
