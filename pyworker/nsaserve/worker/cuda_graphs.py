@@ -165,6 +165,9 @@ class DecodeGraphs:
     def _capture(self, log) -> None:
         dev = self.runner.device
         torch.cuda.synchronize(dev)
+        # Entering a capture empties the allocator's cache; empty it first, or the blocks freed
+        # there (load-time temporaries) make the capture's own cost come out negative.
+        torch.cuda.empty_cache()
         reserved0 = torch.cuda.memory_reserved(dev)
         t0 = time.perf_counter()
         pool = torch.cuda.graph_pool_handle()
