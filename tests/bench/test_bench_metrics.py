@@ -49,6 +49,17 @@ def test_summary_throughputs_latencies_and_pooled_itl():
     assert s["e2e_latency"]["p50_ms"] == pytest.approx(900.0)
 
 
+def test_ttft_after_the_first_wave_leaves_out_the_first_sent():
+    burst = [RequestResult(ok=True, output_tokens=2, ttft=2.0 + i, latency=3.0 + i, sent_s=0.0) for i in range(3)]
+    joined = [RequestResult(ok=True, output_tokens=2, ttft=0.1 * (i + 1), latency=1.0, sent_s=5.0 + i) for i in range(3)]
+    joined.append(RequestResult(ok=False, error="x", sent_s=9.0))
+    s = summarize(joined[::-1] + burst, 10.0, first_wave=3)  # completion order does not matter
+    assert s["first_wave"] == 3
+    assert s["ttft_after_first_wave"]["p50_ms"] == pytest.approx(200.0)
+    assert s["ttft"]["p50_ms"] == pytest.approx(1150.0)  # all six
+    assert "ttft_after_first_wave" not in summarize(burst, 1.0)
+
+
 def test_summary_of_an_all_failed_run_has_no_latencies():
     s = summarize([RequestResult(ok=False, error=f"e{i}") for i in range(9)], 1.0)
     assert s["completed"] == 0 and s["failed"] == 9 and len(s["first_errors"]) == 5

@@ -122,7 +122,11 @@ async def run_level(
         "num_conversations": len(conversations),
         "num_requests": n_requests,
         "prefix_hit_rate": prefix_hit_rate(before, after),
-        "summary": summarize(results, duration),
+        # With a concurrency limit and no arrival process, the first max_concurrency requests are
+        # one burst; the ones after it join a running batch (their TTFT is reported apart).
+        "summary": summarize(
+            results, duration, first_wave=max_concurrency if max_concurrency and math.isinf(args.request_rate) else 0
+        ),
     }
 
 

@@ -9,6 +9,9 @@ Definitions (the ones sglang's and vLLM's bench_serving use, so numbers compare)
 - E2E latency: from sending the request to the end of the response.
 - Throughputs: successful requests' tokens (or count) divided by the run's wall time.
 - Concurrency: the sum of request latencies divided by the wall time (mean requests in flight).
+- TTFT after the first wave (with a concurrency limit and every request ready at once): TTFT of
+  the requests sent after the first `max_concurrency` ones, i.e. those that joined a running batch
+  when a slot freed, without the initial burst whose prompts all queue together.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ class RequestResult:
     itl: list[float] = field(default_factory=list)
     latency: float = 0.0
     error: str = ""
+    sent_s: float = 0.0  # when it was sent, seconds after the run's start
 
     @property
     def tpot(self) -> float | None:
@@ -46,8 +50,9 @@ def distribution(values_s: list[float]) -> dict[str, float | None]:
     return {"mean_ms": float(a.mean()), **{f"p{p}_ms": float(np.percentile(a, p)) for p in PERCENTILES}}
 
 
-def summarize(results: list[RequestResult], duration_s: float, max_errors: int = 5) -> dict:
-    """The numbers of one run (warm-up excluded) over `duration_s` of wall time."""
+def summarize(results: list[RequestResult], duration_s: float, max_errors: int = 5, first_wave: int = 0) -> dict:
+    """The numbers of one run (warm-up excluded) over `duration_s` of wall time. first_wave > 0:
+    also the TTFT of the requests sent after the first `first_wave` (see the module docstring)."""
     ok = [r for r in results if r.ok]
     failed = [r for r in results if not r.ok]
     input_tokens = sum(r.prompt_tokens for r in ok)
@@ -59,7 +64,7 @@ def summarize(results: list[RequestResult], duration_s: float, max_errors: int =
             errors.append(r.error)
         if len(errors) == max_errors:
             break
-    return {
+    out = {
         "duration_s": duration_s,
         "completed": len(ok),
         "failed": len(failed),
@@ -76,3 +81,8 @@ def summarize(results: list[RequestResult], duration_s: float, max_errors: int =
         "itl": distribution([gap for r in ok for gap in r.itl]),
         "e2e_latency": distribution([r.latency for r in ok]),
     }
+    if first_wave > 0:
+        later = sorted(results, key=lambda r: r.sent_s)[first_wave:]
+        out["first_wave"] = first_wave
+        out["ttft_after_first_wave"] = distribution([r.ttft for r in later if r.ok and r.ttft is not None])
+    return out

@@ -77,7 +77,10 @@ def format_run(run: dict) -> str:
     ]
     lines = [f"{k:<32}{v:>16}" for k, v in rows]
     lines.append(f"{'(ms)':<16}{'mean':>12}{'p50':>12}{'p90':>12}{'p99':>12}")
-    for key, label in (("ttft", "TTFT"), ("tpot", "TPOT"), ("itl", "ITL"), ("e2e_latency", "E2E latency")):
+    keys = [("ttft", "TTFT"), ("tpot", "TPOT"), ("itl", "ITL"), ("e2e_latency", "E2E latency")]
+    if "ttft_after_first_wave" in s:
+        keys.insert(1, ("ttft_after_first_wave", "TTFT (joined)"))
+    for key, label in keys:
         d = s[key]
         lines.append(f"{label:<16}" + "".join(f"{_fmt(d[k]):>12}" for k in ("mean_ms", "p50_ms", "p90_ms", "p99_ms")))
     for e in s["first_errors"]:

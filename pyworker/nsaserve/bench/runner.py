@@ -54,7 +54,9 @@ async def run_load(
             await limit.acquire()
         try:
             for turn in conv.turns:
+                sent = time.perf_counter() - t0
                 r = await send(client, opts, turn)
+                r.sent_s = sent
                 results.append(r)
                 # A failed turn does not stop the conversation: the history holds the dataset's
                 # own replies, so later turns do not depend on this one's answer.
