@@ -1,7 +1,7 @@
 """Host time of the eager forward step of a GLM-5-shaped model on one GPU: enqueue, GPU and wall.
 
     PYTHONPATH=pyworker:bench/kernels python bench/kernels/bench_step_host.py --out bench/results \\
-        [--dense-layers 1 --moe-layers 2] [--batches 1,64,256] [--context 1536] [--paths lookup,resolved,fast]
+        [--dense-layers 1 --moe-layers 2] [--batches 1,64,256] [--context 1536] [--paths lookup,resolved]
 
 The model is built directly on the device (GLM-5 layer shapes, NVFP4 routed experts, bf16
 elsewhere, random weights; no checkpoint is written) with an FP8 KV cache whose pages hold random
@@ -9,8 +9,8 @@ finite values, and the default CUDA kernels (Triton attention, indexer, small op
 NVFP4 MoE). Cases: decode at each batch with --context cached tokens per request, a mixed step
 (one --mixed-prompt token prompt + --mixed-decodes decodes) and a prefill of --prefill tokens.
 Per case and host path (PATHS below: "lookup" = a registry lookup per kernel call and the op
-sequence before, "resolved" = kernels resolved once, "fast" = resolved + the short Triton launch
-path of kernels.triton_launch), medians over --rounds x --iters steps with the paths interleaved
+sequence before, "resolved" = kernels resolved once; a third, shorter Triton launch path was
+measured once and removed: no gain within the host's noise), medians over --rounds x --iters steps with the paths interleaved
 (time_case says how each is taken):
 enqueue_ms (host time of the call), gpu_busy_ms (device time alone), wall_ms (back-to-back steps),
 host_waits (whether the call ever waits for the device), host/gpu (> 1: host-bound).
@@ -51,17 +51,16 @@ CUDA_BACKENDS = {
 }  # fmt: skip
 
 
-# Host paths: (CausalLM.resolve_kernels, CausalLM.fast_launch).
-PATHS = {"lookup": (False, False), "resolved": (True, False), "fast": (True, True)}
+# Host paths: CausalLM.resolve_kernels.
+PATHS = {"lookup": False, "resolved": True}
 PATHS_DOC = (
     f"lookup = a registry lookup per kernel call and the op sequence before ({model_mod.HOST_PATH_ENV}=lookup); "
-    f"resolved = kernels resolved once; fast = resolved + Triton launches through kernels.triton_launch "
-    f"({model_mod.FAST_LAUNCH_ENV}=1)"
+    f"resolved = kernels resolved once"
 )
 
 
 def set_path(model, path: str) -> None:
-    model.resolve_kernels, model.fast_launch = PATHS[path]
+    model.resolve_kernels = PATHS[path]
 
 
 def build_model(dense_layers: int, moe_layers: int, device, overrides: dict | None = None):
@@ -288,7 +287,7 @@ def main() -> None:
     ap.add_argument("--prefill", type=int, default=8192)
     ap.add_argument("--iters", type=int, default=4, help="steps per path and round")
     ap.add_argument("--rounds", type=int, default=4, help="rounds over the paths (order reversed every round)")
-    ap.add_argument("--paths", default="lookup,resolved,fast", help=f"host paths to run, in this order: {list(PATHS)}")
+    ap.add_argument("--paths", default="lookup,resolved", help=f"host paths to run, in this order: {list(PATHS)}")
     ap.add_argument("--profile-batch", type=int, default=64)
     ap.add_argument("--partial", default=None, help="write the results so far here after every case")
     args = ap.parse_args()

@@ -176,22 +176,3 @@ def test_old_host_path_matches(checkpoints):
         r.model.resolve_kernels = resolved
         logits[resolved] = _two_steps(r)
     torch.testing.assert_close(logits[True], logits[False], rtol=1e-4, atol=1e-4)
-
-
-@pytest.mark.skipif(not GPU, reason="the short launch path patches compiled kernels (not the interpreter)")
-def test_fast_launch_matches_triton_launch(checkpoints):
-    """kernels.triton_launch gives bit-identical logits to Triton's own launch path, and off again
-    restores that path."""
-    pytest.importorskip("triton")
-    from nsaserve.kernels import triton_launch
-
-    r = _runner(checkpoints["nvfp4"], torch.bfloat16, "fp8_e4m3", {**TRITON, "moe_experts": "triton"})
-    logits = {}
-    try:
-        for fast in (False, True, False):
-            r.model.fast_launch = fast
-            logits[fast] = _two_steps(r)
-            assert triton_launch.enabled() == fast
-    finally:
-        triton_launch.disable()
-    assert torch.equal(logits[True], logits[False])

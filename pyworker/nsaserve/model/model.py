@@ -9,7 +9,6 @@ the checkpoint stores it in (weight_factory.py).
 from __future__ import annotations
 
 import os
-import sys
 
 import torch
 from torch import nn
@@ -33,9 +32,6 @@ DEFAULT_BACKENDS = {
 # backend names, fewer small torch ops per layer) or "lookup" (a registry lookup per kernel call,
 # the path before; kept to measure against, see bench/kernels/bench_step_host.py).
 HOST_PATH_ENV = "NSASERVE_EAGER_HOST_PATH"
-# "1": Triton kernels launch through kernels.triton_launch (Triton's binder, then the compiled
-# kernel's launcher directly); "0": Triton's own launch path.
-FAST_LAUNCH_ENV = "NSASERVE_TRITON_FAST_LAUNCH"
 
 
 class Kernels(dict):
@@ -43,24 +39,14 @@ class Kernels(dict):
     CUDA graphs read) and kind -> function as attributes (kernels.rmsnorm(...)).
 
     resolved: every function is looked up (and a lazily imported Triton module imported) once,
-    here, and stored as an attribute; otherwise each attribute access asks the registry.
-    fast_launch: Triton kernels launch through kernels.triton_launch (process-wide)."""
+    here, and stored as an attribute; otherwise each attribute access asks the registry."""
 
-    def __init__(self, names: dict[str, str], resolved: bool = True, fast_launch: bool = False):
+    def __init__(self, names: dict[str, str], resolved: bool = True):
         super().__init__(names)
-        self.resolved, self.fast_launch = resolved, fast_launch
+        self.resolved = resolved
         if resolved:
             for kind, name in names.items():
                 self.__dict__[kind] = load_backend(kind, name)
-        if fast_launch and "triton" in names.values():
-            from ..kernels import triton_launch
-
-            for kind, name in names.items():
-                if name == "triton":
-                    load_backend(kind, name)  # imports the kernel modules whose launches enable() shortens
-            triton_launch.enable()
-        elif not fast_launch and "nsaserve.kernels.triton_launch" in sys.modules:
-            sys.modules["nsaserve.kernels.triton_launch"].disable()  # imported only by an earlier fast_launch
 
     def __getattr__(self, kind: str):  # reached only for kinds not stored as attributes
         if kind.startswith("__") or kind not in self:
@@ -118,16 +104,15 @@ class CausalLM(nn.Module):
         self.register_buffer("inv_freq", inv_freq.to(device), persistent=False)
         self.backends = dict(DEFAULT_BACKENDS)
         self.resolve_kernels = os.environ.get(HOST_PATH_ENV, "resolved") != "lookup"
-        self.fast_launch = os.environ.get(FAST_LAUNCH_ENV, "0") == "1"
         self._kernels: Kernels | None = None
 
     def kernels(self) -> Kernels:
         """The backends in self.backends (set_backend writes there), resolved again only when a
         name changed since the last forward."""
         k = self._kernels
-        stale = k is None or (k.resolved, k.fast_launch) != (self.resolve_kernels, self.fast_launch)
+        stale = k is None or k.resolved != self.resolve_kernels
         if stale or not dict.__eq__(k, self.backends):
-            k = self._kernels = Kernels(self.backends, self.resolve_kernels, self.fast_launch)
+            k = self._kernels = Kernels(self.backends, self.resolve_kernels)
         return k
 
     def weight_targets(self) -> dict[str, tuple[torch.Tensor, tuple] | None]:
