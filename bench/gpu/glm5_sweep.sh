@@ -4,12 +4,14 @@
 # weights at a smaller depth against transformers. Everything inside GLM5_BUDGET_S seconds.
 #   OUT=DIR bash bench/gpu/glm5_sweep.sh [flags of bench/gpu/glm5_sweep.py]
 # Writes OUT/glm5/{log.txt,results.json}; needs nsaserve importable (PYTHONPATH=pyworker).
-# The sweep (1K/1K, 64..1024; ~41 GB checkpoint made in ~30 s, server ready in ~17 s):
-#   OUT=DIR GLM5_BUDGET_S=530 bash bench/gpu/glm5_sweep.sh --moe-backend triton --keep-model \
-#     --phases compare,sweep,shared --moe-layers 6 --levels 64,256,512,1024 --input-len 1024 \
-#     --output-len 1024 --range-ratio 0.8 --shared-conversations 64 --shared-concurrency 64 \
-#     --shared-output-len 256 --compare-moe-layers 1 --compare-batch 64 --compare-input-len 1024 \
-#     --compare-output-len 64
+# The sweep (1K/1K, 64..1024; ~41 GB checkpoint made in ~25 s; server ready in ~60 s with
+# 40 decode graphs, ~80 s with the 96 graphs up to batch 1024):
+#   OUT=DIR GLM5_BUDGET_S=530 bash bench/gpu/glm5_sweep.sh --keep-model \
+#     --phases compare,sweep,shared --moe-layers 6 --levels 64,256,512,1024 --level-waves 64:4 \
+#     --warmup-prompts 64 --input-len 1024 --output-len 1024 --range-ratio 0.8 \
+#     --shared-conversations 64 --shared-concurrency 64 --shared-output-len 256 \
+#     --compare-moe-layers 1 --compare-batch 64 --compare-input-len 1024 --compare-output-len 256 \
+#     --serve-arg=--cuda-graph-max-bs=1024 --serve-arg=--cuda-graph-max-context=2048
 # What does not fit the budget is listed under "skipped"; a second call with --levels set to those
 # reuses the kept checkpoint. With the torch reference kernels only, shorten: --input-len 256
 # --output-len 8 --shared-output-len 8 --compare-batch 16 --compare-input-len 256 --compare-output-len 16.
