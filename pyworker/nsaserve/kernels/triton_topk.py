@@ -155,6 +155,20 @@ def _topk_kernel(
 
 
 @triton.jit
+def _sample_bracket(row_logits, pos, n, k_eff, SAMPLES: tl.constexpr, MARGIN: tl.constexpr):
+    """Order keys (hi, lo) bracketing the k-th largest of a row of n keys, from SAMPLES evenly
+    spaced samples: the sample ranks MARGIN either side of where the k-th largest is expected."""
+    j = tl.arange(0, SAMPLES)
+    su, _ = _order_keys(row_logits, (j * n) // SAMPLES, pos)
+    ss = tl.sort(su, dim=0, descending=True)
+    r = (k_eff * SAMPLES) // n  # expected rank of the k-th largest among the samples
+    zero = tl.zeros_like(ss)
+    hi = tl.max(tl.where(j == tl.maximum(r - MARGIN, 0), ss, zero), axis=0)
+    lo = tl.max(tl.where(j == tl.minimum(r + MARGIN, SAMPLES - 1), ss, zero), axis=0)
+    return hi, lo
+
+
+@triton.jit
 def _topk_sampled_kernel(
     logits_ptr, row_pos_ptr, out_ptr, scratch_ptr, logits_stride, out_stride, topk, width,
     CHUNK: tl.constexpr, SAMPLES: tl.constexpr, MARGIN: tl.constexpr, CAND: tl.constexpr, BITS: tl.constexpr,
@@ -168,13 +182,7 @@ def _topk_sampled_kernel(
     else:
         u, valid = _order_keys(row_logits, offs, pos)
         n = pos + 1
-        j = tl.arange(0, SAMPLES)
-        su, _ = _order_keys(row_logits, (j * n) // SAMPLES, pos)
-        ss = tl.sort(su, dim=0, descending=True)
-        r = (k_eff * SAMPLES) // n  # expected rank of the k-th largest among the samples
-        zero = tl.zeros_like(ss)
-        hi = tl.max(tl.where(j == tl.maximum(r - MARGIN, 0), ss, zero), axis=0)
-        lo = tl.max(tl.where(j == tl.minimum(r + MARGIN, SAMPLES - 1), ss, zero), axis=0)
+        hi, lo = _sample_bracket(row_logits, pos, n, k_eff, SAMPLES, MARGIN)
         above_hi = valid & (u > hi)
         inside = valid & (u >= lo) & (u <= hi)
         # Both counts from one reduction (16-bit halves: rows are at most CHUNK <= 32K keys).
@@ -218,13 +226,7 @@ def _topk_streamed_kernel(
             p = c * SUB + offs
             tl.store(out_row + p, tl.where(p <= pos, p, -1).to(tl.int64), mask=p < width)
     else:
-        j = tl.arange(0, SAMPLES)
-        su, _ = _order_keys(row_logits, (j * n) // SAMPLES, pos)
-        ss = tl.sort(su, dim=0, descending=True)
-        r = (k_eff * SAMPLES) // n  # expected rank of the k-th largest among the samples
-        zero = tl.zeros_like(ss)
-        hi = tl.max(tl.where(j == tl.maximum(r - MARGIN, 0), ss, zero), axis=0)
-        lo = tl.max(tl.where(j == tl.minimum(r + MARGIN, SAMPLES - 1), ss, zero), axis=0)
+        hi, lo = _sample_bracket(row_logits, pos, n, k_eff, SAMPLES, MARGIN)
         scratch_row = scratch_ptr + tl.program_id(0).to(tl.int64) * CAND
         n_above = 0
         n_inside = 0
