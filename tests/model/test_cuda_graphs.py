@@ -8,18 +8,17 @@ a step through ModelExecutor samples the same tokens with and without graphs.
 
 import argparse
 import os
-import random
 
 import numpy as np
 import pytest
 import torch
-from model_helpers import VOCAB, Session, make_checkpoint, rel_err
+from model_helpers import Session, make_checkpoint
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from nsaserve.model.runner import ModelRunner  # noqa: E402
-from nsaserve.worker.batch import build_forward_batch  # noqa: E402
+from graph_helpers import compare_graph_to_eager, graph_runner  # noqa: E402
+
 from nsaserve.worker.cuda_graphs import batch_buckets, graph_blockers, len_buckets, plan_fits  # noqa: E402
 
 CUDA = torch.cuda.is_available()
@@ -41,19 +40,9 @@ def test_buckets():
     assert len_buckets(5000, 64) == [1024, 2048, 4096, 5056]  # whole pages
 
 
-def _runner(path, device, dtype=torch.float32, kv="auto", backends=()):
-    r = ModelRunner(
-        path, device=torch.device(device), dtype=dtype, kv_cache_dtype=kv, num_pages=160, page_size=4,
-        show_progress=False,
-    )  # fmt: skip
-    for kind, name in dict(backends).items():
-        r.set_backend(kind, name)
-    return r
-
-
 def test_plans_that_fit_and_blockers(tmp_path):
     make_checkpoint("glm_moe_dsa", str(tmp_path), seed=1)
-    r = _runner(str(tmp_path), "cpu")
+    r = graph_runner(str(tmp_path), "cpu")
     s = Session(r, seed=0)
     s.step([(0, [1, 2, 3]), (1, [4, 5])])
     decode = s.plan([(0, [7]), (1, [8])], all_logits=False)
@@ -75,13 +64,6 @@ def test_plans_that_fit_and_blockers(tmp_path):
     assert "moe_experts" not in " ".join(graph_blockers(r))
 
 
-def _decode_batches(session, rng, reqs, steps):
-    """Random decode batches: each step a random subset of the requests, in random order."""
-    for _ in range(steps):
-        chosen = rng.sample(reqs, rng.randint(1, len(reqs)))
-        yield [(rid, [rng.randrange(VOCAB)]) for rid in chosen]
-
-
 CASES = [
     (torch.float32, "auto", GRAPH_SAFE),
     (torch.float32, "auto", {**GRAPH_SAFE, **TRITON}),
@@ -97,9 +79,9 @@ def test_static_batch_equals_packed_batch_on_cpu(dtype, kv, backends, tmp_path):
     from nsaserve.worker.cuda_graphs import DecodeGraphs
 
     make_checkpoint("glm_moe_dsa", str(tmp_path), seed=2, initializer_range=0.06, confident_embedding=0.12)
-    r = _runner(str(tmp_path), "cpu", dtype, kv, backends)
+    r = graph_runner(str(tmp_path), "cpu", dtype, kv, backends)
     graphs = DecodeGraphs(r, max_bs=8, log=lambda m: None)
-    _compare(r, graphs, steps=4, exact=dtype == torch.float32)
+    compare_graph_to_eager(r, graphs, steps=4, exact=dtype == torch.float32)
 
 
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
@@ -110,35 +92,11 @@ def test_graph_replay_equals_eager(dtype, kv, backends, tmp_path):
     make_checkpoint(
         "glm_moe_dsa", str(tmp_path), seed=2, initializer_range=0.06, confident_embedding=0.12, **TRITON_DIMS
     )
-    r = _runner(str(tmp_path), "cuda", dtype, kv, backends)
+    r = graph_runner(str(tmp_path), "cuda", dtype, kv, backends)
     assert graph_blockers(r) == []
     graphs = DecodeGraphs(r, max_bs=8, log=lambda m: None)
-    _compare(r, graphs, steps=12, exact=dtype == torch.float32)
+    compare_graph_to_eager(r, graphs, steps=12, exact=dtype == torch.float32)
     assert graphs.replays == 12
-
-
-def _compare(r, graphs, steps, exact):
-    """float32: the same logits to rounding and the same argmax everywhere. bf16: matmuls over the
-    padded batch may round differently from those over the real rows (another M), so logits agree
-    to bf16 precision and argmaxes nearly always."""
-    assert graphs.bs_buckets == [1, 2, 4, 8] and graphs.len_buckets == [128]
-    rng = random.Random(int.from_bytes(os.urandom(4), "little"))
-    s = Session(r, seed=rng.randrange(100))
-    reqs = list(range(7))
-    s.step([(i, [rng.randrange(VOCAB) for _ in range(rng.randint(3, 40))]) for i in reqs])  # prefill, eager
-    same = rows = 0
-    for work in _decode_batches(s, rng, reqs, steps):
-        plan = s.plan(work, all_logits=False)
-        assert graphs.fits(plan)
-        got = graphs.run(plan)
-        want = r.forward(build_forward_batch(plan, r.device))
-        assert got.shape == want.shape == (len(work), VOCAB)
-        assert rel_err(got, want) < (1e-4 if exact else 3e-2), work
-        same += int((got.argmax(-1) == want.argmax(-1)).sum())
-        rows += len(work)
-        for rid, toks in work:
-            s.reqs[rid].cached += len(toks)
-    assert same == rows if exact else same >= 0.95 * rows
 
 
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
@@ -150,7 +108,7 @@ def test_executor_samples_the_same_with_graphs(tmp_path):
     )
     results = []
     for disable in (True, False):
-        r = _runner(str(tmp_path), "cuda", backends={**GRAPH_SAFE, **TRITON})
+        r = graph_runner(str(tmp_path), "cuda", backends={**GRAPH_SAFE, **TRITON})
         args = argparse.Namespace(disable_cuda_graph=disable, cuda_graph_max_bs=4)
         ex = ModelExecutor(r, r.device, decode_graphs(r, args))
         assert (ex.graphs is None) == disable

@@ -50,11 +50,18 @@ class TPGroup:
         return t
 
     def all_gather_rows(self, t: torch.Tensor, share: int, total: int) -> torch.Tensor:
-        """Concatenate each rank's [N, len_r] along dim 1 (each padded to `share`) -> [N, total]."""
+        """Concatenate each rank's [N, len_r] along dim 1 (each padded to `share`) -> [N, total].
+
+        On CUDA the ranks' shares land in one [size, N, share] tensor (all_gather_into_tensor): a
+        single output buffer is what a CUDA graph capture can hold; gloo takes the list form."""
         if self.size == 1:
             return t
         padded = torch.zeros(t.shape[0], share, dtype=t.dtype, device=t.device)
         padded[:, : t.shape[1]] = t
+        if t.is_cuda:
+            parts = torch.empty(self.size, *padded.shape, dtype=t.dtype, device=t.device)
+            dist.all_gather_into_tensor(parts, padded)
+            return parts.permute(1, 0, 2).reshape(t.shape[0], -1)[:, :total]
         parts = [torch.empty_like(padded) for _ in range(self.size)]
         dist.all_gather(parts, padded)
         return torch.cat(parts, dim=1)[:, :total]

@@ -14,7 +14,13 @@ KV to the scratch page and their logits are dropped; real rows' logits come out 
 
 Only plans of the kind the graphs were captured for replay: decode (one token per request),
 every request sampling and none asking for prompt logprobs, at most max_bs requests, every context
-within the largest L. Anything else runs eagerly. Graphs are only built when every kernel backend
+within the largest L. Anything else runs eagerly.
+
+Under tensor parallelism (NCCL) the all-reduces and the logits all-gather are captured with the
+rest: every rank captures the same graphs in the same order and, since every rank receives the
+same plans and picks a graph from the plan alone, replays the same graph for the same step, so
+the collectives inside pair up as they do eagerly. The warm-up forwards before each capture have
+already created the NCCL communicator (it cannot be created inside a capture). Graphs are only built when every kernel backend
 the model uses is graph-safe (kernels.registry.graph_safe): a host synchronisation inside a
 capture fails or, worse, bakes one step's data into every replay.
 """
@@ -60,7 +66,11 @@ def graph_blockers(runner) -> list[str]:
     if runner.device.type != "cuda":
         reasons.append(f"the device is {runner.device.type}, not cuda")
     if runner.tp.size > 1:
-        reasons.append("tensor parallelism > 1 (the all-reduces are not captured yet)")
+        import torch.distributed as dist
+
+        backend = dist.get_backend() if dist.is_initialized() else None
+        if backend != "nccl":
+            reasons.append(f"tensor parallelism over {backend or 'no process group'}: only NCCL collectives are captured")
     for kind, name in sorted(runner.model.backends.items()):
         if not graph_safe(kind, name):
             reasons.append(f"the {kind} backend {name!r} is not graph-safe (it synchronises with the host)")
