@@ -107,6 +107,27 @@ def test_tiny_matches_reference(num_tokens, skew, block_m, asm):
     assert rel_err(out, ref) < TOL
 
 
+@pytest.mark.parametrize("relayout", [False, True])
+@pytest.mark.parametrize("first_expert", [0, 6, 12])
+def test_tiny_expert_parallel_share(first_expert, relayout):
+    """Under tensor parallelism a rank holds experts [first_expert, first_expert + 6) of 18: tokens
+    routed to other ranks' experts add nothing here, and local ids are global ids minus first_expert."""
+    gen = torch.Generator().manual_seed(40 + first_expert)
+    e, h, i, k = TINY["num_experts"], TINY["hidden"], TINY["inter"], TINY["top_k"]
+    w13, w2 = quantized_stacks(e, h, i, gen)
+    x = torch.randn(11, h, generator=gen).to(DEV, torch.bfloat16)
+    ids, weights = route(11, 3 * e, k, gen)
+    ref = reference(x, ids, weights, w13, w2, first_expert)
+    if relayout:
+        out = tm.moe_experts_nvfp4_triton(x, ids, weights, *relaid(w13), *relaid(w2), first_expert, config=TINY_CFG,
+                                          relayout=True)  # fmt: skip
+    else:
+        out = tm.moe_experts_nvfp4_triton(x, ids, weights, *w13, *w2, first_expert, config=TINY_CFG)
+    local = ids - first_expert
+    assert ((local >= 0) & (local < e)).any() and ((local < 0) | (local >= e)).any()  # both kinds of rows
+    assert rel_err(out, ref) < TOL
+
+
 @pytest.mark.parametrize("fuse_k", [True, False])
 @pytest.mark.parametrize("asm", ASM_MODES)
 def test_tiny_every_code_and_scale(asm, fuse_k):
