@@ -11,6 +11,15 @@ A decode step of B requests must read at least:
     cached token), in the cache's storage format.
 Activations, the KV written for the new token and the sampler are left out (each is under 1% of
 the weights at GLM-5 shapes), so the bound is a slight underestimate: steps can only be slower.
+
+Under tensor parallelism (tp > 1) the bound is one rank's, divided by one GPU's bandwidth: the
+tensors model/parallel.py splits (attention q_b/kv_b/o_proj heads, dense MLPs, shared experts,
+lm_head) count 1/tp, routed experts count the rank's E/tp share of the distinct ones, and the
+rest (q_a/kv_a, the indexer, routers, norms) and the whole KV (the latent and index caches are
+replicated) count in full. The all-reduces between ranks are not in it.
+
+Tensor sizes come from the safetensors headers, or, for a directory holding only a config (the
+weights drawn at load, `--load-format random`), from the generator's tensor list.
 """
 
 from __future__ import annotations
@@ -41,12 +50,44 @@ def _tensor_sizes(model_path: str) -> dict[str, int]:
     return sizes
 
 
-class DecodeRoofline:
-    """Bytes a decode step must read, from a checkpoint's tensors and config."""
+# Split across tensor-parallel ranks (model/parallel.py); every other tensor is replicated.
+_SHARDED = re.compile(
+    r"(self_attn\.(q_b_proj|kv_b_proj|o_proj)\.|mlp\.(gate_proj|up_proj|down_proj)\.|shared_experts\.|^lm_head\.)"
+)
 
-    def __init__(self, model_path: str, kv_cache_dtype: str = "fp8_e4m3"):
+
+def _generated_sizes(cfg: dict) -> dict[str, int]:
+    """name -> bytes of the tensors the GLM-5-shaped generator draws for this config (NVFP4 routed
+    experts: packed e2m1 codes, an e4m3 scale per 16, a float32 global scale; bf16 else)."""
+    from nsaserve.kernels.quant.make_glm5_shaped import dense_tensor_shapes
+
+    sizes = {}
+    for name, shape, kind in dense_tensor_shapes(cfg):
+        n = 1
+        for d in shape:
+            n *= d
+        sizes[name] = n * (4 if kind == "bias" else 2)
+    H, inter = cfg["hidden_size"], cfg["moe_intermediate_size"]
+    for i, kind in enumerate(cfg["mlp_layer_types"][: cfg["num_hidden_layers"]]):
+        if kind != "sparse":
+            continue
+        for e in range(cfg["n_routed_experts"]):
+            for part in ("gate_proj", "up_proj", "down_proj"):
+                p = f"model.layers.{i}.mlp.experts.{e}.{part}."
+                sizes[p + "weight"] = H * inter // 2
+                sizes[p + "weight_scale"] = H * inter // 16
+                sizes[p + "weight_scale_2"] = 4
+    return sizes
+
+
+class DecodeRoofline:
+    """Bytes a decode step must read on one rank, from a checkpoint's tensors (or its generator's)
+    and config."""
+
+    def __init__(self, model_path: str, kv_cache_dtype: str = "fp8_e4m3", tp: int = 1):
         with open(os.path.join(model_path, "config.json")) as f:
             cfg = json.load(f)
+        self.tp = tp
         self.layers = int(cfg["num_hidden_layers"])
         self.experts = int(cfg["n_routed_experts"])
         self.top_k = int(cfg["num_experts_per_tok"])
@@ -54,7 +95,8 @@ class DecodeRoofline:
         self.vocab = int(cfg["vocab_size"])
         self.moe_layers = sum(t == "sparse" for t in cfg["mlp_layer_types"][: self.layers])
         fixed = expert_bytes = 0
-        for name, size in _tensor_sizes(model_path).items():
+        sizes = _tensor_sizes(model_path) or _generated_sizes(cfg)
+        for name, size in sizes.items():
             m = re.match(r"^model\.layers\.(\d+)\.", name)
             if (m and int(m.group(1)) >= self.layers) or name.endswith(".input_scale"):
                 continue  # layers past the served depth; W4A4-only activation scales
@@ -63,7 +105,7 @@ class DecodeRoofline:
             if _EXPERT.match(name):
                 expert_bytes += size
             else:
-                fixed += size
+                fixed += size / tp if _SHARDED.search(name) else size
         self.fixed_bytes = fixed
         # Average bytes of one routed expert (all experts of all MoE layers have the same shapes).
         self.expert_bytes = expert_bytes / max(1, self.moe_layers * self.experts)
@@ -84,7 +126,7 @@ class DecodeRoofline:
         """Bytes of one decode step of `batch` requests whose contexts sum to `ctx` tokens and
         whose selected tokens sum to `sel`; split by what they are."""
         weights = self.fixed_bytes + 2 * batch * self.hidden
-        experts = self.moe_layers * self.distinct_experts(batch) * self.expert_bytes
+        experts = self.moe_layers * self.distinct_experts(batch) * self.expert_bytes / self.tp
         kv = self.layers * sel * self.latent_row + self.index_layers * ctx * self.index_row
         return {"weights": weights, "experts": experts, "kv": kv, "total": weights + experts + kv}
 

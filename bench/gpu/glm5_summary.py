@@ -25,6 +25,10 @@ def targets(doc: dict) -> dict:
     failed += p.get("shared_prefix", {}).get("summary", {}).get("failed", 0)
     out["zero_failed"] = {"failed": failed, "met": failed == 0}
     out["finite_logits"] = {"met": p.get("finite_logits", {}).get("finite")}
+    if doc.get("machine", {}).get("tp", 1) > 1:
+        # The eight-GPU issue's bar: total (input + output) tok/s at 1024 concurrent requests.
+        t1024 = by_level.get(1024, {}).get("bench", {}).get("summary", {}).get("total_throughput")
+        out["total_tok_s_at_1024_at_least_15000"] = {"total": t1024, "met": None if t1024 is None else t1024 >= 15000}
     tput = [e["bench"]["summary"]["output_throughput"] for e in p.get("sweep", [])]
     out["throughput_rises_with_concurrency"] = {
         "met": all(b > a for a, b in zip(tput, tput[1:])) if len(tput) > 1 else None

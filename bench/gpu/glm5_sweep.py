@@ -48,6 +48,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--tiny", action="store_true", help="generate the generator's tiny scale-down")
     p.add_argument("--gen-set", action="append", default=[], help="config override for the generator, key=json")
     p.add_argument("--keep-model", action="store_true", help="keep a generated checkpoint for a later call")
+    p.add_argument("--random-weights", action="store_true", help="write only the config and tokenizer and serve "
+                   "with --load-format random: every rank draws its weights on its GPU at load (the generator's "
+                   "tensors, nothing on disk); for depths whose checkpoint would not fit the disk or the time")  # fmt: skip
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (GPUs) of the server")
     # serving
     p.add_argument("--attention-backend", default="", help="passed to serve when set")
     p.add_argument("--indexer-backend", default="", help="passed to serve when set")
@@ -131,17 +135,26 @@ def ensure_checkpoint(run: Run) -> str:
 
     overrides = (dict(TINY_OVERRIDES) if a.tiny else {}) | generator_overrides(a.gen_set)
     need = checkpoint_bytes_estimate(glm5_config(a.moe_layers, 3, overrides))
-    path = a.model_path or default_model_path(a.moe_layers, need)
-    info = {"path": path, "estimated_gb": round(need / 1e9, 2)}
-    if os.path.exists(os.path.join(path, "config.json")) and os.path.exists(os.path.join(path, "tokenizer.json")):
+    if a.random_weights:
+        name = f"glm5-shaped-{a.moe_layers}moe-config"
+        path = a.model_path or os.path.join(tempfile.gettempdir(), name)
+    else:
+        path = a.model_path or default_model_path(a.moe_layers, need)
+    info = {"path": path, "estimated_gb": round(need / 1e9, 2), "random_weights": a.random_weights}
+    has_weights = any(n.endswith(".safetensors") for n in os.listdir(path)) if os.path.isdir(path) else False
+    complete = os.path.exists(os.path.join(path, "config.json")) and os.path.exists(os.path.join(path, "tokenizer.json"))
+    if complete and has_weights == (not a.random_weights):
         run.say(f"reusing checkpoint {path}")
         info["reused"] = True
     else:
         shutil.rmtree(path, ignore_errors=True)
         usage = shutil.disk_usage(os.path.dirname(path))
-        run.say(f"generating {need / 1e9:.1f} GB at {path} ({usage.free / 1e9:.0f} GB free there)")
+        what = "the config (weights drawn at load)" if a.random_weights else f"{need / 1e9:.1f} GB"
+        run.say(f"generating {what} at {path} ({usage.free / 1e9:.0f} GB free there)")
         cmd = [sys.executable, "-m", "nsaserve.kernels.quant.make_glm5_shaped", "--dst", path,
                "--moe-layers", str(a.moe_layers), "--device", a.device]  # fmt: skip
+        if a.random_weights:
+            cmd.append("--config-only")
         if a.tiny:
             cmd.append("--tiny")
         for item in a.gen_set:
@@ -167,6 +180,10 @@ def ensure_checkpoint(run: Run) -> str:
 def start_server(run: Run, model_path: str, tag: str, max_running: int) -> Server:
     a = run.args
     flags = ["--device", a.device, "--kv-cache-dtype", a.kv_cache_dtype, "--max-running-requests", str(max_running)]
+    if a.tp > 1:
+        flags += ["--tp", str(a.tp)]
+    if a.random_weights:
+        flags += ["--load-format", "random"]
     for flag, value in (("--attention-backend", a.attention_backend), ("--indexer-backend", a.indexer_backend),
                         ("--moe-backend", a.moe_backend)):  # fmt: skip
         if value:
@@ -288,6 +305,9 @@ def phase_compare(run: Run, model_path: str) -> None:
     import torch
 
     a = run.args
+    if a.random_weights or a.tp > 1:
+        run.doc["skipped"].append("compare: transformers runs one GPU from a checkpoint on disk")
+        return
     with open(os.path.join(model_path, "config.json")) as f:
         cfg = json.load(f)
     dense = cfg["mlp_layer_types"].count("dense")
@@ -343,12 +363,15 @@ def main(argv=None) -> int:
         import torch
 
         gpu = torch.cuda.get_device_name(0) if args.device == "cuda" else "none (cpu)"
-        run.doc["machine"] = {"gpu": gpu, "torch": torch.__version__, "cpus": os.cpu_count()}
+        gpus = torch.cuda.device_count() if args.device == "cuda" else 0
+        run.doc["machine"] = {"gpu": gpu, "gpus": gpus, "tp": args.tp, "torch": torch.__version__, "cpus": os.cpu_count()}
+        if args.device == "cuda" and args.tp > gpus:
+            raise RuntimeError(f"--tp {args.tp} needs {args.tp} GPUs, this machine has {gpus}")
         bw = measure_copy_bandwidth(args.device, (4 << 30) if args.device == "cuda" else (64 << 20))
         run.doc["bandwidth_tb_s"] = round(bw / 1e12, 3)
         run.say(f"copy bandwidth {bw / 1e12:.2f} TB/s (read + write)")
         model_path = ensure_checkpoint(run)
-        roofline = DecodeRoofline(model_path, args.kv_cache_dtype)
+        roofline = DecodeRoofline(model_path, args.kv_cache_dtype, tp=args.tp)
         run.doc["roofline_model"] = {"fixed_weight_gb": round(roofline.fixed_bytes / 1e9, 3),
                                      "expert_mb": round(roofline.expert_bytes / 1e6, 3), "moe_layers": roofline.moe_layers,
                                      "latent_row_bytes": roofline.latent_row, "index_row_bytes": roofline.index_row}  # fmt: skip

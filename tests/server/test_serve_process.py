@@ -17,9 +17,11 @@ pytestmark = pytest.mark.skipif(not (EMBEDDED_MODEL / "config.json").exists(), r
 
 
 @pytest.mark.parametrize("tp", [1, 2, 8])
-def test_serve_starts_serves_and_stops_cleanly(start_server, tp):
+def test_serve_starts_serves_and_stops_cleanly(start_server, tp, tmp_path, monkeypatch):
     if gpus_short_of(tp):
         pytest.skip(f"needs {tp} GPUs")
+    step_log = tmp_path / "steps.jsonl"
+    monkeypatch.setenv("NSASERVE_STEP_LOG", str(step_log))
     server = start_server(f"--tp={tp}", DEVICE_FLAG)
     assert len(descendants(server.proc.pid)) >= tp
     status, body = server.get("/health")
@@ -30,6 +32,10 @@ def test_serve_starts_serves_and_stops_cleanly(start_server, tp):
     text = server.complete("Errors should never", max_tokens=12)
     assert text.startswith(" pass silently.\nUnless explicitly silenced."), text
     assert server.stop() == 0
+    # The benchmark step log has one line per step, written by rank 0 alone.
+    steps = [json.loads(line) for line in step_log.read_text().splitlines()]
+    numbers = [s["step"] for s in steps]
+    assert steps and len(set(numbers)) == len(numbers), numbers  # every rank writing: each step tp times
 
 
 def test_bad_model_path_exits_nonzero_with_the_reason(start_server, tmp_path):

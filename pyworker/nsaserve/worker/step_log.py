@@ -1,7 +1,7 @@
 """Optional per-step timing log for benchmarks: with NSASERVE_STEP_LOG=PATH in the environment,
 rank 0 appends one JSON line per executed step to PATH.
 
-A line: {"t": unix time at the end of the step, "mode": "prefill" | "decode" | "mixed",
+A line: {"step": the plan's step number, "t": unix time at the end of the step, "mode": "prefill" | "decode" | "mixed",
 "reqs": requests, "tokens": tokens run, "ctx": sum of the requests' context lengths after the
 step, "sel": sum of min(context, index_topk), "ms": the worker's step time (batch build, forward,
 sampling; the sampled tokens reach the host, so the GPU work is included), "graph": whether the
@@ -35,6 +35,7 @@ class StepLog:
     def record(self, plan, step_ms: float, graph: bool = False) -> None:
         ctx = plan.cached_lens.astype(np.int64) + np.diff(plan.query_start.astype(np.int64))
         line = {
+            "step": int(plan.step),
             "t": round(time.time(), 4),
             "mode": plan.mode,
             "reqs": int(plan.num_reqs),
