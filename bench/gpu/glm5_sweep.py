@@ -364,7 +364,8 @@ def main(argv=None) -> int:
 
         gpu = torch.cuda.get_device_name(0) if args.device == "cuda" else "none (cpu)"
         gpus = torch.cuda.device_count() if args.device == "cuda" else 0
-        run.doc["machine"] = {"gpu": gpu, "gpus": gpus, "tp": args.tp, "torch": torch.__version__, "cpus": os.cpu_count()}
+        run.doc["machine"] = {"gpu": gpu, "gpus": gpus, "tp": args.tp, "torch": torch.__version__,
+                              "cpus": os.cpu_count()}  # fmt: skip
         if args.device == "cuda" and args.tp > gpus:
             raise RuntimeError(f"--tp {args.tp} needs {args.tp} GPUs, this machine has {gpus}")
         bw = measure_copy_bandwidth(args.device, (4 << 30) if args.device == "cuda" else (64 << 20))

@@ -70,7 +70,8 @@ def graph_blockers(runner) -> list[str]:
 
         backend = dist.get_backend() if dist.is_initialized() else None
         if backend != "nccl":
-            reasons.append(f"tensor parallelism over {backend or 'no process group'}: only NCCL collectives are captured")
+            over = backend or "no process group"
+            reasons.append(f"tensor parallelism over {over}: only NCCL collectives are captured")
     for kind, name in sorted(runner.model.backends.items()):
         if not graph_safe(kind, name):
             reasons.append(f"the {kind} backend {name!r} is not graph-safe (it synchronises with the host)")
