@@ -182,6 +182,10 @@ class DecodeGraphs:
         reserved0 = torch.cuda.memory_reserved(dev)
         t0 = time.perf_counter()
         pool = torch.cuda.graph_pool_handle()
+        # Under tensor parallelism the process group's watchdog thread queries the events of
+        # earlier collectives while we capture; "thread_local" keeps those calls legal (only this
+        # thread's unsafe calls break a capture), where "global" would fail the capture on them.
+        mode = "thread_local" if self.runner.tp.size > 1 else "global"
         side = torch.cuda.Stream(dev)
         # Largest first: later (smaller) graphs reuse the pool's blocks.
         for key in sorted(self.graphs, reverse=True):
@@ -193,7 +197,7 @@ class DecodeGraphs:
                     self._forward(g)
             torch.cuda.current_stream(dev).wait_stream(side)
             g.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g.graph, pool=pool):
+            with torch.cuda.graph(g.graph, pool=pool, capture_error_mode=mode):
                 self.out[: g.bs].copy_(self._forward(g))
         torch.cuda.synchronize(dev)
         self.capture_s = time.perf_counter() - t0
