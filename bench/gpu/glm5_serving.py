@@ -31,7 +31,7 @@ class Server:
             cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env, preexec_fn=_own_group_dies_with_us
         )
 
-    def wait_ready(self) -> float:
+    def wait_ready(self, timeout_s: float | None = None) -> float:
         while True:
             text = self.log_path.read_text(errors="replace")
             if "nsaserve ready" in text:
@@ -40,6 +40,8 @@ class Server:
                 raise RuntimeError(f"server exited {self.proc.returncode}: {text[-3000:]}")
             if self.left() < 5:
                 raise TimeoutError("server not ready within the budget")
+            if timeout_s is not None and time.monotonic() - self.t0 > timeout_s:
+                raise TimeoutError(f"server not ready within {timeout_s:.0f} s: {text[-3000:]}")
             time.sleep(0.5)
 
     def log_lines(self, needle: str) -> list[str]:
