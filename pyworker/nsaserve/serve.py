@@ -79,6 +79,7 @@ def worker_command(args, rank: int, runtime_dir: str | None, dist_init: str | No
         f"--device={device}",
         f"--dtype={args.dtype}",
         f"--kv-cache-dtype={args.kv_cache_dtype}",
+        f"--load-format={args.load_format}",
         f"--attention-backend={args.attention_backend}",
         f"--page-size={args.page_size}",
         f"--moe-backend={args.moe_backend}",

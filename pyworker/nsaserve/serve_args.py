@@ -17,6 +17,13 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     m.add_argument("--served-model-name", default=None, help="model name the API reports and accepts (default: the directory name)")
     m.add_argument("--dtype", choices=["auto", "bfloat16", "float32"], default="auto", help="weight and activation dtype; auto = the config's torch_dtype")
     m.add_argument("--kv-cache-dtype", choices=["auto", "fp8_e4m3"], default="auto", help="KV cache storage; auto = the model dtype")
+    m.add_argument(
+        "--load-format",
+        choices=["safetensors", "random"],
+        default="safetensors",
+        help="random: weights drawn on the device by the GLM-5-shaped generator (seed 0) for the config in --model-path; "
+        "nothing is read from disk but config and tokenizer. For benchmarks.",
+    )
     m.add_argument("--context-length", type=int, default=None, help="prompt plus completion tokens at most (default: the model's own limit)")
     m.add_argument("--attention-backend", choices=["auto", "torch", "triton"], default="auto", help="sparse MLA and lightning-indexer kernels; auto = triton on CUDA for bf16/fp16 models, else torch")
     m.add_argument("--model-executor", choices=["model", "null"], default="model", help="'null' returns deterministic tokens without running a model: only for measuring the router")

@@ -1,5 +1,6 @@
-"""Load safetensors checkpoints (bf16/float32, NVFP4, block FP8) into the model, each rank reading
-only its slices.
+"""Load checkpoints (bf16/float32, NVFP4, block FP8) into the model, each rank reading only its
+slices, from a weight source (weight_source.py: the safetensors files, or tensors drawn by the
+GLM-5-shaped generator for `--load-format random`).
 
 Every tensor of the checkpoint must map to a parameter and every parameter must be filled; either
 failure is an error naming the tensors. The exceptions are the tensors the model declares ignorable
@@ -12,41 +13,15 @@ dequantised and sliced (quant_linear.py).
 
 from __future__ import annotations
 
-import glob
-import json
-import os
 import re
 
 import torch
-from safetensors import safe_open
 from tqdm import tqdm
 
 from .quant_linear import QuantLinear
+from .weight_source import SafetensorsSource, _read, checkpoint_files  # noqa: F401  (re-exported)
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
-
-
-def checkpoint_files(model_path: str) -> list[str]:
-    index = os.path.join(model_path, "model.safetensors.index.json")
-    if os.path.exists(index):
-        with open(index) as f:
-            names = sorted(set(json.load(f)["weight_map"].values()))
-        return [os.path.join(model_path, n) for n in names]
-    files = sorted(glob.glob(os.path.join(model_path, "*.safetensors")))
-    if not files:
-        raise FileNotFoundError(f"no .safetensors files in {model_path}")
-    return files
-
-
-def _read(handle, name: str, shard) -> torch.Tensor:
-    """The tensor, or only this rank's slice of it (tp_shard = (dim, start, length))."""
-    if shard is None:
-        return handle.get_tensor(name)
-    dim, start, length = shard
-    sl = handle.get_slice(name)
-    index = [slice(None)] * len(sl.get_shape())
-    index[dim] = slice(start, start + length)
-    return sl[tuple(index)]
 
 
 def _check_and_copy(name: str, t: torch.Tensor, dst: torch.Tensor) -> None:
@@ -74,23 +49,24 @@ def _dequantize_unaligned_slices(model) -> None:
             setattr(model.get_submodule(parent), attr, module.to_dense_slice())
 
 
-def load_weights(model, model_path: str, *, show_progress: bool = True) -> None:
+def load_weights(model, model_path: str | None = None, *, source=None, show_progress: bool = True) -> None:
+    """Fill `model` from `source` (default: the safetensors files in model_path). A source has
+    names() (every tensor it holds, in order) and read(name, tp_shard) (that tensor, or this rank's
+    slice of it); only tensors this rank keeps are read."""
+    if source is None:
+        source = SafetensorsSource(model_path)
     cfg = model.cfg
     targets = model.weight_targets()
     ignorable = model.ignored_tensors()
     tied = cfg.tie_word_embeddings
     filled: set[str] = set()
     unexpected: list[str] = []
-    entries = []
-    for path in checkpoint_files(model_path):
-        with safe_open(path, framework="pt") as f:
-            entries += [(path, n) for n in f.keys()]
-    names = {n for _, n in entries}
-    if tied and "lm_head.weight" not in names:
-        targets.pop("lm_head.weight")
-    handles = {}
     try:
-        for path, name in tqdm(entries, desc="Loading weights", unit="tensor", disable=not show_progress):
+        entries = source.names()
+        names = set(entries)
+        if tied and "lm_head.weight" not in names:
+            targets.pop("lm_head.weight")
+        for name in tqdm(entries, desc="Loading weights", unit="tensor", disable=not show_progress):
             m = _LAYER.match(name)
             if m and int(m.group(1)) >= cfg.num_hidden_layers:
                 continue  # MTP / NextN layer: not part of the main model
@@ -104,12 +80,10 @@ def load_weights(model, model_path: str, *, show_progress: bool = True) -> None:
             if target is None:
                 continue  # owned by another tensor-parallel rank
             param, index = target
-            if path not in handles:
-                handles[path] = safe_open(path, framework="pt")
-            t = _read(handles[path], name, getattr(param, "tp_shard", None))
+            t = source.read(name, getattr(param, "tp_shard", None))
             _check_and_copy(name, t, param.data[index] if index else param.data)
     finally:
-        handles.clear()
+        source.close()
     if unexpected:
         raise ValueError(f"unexpected tensors in checkpoint ({len(unexpected)}): {sorted(unexpected)[:20]}")
     missing = sorted(set(targets) - filled)

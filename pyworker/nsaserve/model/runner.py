@@ -16,6 +16,7 @@ from .kv_pool import KVPool, bytes_per_slot, check_kv_cache_dtype
 from .loader import load_weights
 from .model import CausalLM
 from .parallel import TPGroup
+from .weight_source import open_weight_source
 
 
 class ModelRunner:
@@ -32,7 +33,12 @@ class ModelRunner:
         tp_rank: int = 0,
         tp_size: int = 1,
         show_progress: bool = True,
+        load_format: str = "safetensors",
     ):
+        """load_format: "safetensors" reads the checkpoint in model_path; "random" draws every
+        weight on `device` with the GLM-5-shaped generator (seed 0) for model_path's config, which
+        equals the checkpoint that generator would write, with nothing read but the config
+        (weight_source.py; for benchmarks at depths whose checkpoint would not fit a disk)."""
         check_kv_cache_dtype(kv_cache_dtype)
         self.device = torch.device(device)
         self.config = load_config(model_path)
@@ -47,7 +53,8 @@ class ModelRunner:
         self.kv_cache_dtype = kv_cache_dtype
 
         self.model = CausalLM(cfg, self.tp, dtype=self.dtype, device=self.device)
-        load_weights(self.model, model_path, show_progress=show_progress and tp_rank == 0)
+        source = open_weight_source(load_format, model_path, cfg, self.device)
+        load_weights(self.model, source=source, show_progress=show_progress and tp_rank == 0)
         self.model.eval()
 
         if num_pages is None:

@@ -49,6 +49,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--kv-cache-dtype", default="auto")
+    p.add_argument(
+        "--load-format", choices=["safetensors", "random"], default="safetensors", help="see nsaserve serve --help"
+    )
     p.add_argument("--attention-backend", default="auto", help="sparse MLA + indexer kernels: auto, torch, triton")
     p.add_argument("--page-size", type=int, default=64)
     p.add_argument("--moe-backend", default="auto")

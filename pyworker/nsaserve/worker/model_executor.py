@@ -59,6 +59,7 @@ class ModelExecutor:
             mem_fraction_static=args.mem_fraction_static,
             tp_rank=args.rank,
             tp_size=args.tp_size,
+            load_format=getattr(args, "load_format", "safetensors"),
         )
         moe_backend = getattr(args, "moe_backend", "auto")
         if moe_backend == "auto":  # the Triton expert kernels read NVFP4 stacks only

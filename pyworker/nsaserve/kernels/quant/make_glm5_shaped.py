@@ -2,7 +2,7 @@
 else, as a ModelOpt export would store it (what the GLM-5 NVFP4 release quantises).
 
     python -m nsaserve.kernels.quant.make_glm5_shaped --dst DIR --moe-layers 6 [--device cuda]
-        [--dense-layers 3] [--seed 0] [--set hidden_size=256 ...] [--tiny] [--max-shard-gb 4]
+        [--dense-layers 3] [--seed 0] [--set hidden_size=256 ...] [--tiny] [--max-shard-gb 4] [--config-only]
 
 Shapes are GLM-5's (hidden 6144, 64 heads, q_lora 2048, kv_lora 512, nope/rope/v 192/64/256,
 indexer 32 x 128 with top-k 2048, 256 experts top-8 of intermediate 2048 plus one shared expert,
@@ -10,11 +10,17 @@ dense intermediate 12288, vocabulary 154880); only the depth differs: ``--dense-
 layers then ``--moe-layers`` MoE layers. ``--set key=value`` overrides any config field and
 ``--tiny`` applies TINY_OVERRIDES, a scale-down for CPU tests.
 
-Weights are drawn on ``--device`` from a seeded generator, one tensor at a time: normal with std
-1/sqrt(fan_in) for every Linear (so each projection keeps unit-scale activations), unit norms,
-embeddings of std 1, a small random router correction bias. Routed experts are drawn in bf16 and
-quantised with the repository's NVFP4 quantiser (gate and up of one expert share weight_scale_2,
-as ModelOpt exports do). Output: config.json with a ModelOpt ``quantization_config``,
+Weights are drawn on ``--device``, one tensor at a time: normal with std 1/sqrt(fan_in) for every
+Linear (so each projection keeps unit-scale activations), unit norms, embeddings of std 1, a small
+random router correction bias. Routed experts are drawn in bf16 and quantised with the
+repository's NVFP4 quantiser (gate and up of one expert share weight_scale_2, as ModelOpt exports
+do). Every tensor has its own generator, seeded from (seed, tensor name), and every routed expert
+one, seeded from (seed, layer, expert): any tensor can be drawn alone, in any order, and equals the
+written one (on the same device type). That is what ``--load-format random`` relies on
+(model/weight_source.py): each rank draws the tensors it owns on its own GPU, no checkpoint on
+disk. ``--config-only`` writes the model directory for it: config and tokenizer, no tensors.
+
+Output: config.json with a ModelOpt ``quantization_config``,
 hf_quant_config.json, sharded safetensors with an index, and a generated tokenizer: the embedded
 model's byte-level BPE widened to the vocabulary size with plain word tokens (every id decodes;
 benchmarks send token ids, so nothing needs to encode to the added ones).
@@ -27,6 +33,7 @@ import json
 import os
 import shutil
 import time
+import zlib
 from pathlib import Path
 
 import torch
@@ -34,7 +41,7 @@ import torch
 from .checkpoint_io import ShardedWriter
 from .make_checkpoint import _quantization_config
 from .nvfp4 import nvfp4_global_scale, quantize_nvfp4
-from .precision import ALWAYS_BF16
+from .precision import ALWAYS_BF16, BF16, NVFP4
 
 EMBEDDED_MODEL = Path(__file__).resolve().parents[2] / "embedded_model"
 
@@ -227,7 +234,75 @@ def dense_tensor_shapes(cfg: dict) -> list[tuple[str, list[int], str]]:
                 (m + "shared_experts.up_proj.weight", [inter, H], "linear"),
                 (m + "shared_experts.down_proj.weight", [H, inter], "linear"),
             ]
-    out += [("model.norm.weight", [H], "ones"), ("lm_head.weight", [V, H], "linear")]
+    out.append(("model.norm.weight", [H], "ones"))
+    if not cfg.get("tie_word_embeddings"):  # tied: the checkpoint has no lm_head
+        out.append(("lm_head.weight", [V, H], "linear"))
+    return out
+
+
+def tensor_layout(cfg: dict) -> list[tuple[str, list[int], str] | int]:
+    """The checkpoint in file order: dense_tensor_shapes' entries, and after each MoE layer's
+    shared-expert tensors that layer's index, standing for all its routed experts."""
+    if "sparse" in cfg["mlp_layer_types"] and not cfg["n_shared_experts"]:
+        raise ValueError("n_shared_experts = 0 is not supported by the GLM-5-shaped generator")
+    out = []
+    for entry in dense_tensor_shapes(cfg):
+        out.append(entry)
+        if entry[0].endswith("shared_experts.down_proj.weight"):
+            out.append(int(entry[0].split(".")[2]))
+    return out
+
+
+def tensor_seed(seed: int, key: str) -> int:
+    """The generator seed of one tensor (key = its name) or one expert: a stable function of both
+    (crc32, never Python's per-process salted hash()), so every process draws the same values."""
+    return zlib.crc32(f"{seed}:{key}".encode())
+
+
+def _generator(seed: int, key: str, device) -> torch.Generator:
+    return torch.Generator(device=device).manual_seed(tensor_seed(seed, key))
+
+
+def draw_tensor(name: str, shape: list[int], kind: str, seed: int, device) -> torch.Tensor:
+    """One tensor of dense_tensor_shapes, drawn alone from its own generator."""
+    return _draw(shape, kind, _generator(seed, name, device), device)
+
+
+def expert_tensor_names(layer: int, expert: int, precision: str = NVFP4) -> list[str]:
+    """The tensors one routed expert has on disk, in file order: per part its weight, and for
+    NVFP4 its two scales and the (unused by W4A16) input_scale."""
+    suffixes = (".weight", ".weight_scale", ".weight_scale_2", ".input_scale") if precision == NVFP4 else (".weight",)
+    prefix = f"model.layers.{layer}.mlp.experts.{expert}."
+    return [prefix + part + s for part in EXPERT_PARTS for s in suffixes]
+
+
+def draw_expert(cfg: dict, layer: int, expert: int, seed: int, device, precision: str = NVFP4) -> dict:
+    """name -> tensor for every tensor of one routed expert (expert_tensor_names order), from one
+    generator seeded by (seed, layer, expert): gate+up drawn as one [2I, H] block, then down.
+    NVFP4 (what the generator writes) or BF16 (the same draw, stored as a bf16 checkpoint would)."""
+    if precision not in (NVFP4, BF16):
+        raise ValueError(f"routed experts can be drawn as {NVFP4} or {BF16}, not {precision}")
+    H, inter = cfg["hidden_size"], cfg["moe_intermediate_size"]
+    gen = _generator(seed, f"model.layers.{layer}.mlp.experts.{expert}", device)
+    prefix = f"model.layers.{layer}.mlp.experts.{expert}."
+    gate_up = (torch.randn([2 * inter, H], generator=gen, device=device) * H**-0.5).to(torch.bfloat16)
+    down = (torch.randn([H, inter], generator=gen, device=device) * inter**-0.5).to(torch.bfloat16)
+    rows = {"gate_proj": slice(0, inter), "up_proj": slice(inter, None), "down_proj": slice(None)}
+    out = {}
+    if precision == BF16:
+        for part, w in (("gate_proj", gate_up), ("up_proj", gate_up), ("down_proj", down)):
+            out[prefix + part + ".weight"] = w[rows[part]].clone()
+        return out
+    # gate and up share one global scale (fused gate-up kernels apply one); quantising them
+    # as one [2I, H] tensor gives exactly that, and rows split back without touching scales.
+    q13 = quantize_nvfp4(gate_up, nvfp4_global_scale(gate_up))
+    q2 = quantize_nvfp4(down)
+    for part, q in (("gate_proj", q13), ("up_proj", q13), ("down_proj", q2)):
+        # clone: slices (and the shared scale) must not share storage in one safetensors file
+        out[prefix + part + ".weight"] = q.weight[rows[part]].clone()
+        out[prefix + part + ".weight_scale"] = q.weight_scale[rows[part]].clone()
+        out[prefix + part + ".weight_scale_2"] = q.weight_scale_2.clone()
+        out[prefix + part + ".input_scale"] = torch.ones((), dtype=torch.float32, device=device)
     return out
 
 
@@ -240,26 +315,6 @@ def _draw(shape: list[int], kind: str, gen: torch.Generator, device) -> torch.Te
         return 0.01 * torch.randn(shape, generator=gen, dtype=torch.float32, device=device)
     std = 1.0 if kind == "embed" else shape[-1] ** -0.5
     return (torch.randn(shape, generator=gen, dtype=torch.float32, device=device) * std).to(torch.bfloat16)
-
-
-def _write_experts(writer: ShardedWriter, cfg: dict, layer: int, gen: torch.Generator, device) -> None:
-    """Every routed expert of one layer, drawn in bf16 and written as NVFP4 (+ input_scale)."""
-    H, inter = cfg["hidden_size"], cfg["moe_intermediate_size"]
-    for e in range(cfg["n_routed_experts"]):
-        prefix = f"model.layers.{layer}.mlp.experts.{e}."
-        gate_up = (torch.randn([2 * inter, H], generator=gen, device=device) * H**-0.5).to(torch.bfloat16)
-        down = (torch.randn([H, inter], generator=gen, device=device) * inter**-0.5).to(torch.bfloat16)
-        # gate and up share one global scale (fused gate-up kernels apply one); quantising them
-        # as one [2I, H] tensor gives exactly that, and rows split back without touching scales.
-        q13 = quantize_nvfp4(gate_up, nvfp4_global_scale(gate_up))
-        q2 = quantize_nvfp4(down)
-        for part, rows, q in (("gate_proj", slice(0, inter), q13), ("up_proj", slice(inter, None), q13),
-                              ("down_proj", slice(None), q2)):  # fmt: skip
-            # clone: slices (and the shared scale) must not share storage in one safetensors file
-            writer.add(prefix + part + ".weight", q.weight[rows].clone())
-            writer.add(prefix + part + ".weight_scale", q.weight_scale[rows].clone())
-            writer.add(prefix + part + ".weight_scale_2", q.weight_scale_2.clone())
-            writer.add(prefix + part + ".input_scale", torch.ones((), dtype=torch.float32))
 
 
 def write_tokenizer(dst: str, vocab_size: int) -> None:
@@ -300,6 +355,37 @@ def _numel(shape) -> int:
     return n
 
 
+def write_model_files(dst: str, cfg: dict) -> None:
+    """Everything of the model directory but the tensors: config.json with the ModelOpt
+    quantization_config, hf_quant_config.json and the tokenizer files."""
+    # Every Linear outside the routed experts is bf16: name them the way the release does
+    # (ALWAYS_BF16 + globs for attention, dense MLPs and shared experts).
+    ignore = list(ALWAYS_BF16) + ["*self_attn*", "*shared_experts*"]
+    ignore += [f"model.layers.{i}.mlp" for i, t in enumerate(cfg["mlp_layer_types"]) if t == "dense"]
+    qc, hf = _quantization_config("nvfp4", ignore)
+    os.makedirs(dst, exist_ok=True)
+    with open(os.path.join(dst, "config.json"), "w") as f:
+        json.dump(cfg | {"quantization_config": qc}, f, indent=2)
+    with open(os.path.join(dst, "hf_quant_config.json"), "w") as f:
+        json.dump(hf, f, indent=2)
+    write_tokenizer(dst, cfg["vocab_size"])
+
+
+def _refuse_existing_checkpoint(dst: str) -> None:
+    if os.path.isdir(dst) and any(n.endswith(".safetensors") for n in os.listdir(dst)):
+        raise FileExistsError(f"{dst} already holds a checkpoint")
+
+
+def make_glm5_config_dir(dst: str, moe_layers: int, dense_layers: int = 3, *, overrides: dict | None = None) -> dict:
+    """The model directory without tensors (for ``--load-format random``, which draws them on the
+    workers' devices); returns the config written."""
+    _refuse_existing_checkpoint(dst)
+    cfg = glm5_config(moe_layers, dense_layers, overrides)
+    tensor_layout(cfg)  # a config the generator cannot draw fails here, not at serve time
+    write_model_files(dst, cfg)
+    return cfg
+
+
 def make_glm5_shaped(
     dst: str,
     moe_layers: int,
@@ -312,37 +398,30 @@ def make_glm5_shaped(
     progress: bool = False,
 ) -> dict:
     """Write the checkpoint to `dst` (must not hold one); returns the config written."""
-    if os.path.isdir(dst) and any(n.endswith(".safetensors") for n in os.listdir(dst)):
-        raise FileExistsError(f"{dst} already holds a checkpoint")
+    _refuse_existing_checkpoint(dst)
     cfg = glm5_config(moe_layers, dense_layers, overrides)
     os.makedirs(dst, exist_ok=True)
     need = checkpoint_bytes_estimate(cfg)
     free = shutil.disk_usage(dst).free
     if need > free:
         raise OSError(f"{dst}: the checkpoint needs {need / 1e9:.1f} GB, {free / 1e9:.1f} GB free")
-    gen = torch.Generator(device=device).manual_seed(seed)
+    layout = tensor_layout(cfg)
     writer = _BackgroundShardWriter(dst, max_shard_bytes)
     t0 = time.perf_counter()
     with torch.no_grad():
-        for name, shape, kind in dense_tensor_shapes(cfg):
-            writer.add(name, _draw(shape, kind, gen, device))
-            if name.endswith("shared_experts.down_proj.weight"):
-                layer = int(name.split(".")[2])
-                _write_experts(writer, cfg, layer, gen, device)
-                if progress:
-                    print(f"layer {layer}: experts written, {writer.total_bytes / 1e9:.1f} GB, "
-                          f"{time.perf_counter() - t0:.1f} s", flush=True)  # fmt: skip
+        for entry in layout:
+            if not isinstance(entry, int):
+                name, shape, kind = entry
+                writer.add(name, draw_tensor(name, shape, kind, seed, device))
+                continue
+            for e in range(cfg["n_routed_experts"]):
+                for name, t in draw_expert(cfg, entry, e, seed, device).items():
+                    writer.add(name, t)
+            if progress:
+                print(f"layer {entry}: experts written, {writer.total_bytes / 1e9:.1f} GB, "
+                      f"{time.perf_counter() - t0:.1f} s", flush=True)  # fmt: skip
     writer.close()
-    # Every Linear outside the routed experts is bf16: name them the way the release does
-    # (ALWAYS_BF16 + globs for attention, dense MLPs and shared experts).
-    ignore = list(ALWAYS_BF16) + ["*self_attn*", "*shared_experts*"]
-    ignore += [f"model.layers.{i}.mlp" for i, t in enumerate(cfg["mlp_layer_types"]) if t == "dense"]
-    qc, hf = _quantization_config("nvfp4", ignore)
-    with open(os.path.join(dst, "config.json"), "w") as f:
-        json.dump(cfg | {"quantization_config": qc}, f, indent=2)
-    with open(os.path.join(dst, "hf_quant_config.json"), "w") as f:
-        json.dump(hf, f, indent=2)
-    write_tokenizer(dst, cfg["vocab_size"])
+    write_model_files(dst, cfg)
     if progress:
         print(f"wrote {writer.total_bytes / 1e9:.2f} GB to {dst} in {time.perf_counter() - t0:.1f} s", flush=True)
     return cfg
@@ -372,8 +451,16 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--set", action="append", default=[], metavar="KEY=JSON", help="override a config field")
     p.add_argument("--max-shard-gb", type=float, default=4.0, help="largest output shard in GiB")
     p.add_argument("--quiet", action="store_true")
+    p.add_argument(
+        "--config-only",
+        action="store_true",
+        help="write config and tokenizer but no tensors: a model directory for `serve --load-format random`",
+    )
     args = p.parse_args(argv)
     overrides = (dict(TINY_OVERRIDES) if args.tiny else {}) | _parse_set(args.set)
+    if args.config_only:
+        make_glm5_config_dir(args.dst, args.moe_layers, args.dense_layers, overrides=overrides)
+        return
     make_glm5_shaped(
         args.dst,
         args.moe_layers,
