@@ -87,6 +87,8 @@ def worker_command(args, rank: int, runtime_dir: str | None, dist_init: str | No
         f"--seed={args.random_seed}",
     ]
     cmd.append(f"--cuda-graph-max-bs={args.cuda_graph_max_bs}")
+    if args.cuda_graph_bs:
+        cmd.append("--cuda-graph-bs=" + ",".join(str(b) for b in args.cuda_graph_bs))
     if args.cuda_graph_max_context:
         cmd.append(f"--cuda-graph-max-context={args.cuda_graph_max_context}")
     if args.disable_cuda_graph:

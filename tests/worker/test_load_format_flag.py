@@ -38,3 +38,9 @@ def test_a_random_worker_serves_a_config_only_directory(tmp_path):
     args.model_path, args.load_format = ckpt, "safetensors"
     written = ModelExecutor.from_args(args).runner.model.state_dict()
     assert all(torch.equal(random_weights[k], written[k]) for k in written)
+
+
+def test_cuda_graph_batch_sizes_travel_to_every_worker():
+    assert worker_args([], "m").cuda_graph_bs is None
+    got = [worker_args(["--cuda-graph-bs", "1", "8", "64", "512"], "m", r).cuda_graph_bs for r in (0, 1)]
+    assert got == [[1, 8, 64, 512]] * 2

@@ -106,17 +106,20 @@ class _Graph:
 class DecodeGraphs:
     """Captures decode graphs for a ModelRunner and replays them (see the module docstring)."""
 
-    def __init__(self, runner, max_bs: int, max_len: int | None = None, log=print, capture: bool | None = None):
+    def __init__(self, runner, max_bs: int, max_len: int | None = None, log=print, capture: bool | None = None,
+                 bs_list: list[int] | None = None):  # fmt: skip
         """max_len: the longest context a graph covers (default the model's); longer contexts
         run eagerly. Every context bucket multiplies the graphs captured.
         capture=False (the default off CUDA) builds no graphs: run() then executes the same static
-        batch eagerly, which is how CPU tests check the padded layout and buffers."""
+        batch eagerly, which is how CPU tests check the padded layout and buffers.
+        bs_list: the batch buckets to capture instead of batch_buckets(max_bs); max_bs is then
+        its largest."""
         self.runner = runner
         self.ps = runner.page_size
         self.scratch_page = runner.pool.scratch_page
-        self.max_bs = max_bs
+        self.bs_buckets = sorted(set(bs_list)) if bs_list else batch_buckets(max_bs)
+        self.max_bs = max_bs = self.bs_buckets[-1]
         lens = len_buckets(min(max_len or runner.max_context, runner.max_context), self.ps)
-        self.bs_buckets = batch_buckets(max_bs)
         self.len_buckets = lens
         self.max_len = lens[-1]
         words = max_bs * (4 + lens[-1] // self.ps)

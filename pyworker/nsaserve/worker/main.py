@@ -60,9 +60,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-context", type=int, default=None)
     p.add_argument("--disable-cuda-graph", action="store_true")
     p.add_argument("--cuda-graph-max-bs", type=int, default=256)
+    p.add_argument("--cuda-graph-bs", type=_sizes, default=None, help="comma-separated batch sizes (overrides max-bs)")
     p.add_argument("--cuda-graph-max-context", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
+
+
+def _sizes(text: str) -> list[int]:
+    sizes = [int(x) for x in text.split(",") if x]
+    if not sizes or min(sizes) < 1:
+        raise argparse.ArgumentTypeError(f"batch sizes must be positive integers, got {text!r}")
+    return sizes
 
 
 def die_with_parent() -> None:

@@ -123,7 +123,9 @@ def decode_graphs(runner, args):
     if blockers:
         log("CUDA graphs off: " + "; ".join(blockers))
         return None
-    return DecodeGraphs(runner, args.cuda_graph_max_bs, getattr(args, "cuda_graph_max_context", None), log=log)
+    sizes = getattr(args, "cuda_graph_bs", None)
+    max_bs = max(sizes) if sizes else args.cuda_graph_max_bs
+    return DecodeGraphs(runner, max_bs, getattr(args, "cuda_graph_max_context", None), log=log, bs_list=sizes)
 
 
 def _has_nvfp4_experts(runner) -> bool:
