@@ -120,6 +120,51 @@ def test_roofline_counts_the_checkpoint_bytes(ckpt):
     assert b["total"] == b["weights"] + b["experts"] + b["kv"]
 
 
+def test_roofline_of_a_config_only_dir_and_per_rank_under_tp(ckpt, tmp_path):
+    """A config-only directory (weights drawn at load) counts the generator's bytes, the same as
+    the checkpoint's; under tp 2 one rank reads half of the split tensors and of the experts and
+    all of the replicated ones and of the KV."""
+    from glm5_roofline import DecodeRoofline
+
+    from nsaserve.kernels.quant.make_glm5_shaped import make_glm5_config_dir
+
+    cfg_only = str(tmp_path / "cfg")
+    make_glm5_config_dir(cfg_only, moe_layers=2, dense_layers=3, overrides=TINY_OVERRIDES)
+    full, drawn = DecodeRoofline(ckpt), DecodeRoofline(cfg_only)
+    assert (drawn.fixed_bytes, drawn.expert_bytes) == (full.fixed_bytes, full.expert_bytes)
+    half = DecodeRoofline(cfg_only, tp=2)
+    c = TINY_OVERRIDES
+    H, V, heads = c["hidden_size"], c["vocab_size"], c["num_attention_heads"]
+    split = V * H + 5 * heads * (c["v_head_dim"] * H)  # lm_head and the o_proj of 5 layers, among others
+    assert full.fixed_bytes / 2 < half.fixed_bytes < full.fixed_bytes - split  # replicated parts stay whole
+    b1, b2 = full.step_bytes(8, 900, 300), half.step_bytes(8, 900, 300)
+    assert b2["experts"] == pytest.approx(b1["experts"] / 2) and b2["kv"] == b1["kv"]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("nsaserve._router") is None, reason="router extension not built")
+def test_sweep_driver_at_tp2_with_random_weights_on_cpu(tmp_path):
+    """--tp 2 --random-weights: a config-only directory, two ranks drawing their weights at load,
+    5 requests end to end, the per-rank roofline and the tp target in the results."""
+    out = tmp_path / "out"
+    cmd = [sys.executable, str(GPU_BENCH / "glm5_sweep.py"), "--out", str(out), "--device", "cpu", "--tiny",
+           "--random-weights", "--tp", "2", "--moe-layers", "2", "--model-path", str(tmp_path / "cfg"),
+           "--phases", "sweep,compare", "--levels", "5", "--input-len", "40", "--output-len", "4", "--prefill-probes", "0",
+           "--budget-s", "100", "--serve-arg=--max-total-tokens=4096"]  # fmt: skip
+    here = str(Path(nsaserve.__file__).resolve().parent.parent)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([here, os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=150, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    doc = json.loads((out / "results.json").read_text())
+    assert not any(n.endswith(".safetensors") for n in os.listdir(tmp_path / "cfg"))
+    assert "--tp 2" in doc["serve_command"] and "--load-format random" in doc["serve_command"]
+    (level,) = doc["phases"]["sweep"]
+    assert (level["bench"]["summary"]["completed"], level["bench"]["summary"]["failed"]) == (5, 0)
+    assert level["decode"]["decode_steps"] >= 1 and level["decode"]["roofline_ms_median"] > 0
+    assert doc["checkpoint"]["random_weights"] and doc["machine"]["tp"] == 2
+    assert "total_tok_s_at_1024_at_least_15000" in doc["targets"]  # not measured here: no level 1024
+    assert any("compare" in s for s in doc["skipped"])  # transformers needs the weights on disk
+
+
 @pytest.mark.skipif(importlib.util.find_spec("nsaserve._router") is None, reason="router extension not built")
 def test_sweep_driver_serves_and_benches_on_cpu(ckpt, tmp_path):
     """The whole harness on CPU: serve the tiny checkpoint, a warm-up, then 10 requests (2 waves)
