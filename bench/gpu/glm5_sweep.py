@@ -335,6 +335,9 @@ def phase_compare(run: Run, model_path: str) -> None:
                                                      "batch": a.compare_batch, "input_len": a.compare_input_len,
                                                      "output_len": a.compare_output_len})  # fmt: skip
     flags = random_flags(a.compare_batch, a.compare_batch, a.compare_input_len, a.compare_output_len, 1.0)
+    # A full batch of warm-up requests first, not measured: first-use kernel compilation at these
+    # shapes (transformers gets a warm-up generate too).
+    flags += ["--warmup-requests", str(a.compare_batch)]
     server = start_server(run, view, "compare", a.compare_batch)
     try:
         server.wait_ready()

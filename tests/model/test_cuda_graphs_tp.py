@@ -6,6 +6,8 @@ both ranks and equal to one rank alone. On two or more GPUs (NCCL): the captured
 all-reduces and the logits all-gather inside, replay to the eager logits on both ranks.
 """
 
+import datetime
+import faulthandler
 import os
 
 import pytest
@@ -24,21 +26,36 @@ STEPS, SEED = 6, 11
 
 
 def _rank(rank, path, port, out_dir, cuda):
+    # A rank stuck in a collective (its peer failed) prints where it is and exits, so the test
+    # fails with the reason instead of hanging.
+    faulthandler.dump_traceback_later(float(os.environ.get("NSASERVE_TEST_HANG_S", "120")), exit=True)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     if cuda:
         torch.cuda.set_device(rank)
-    dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=2)
+    timeout = datetime.timedelta(seconds=60)
+    dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=2, timeout=timeout)
     try:
         r = graph_runner(path, f"cuda:{rank}" if cuda else "cpu", backends=GRAPH_SAFE, tp_rank=rank, tp_size=2)
         reasons = " ".join(graph_blockers(r))
         assert reasons == "" if cuda else "only NCCL collectives are captured" in reasons, reasons
+        print(f"rank {rank}: model loaded, capturing", flush=True)
         graphs = DecodeGraphs(r, max_bs=8, log=lambda m: None)
+        print(f"rank {rank}: captured {sum(g.graph is not None for g in graphs.graphs.values())} graphs", flush=True)
         logits = compare_graph_to_eager(r, graphs, steps=STEPS, exact=True, seed=SEED)
         assert graphs.replays == (STEPS if cuda else 0)
         torch.save(logits, os.path.join(out_dir, f"rank{rank}.pt"))
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()  # before a peer waiting in a collective is torn down
+        raise
     finally:
-        dist.destroy_process_group()
+        # NCCL: no destroy_process_group. Tearing the communicator down while captured graphs
+        # still reference it hangs (seen on two H200s after every check had passed); the process
+        # exit releases it.
+        if not cuda:
+            dist.destroy_process_group()
 
 
 @pytest.mark.parametrize(
