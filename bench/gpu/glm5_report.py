@@ -25,8 +25,14 @@ def report(doc: dict, title: str) -> str:
         f"Command: `{doc['command']}` (elapsed {doc.get('elapsed_s')} s).",
         f"Server: `{doc.get('serve_command', 'n/a')}`.",
         f"Checkpoint: {ck.get('dense_layers')} dense + {ck.get('moe_layers')} MoE layers at GLM-5 shapes, NVFP4 routed "
-        f"experts, bf16 elsewhere, random weights ({ck.get('size_gb')} GB, "
-        f"{'reused' if ck.get('reused') else 'generated in ' + str(ck.get('generate_s')) + ' s'}, at {ck.get('path')}).",
+        f"experts, bf16 elsewhere, random weights "
+        + (
+            f"drawn on every rank's GPU at load (--load-format random: the generator's tensors, about "
+            f"{ck.get('estimated_gb')} GB in all, nothing on disk; config at {ck.get('path')})."
+            if ck.get("random_weights")
+            else f"({ck.get('size_gb')} GB, "
+            f"{'reused' if ck.get('reused') else 'generated in ' + str(ck.get('generate_s')) + ' s'}, at {ck.get('path')})."
+        ),
         f"Server ready in {p.get('serve', {}).get('ready_s')} s: {p.get('serve', {}).get('ready_line', '')}; "
         f"GPU memory after load: {p.get('serve', {}).get('gpu_memory')}.",
         f"Load: random {params['input_len']} in / {params['output_len']} out, range ratio {params['range_ratio']} "
@@ -38,7 +44,14 @@ def report(doc: dict, title: str) -> str:
         f"(uniform routing) + KV ({roof.get('latent_row_bytes')} B latent rows selected, {roof.get('index_row_bytes')} B "
         f"indexer keys of the whole context), divided by the device copy bandwidth measured in the same run "
         f"({doc.get('bandwidth_tb_s')} TB/s, read + write). Step times: the worker's step log, decode-only steps "
-        f"with at least 90% of the level's requests (all decode steps when none).",
+        f"with at least 90% of the level's requests (all decode steps when none)."
+        + (
+            f" Tensor parallel over {doc['machine']['tp']} GPUs: the roofline is one rank's bytes (split tensors "
+            "1/tp, the rank's share of the experts, replicated attention inputs, indexer and KV in full) over one "
+            "GPU's bandwidth; the all-reduces are not in it."
+            if doc.get("machine", {}).get("tp", 1) > 1
+            else ""
+        ),
         "",
         summary_table(doc),
         "",
