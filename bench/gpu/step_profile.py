@@ -1,0 +1,244 @@
+"""Where one step's time goes, per kernel family, at any tensor-parallel size.
+
+Every rank builds the worker's own executor (ModelExecutor.from_args: the same backends, KV cache
+and decode graphs as `nsaserve serve`), then runs synthetic steps through it: decode batches of B
+requests with C tokens of context each (graph replay when a graph fits, and eagerly), and a
+prefill of R prompts of L tokens. Each scenario is timed over --steps steps (median), then run once
+more under torch.profiler; rank 0 groups the device kernels into families (routed experts, sparse
+MLA, indexer, top-k, GEMMs, NCCL, norms/RoPE, KV stores, sampling, other) and writes the table.
+KV contents are whatever the pool holds (zeros): timing, not output, is the point.
+
+    python bench/gpu/step_profile.py --model-path DIR [--load-format random] --tp 4 \\
+        --decode 64x1400,512x1400 --prefill 16x1024 --out OUT/prof [worker flags after --]
+
+Writes OUT/profile.json and OUT/profile.md; prints the markdown table last. On CPU (gloo) it runs
+the same code for a functional check; the families then hold CPU operators.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import socket
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+FAMILIES = [
+    ("nccl", r"nccl|all_reduce|allreduce|all_gather|allgather|reduce_scatter"),
+    ("moe_experts", r"moe|w4a16|expert"),
+    ("sparse_mla", r"sparse_mla|mla|flash"),
+    ("indexer", r"indexer|index_score|fold"),
+    ("topk", r"topk|top_k|radix_select|bitonic"),
+    ("gemm", r"gemm|nvjet|cutlass|xmma|sm90_|cublas|matmul|addmm|^aten::mm|linear"),
+    ("norm_rope", r"norm|rope|rotary"),
+    ("kv_store", r"kv_store|store|quant"),
+    ("sampling", r"sort|argmax|exponential|gumbel|softmax|multinomial|sampl"),
+]
+
+
+def family(name: str) -> str:
+    low = name.lower()
+    for fam, pattern in FAMILIES:
+        if re.search(pattern, low):
+            return fam
+    return "other"
+
+
+def parse_shapes(text: str) -> list[tuple[int, int]]:
+    """"64x1400,512x1400" -> [(64, 1400), (512, 1400)]."""
+    out = []
+    for item in filter(None, text.split(",")):
+        a, _, b = item.partition("x")
+        out.append((int(a), int(b)))
+    return out
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model-path", required=True)
+    p.add_argument("--load-format", default="safetensors", choices=["safetensors", "random"])
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    p.add_argument("--kv-cache-dtype", default="fp8_e4m3")
+    p.add_argument("--page-size", type=int, default=64)
+    p.add_argument("--decode", default="64x1400", help="decode scenarios, BATCHxCONTEXT, comma-separated")
+    p.add_argument("--prefill", default="16x1024", help="prefill scenarios, PROMPTSxLENGTH, comma-separated")
+    p.add_argument("--steps", type=int, default=5, help="timed steps per scenario (median reported)")
+    p.add_argument("--top", type=int, default=12, help="kernels listed per scenario")
+    p.add_argument("--out", required=True)
+    p.add_argument("worker_flags", nargs="*", help="after --: extra worker flags (e.g. --attention-backend torch)")
+    return p.parse_args(argv)
+
+
+def _pages_needed(a) -> int:
+    ps = a.page_size
+    need = [b * -(-(c + 2) // ps) for b, c in parse_shapes(a.decode)]
+    need += [r * -(-(n + 1) // ps) for r, n in parse_shapes(a.prefill)]
+    return max(need + [1]) + 8
+
+
+def _plans(a, vocab: int):
+    """(name, kind, plan) for every scenario; request pages laid out one after another."""
+    from nsaserve.protocol.builder import RequestSpec, build_plan
+
+    ps, g = a.page_size, torch.Generator().manual_seed(0)
+    out = []
+    for b, c in parse_shapes(a.decode):
+        per = -(-(c + 1) // ps)
+        reqs = [RequestSpec(i, [int(torch.randint(vocab, (1,), generator=g))], c, list(range(i * per, (i + 1) * per)))
+                for i in range(b)]  # fmt: skip
+        out.append((f"decode {b}x{c}", "decode", build_plan(1, ps, reqs)))
+    for r, n in parse_shapes(a.prefill):
+        per = -(-(n + 1) // ps)
+        reqs = [RequestSpec(i, torch.randint(vocab, (n,), generator=g).tolist(), 0, list(range(i * per, (i + 1) * per)))
+                for i in range(r)]  # fmt: skip
+        out.append((f"prefill {r}x{n}", "prefill", build_plan(1, ps, reqs)))
+    return out
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _time(executor, plan, device, steps: int, is_rank0: bool) -> list[float]:
+    ms = []
+    for _ in range(steps + 2):  # two warm-ups
+        _sync(device)
+        t = time.perf_counter()
+        executor.run(plan, is_rank0=is_rank0)
+        _sync(device)
+        ms.append((time.perf_counter() - t) * 1e3)
+    return ms[2:]
+
+
+def _profile(executor, plan, device, is_rank0: bool, top: int) -> dict:
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=acts) as prof:
+        executor.run(plan, is_rank0=is_rank0)
+        _sync(device)
+    cuda = device.type == "cuda"
+    rows = []
+    for e in prof.key_averages():
+        us = (getattr(e, "self_device_time_total", 0) or getattr(e, "self_cuda_time_total", 0)) if cuda else e.self_cpu_time_total
+        if us > 0 and (not cuda or e.device_type == torch.autograd.DeviceType.CUDA):
+            rows.append((e.key, us / 1e3, e.count))
+    if not cuda:  # CPU: keep leaf-ish operators only (aten ops), not the Python frames around them
+        rows = [r for r in rows if r[0].startswith("aten::")]
+    fams: dict[str, float] = {}
+    for name, ms, _ in rows:
+        fams[family(name)] = fams.get(family(name), 0.0) + ms
+    rows.sort(key=lambda r: -r[1])
+    return {
+        "families_ms": dict(sorted(fams.items(), key=lambda kv: -kv[1])),
+        "kernels_total_ms": sum(r[1] for r in rows),
+        "top": [{"name": n[:120], "ms": round(ms, 4), "calls": c, "family": family(n)} for n, ms, c in rows[:top]],
+    }
+
+
+def _rank(rank: int, a, port: int) -> None:
+    from nsaserve.worker.distributed import init_distributed
+    from nsaserve.worker.main import parse_args as worker_args
+    from nsaserve.worker.model_executor import ModelExecutor
+
+    flags = [f"--rank={rank}", f"--tp-size={a.tp}", f"--model-path={a.model_path}", f"--device={a.device}",
+             f"--kv-cache-dtype={a.kv_cache_dtype}", f"--page-size={a.page_size}", f"--load-format={a.load_format}",
+             f"--num-pages={_pages_needed(a)}", f"--dist-init-method=tcp://127.0.0.1:{port}"]  # fmt: skip
+    decode = parse_shapes(a.decode)
+    if decode:  # one graph per decode scenario, so the graph and eager timings cover the same steps
+        flags.append("--cuda-graph-bs=" + ",".join(str(b) for b, _ in decode))
+        flags.append(f"--cuda-graph-max-context={max(c for _, c in decode) + 1}")
+    args = worker_args(flags + list(a.worker_flags))
+    if a.tp > 1:
+        init_distributed(args)
+    elif a.device == "cuda":
+        torch.cuda.set_device(0)
+    executor = ModelExecutor.from_args(args)
+    device = executor.device
+    is_rank0 = rank == 0
+    results = []
+    for name, kind, plan in _plans(a, executor.vocab_size):
+        entry = {"scenario": name}
+        graphs = executor.graphs
+        if kind == "decode" and graphs is not None and graphs.fits(plan):
+            entry["graph_ms"] = _time(executor, plan, device, a.steps, is_rank0)
+            entry["graph_profile"] = _profile(executor, plan, device, is_rank0, a.top)
+            executor.graphs = None  # the same steps eagerly
+            entry["eager_ms"] = _time(executor, plan, device, a.steps, is_rank0)
+            entry["eager_profile"] = _profile(executor, plan, device, is_rank0, a.top)
+            executor.graphs = graphs
+        else:
+            entry["eager_ms"] = _time(executor, plan, device, a.steps, is_rank0)
+            entry["eager_profile"] = _profile(executor, plan, device, is_rank0, a.top)
+        results.append(entry)
+    if is_rank0:
+        doc = {
+            "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "command": " ".join(sys.argv),
+            "machine": {
+                "gpu": torch.cuda.get_device_name(0) if a.device == "cuda" else "none (cpu)",
+                "tp": a.tp,
+                "torch": torch.__version__,
+            },
+            "backends": dict(executor.runner.model.backends),
+            "graphs": graphs is not None,
+            "scenarios": results,
+        }
+        out = Path(a.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "profile.json").write_text(json.dumps(doc, indent=2) + "\n")
+        (out / "profile.md").write_text(markdown(doc))
+
+
+def markdown(doc: dict) -> str:
+    lines = [f"# Step profile ({doc['machine']}, {doc['date']})", "", f"Command: `{doc['command']}`", "",
+             f"Backends: {doc['backends']}", ""]  # fmt: skip
+    fams = [f for f, _ in FAMILIES] + ["other"]
+    head = "| scenario | path | step ms (median) | kernels ms | " + " | ".join(fams) + " |"
+    lines += [head, "|" + "---|" * (4 + len(fams))]
+    for s in doc["scenarios"]:
+        for path in ("graph", "eager"):
+            if f"{path}_ms" not in s:
+                continue
+            p = s[f"{path}_profile"]
+            cells = [f"{p['families_ms'].get(f, 0.0):.2f}" for f in fams]
+            lines.append(f"| {s['scenario']} | {path} | {statistics.median(s[f'{path}_ms']):.2f} | "
+                         f"{p['kernels_total_ms']:.2f} | " + " | ".join(cells) + " |")  # fmt: skip
+    for s in doc["scenarios"]:
+        for path in ("graph", "eager"):
+            if f"{path}_profile" in s:
+                lines += ["", f"Top kernels, {s['scenario']} ({path}):", ""]
+                lines += [f"- {k['ms']:.3f} ms x{k['calls']} [{k['family']}] `{k['name']}`" for k in s[f"{path}_profile"]["top"]]
+    return "\n".join(lines) + "\n"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main(argv=None) -> int:
+    a = parse_args(argv)
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    port = _free_port()
+    if a.tp == 1:
+        _rank(0, a, port)
+    else:
+        import torch.multiprocessing as mp
+
+        mp.spawn(_rank, args=(a, port), nprocs=a.tp, join=True)
+    print((Path(a.out) / "profile.md").read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,45 @@
+"""bench/gpu/step_profile.py on CPU at tp 2 (gloo): the worker's own executor runs the synthetic
+decode and prefill steps, the profile groups operators into families, and the report is written."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import nsaserve
+from nsaserve.kernels.quant.make_glm5_shaped import TINY_OVERRIDES, make_glm5_config_dir
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "bench" / "gpu"))
+
+
+def test_family_names():
+    from step_profile import family
+
+    assert family("ncclDevKernel_AllReduce_Sum_bf16_RING_LL") == "nccl"
+    assert family("_moe_gate_up_w4a16_kernel") == "moe_experts"
+    assert family("_sparse_mla_decode_kernel") == "sparse_mla"
+    assert family("nvjet_tst_128x64_64x4_1x2_h_bz_coopA_NNT") == "gemm"
+    assert family("_rmsnorm_residual_kernel") == "norm_rope"
+    assert family("something_new") == "other"
+
+
+def test_profiles_decode_and_prefill_at_tp2_on_cpu(tmp_path):
+    cfg = tmp_path / "cfg"
+    make_glm5_config_dir(str(cfg), moe_layers=1, dense_layers=1, overrides=TINY_OVERRIDES)
+    out = tmp_path / "out"
+    cmd = [sys.executable, str(ROOT / "bench" / "gpu" / "step_profile.py"), "--model-path", str(cfg),
+           "--load-format", "random", "--tp", "2", "--device", "cpu", "--decode", "4x40", "--prefill", "2x30",
+           "--steps", "1", "--out", str(out)]  # fmt: skip
+    here = str(Path(nsaserve.__file__).resolve().parent.parent)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([here, os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    doc = json.loads((out / "profile.json").read_text())
+    assert doc["machine"]["tp"] == 2 and not doc["graphs"]
+    assert [s["scenario"] for s in doc["scenarios"]] == ["decode 4x40", "prefill 2x30"]
+    for s in doc["scenarios"]:
+        assert len(s["eager_ms"]) == 1 and s["eager_profile"]["kernels_total_ms"] > 0
+        assert sum(s["eager_profile"]["families_ms"].values()) > 0
+    assert "| decode 4x40 | eager |" in (out / "profile.md").read_text()
