@@ -120,6 +120,17 @@ def test_roofline_counts_the_checkpoint_bytes(ckpt):
     assert b["total"] == b["weights"] + b["experts"] + b["kv"]
 
 
+def run_sweep(cmd: list[str], out: Path):
+    """The sweep driver as a subprocess; its output and results document. The driver and its
+    server import the nsaserve this test imports (installed, or the source tree with a built
+    extension), never another one."""
+    here = str(Path(nsaserve.__file__).resolve().parent.parent)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([here, os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=150, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc, json.loads((out / "results.json").read_text())
+
+
 def test_roofline_of_a_config_only_dir_and_per_rank_under_tp(ckpt, tmp_path):
     """A config-only directory (weights drawn at load) counts the generator's bytes, the same as
     the checkpoint's; under tp 2 one rank reads half of the split tensors and of the experts and
@@ -150,11 +161,7 @@ def test_sweep_driver_at_tp2_with_random_weights_on_cpu(tmp_path):
            "--random-weights", "--tp", "2", "--moe-layers", "2", "--model-path", str(tmp_path / "cfg"),
            "--phases", "sweep,compare", "--levels", "5", "--input-len", "40", "--output-len", "4", "--prefill-probes", "0",
            "--budget-s", "100", "--serve-arg=--max-total-tokens=4096"]  # fmt: skip
-    here = str(Path(nsaserve.__file__).resolve().parent.parent)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([here, os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=150, env=env)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    doc = json.loads((out / "results.json").read_text())
+    proc, doc = run_sweep(cmd, out)
     assert not any(n.endswith(".safetensors") for n in os.listdir(tmp_path / "cfg"))
     assert "--tp 2" in doc["serve_command"] and "--load-format random" in doc["serve_command"]
     (level,) = doc["phases"]["sweep"]
@@ -173,13 +180,7 @@ def test_sweep_driver_serves_and_benches_on_cpu(ckpt, tmp_path):
     cmd = [sys.executable, str(GPU_BENCH / "glm5_sweep.py"), "--out", str(out), "--device", "cpu", "--model-path", ckpt,
            "--phases", "sweep", "--levels", "5", "--level-waves", "5:2", "--warmup-prompts", "2", "--input-len", "40", "--output-len", "4", "--prefill-probes", "0",
            "--budget-s", "100", "--serve-arg=--max-total-tokens=4096"]  # fmt: skip
-    # The driver and its server import the nsaserve this test imports (installed, or the source
-    # tree with a built extension), never another one.
-    here = str(Path(nsaserve.__file__).resolve().parent.parent)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([here, os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=150, env=env)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    doc = json.loads((out / "results.json").read_text())
+    proc, doc = run_sweep(cmd, out)
     (level,) = doc["phases"]["sweep"]
     s = level["bench"]["summary"]
     assert (s["completed"], s["failed"]) == (10, 0)
