@@ -4,7 +4,8 @@ Each rank holds the whole attention and its own pool of P pages; the plans addre
 pages, requests on rank 1 having pages offset by P. The reference runs each rank's requests on its
 own TP=1 runner with local page ids, and puts the logit rows back in plan order. The steps cover
 prefill, decode and mixed batches, a plan order that interleaves the ranks, a step where one rank
-has no request, sampling and prompt-logprob rows in one step, and a request whose pages straddle
+has no request, sampling and prompt-logprob rows in one step, a step without logit rows (its KV is
+read by the last step), and a request whose pages straddle
 the ranks (it fails alone through the worker's own plan handling; the rest of its step runs).
 """
 
@@ -88,6 +89,12 @@ def run_scenario(runner, executor=None):
     step([(0, [10]), (2, [11])])  # rank 0 has no request this step
     step([(3, [12]), (1, [13])])  # rank 1 has no request this step
     step([(4, tokens(5, 5))], ranks={4: 1})  # a lone prefill on rank 1
+    # A prompt chunk that samples nothing (no logit rows at all) beside a decode: KV only.
+    work = [(5, tokens(7, 6)), (4, [21])]
+    plan = s.plan(work, False, ranks={5: 0})
+    out.append(runner.forward_plan(replace(plan, sample=np.zeros_like(plan.sample))))
+    for rid, toks in work:
+        s.reqs[rid].cached += len(toks)
 
     # A request whose pages straddle the ranks fails alone; the others of its step run.
     work = [(1, [14]), (STRADDLER, tokens(6, 6)), (0, [15])]
@@ -116,7 +123,7 @@ def run_scenario(runner, executor=None):
         if rid != STRADDLER:
             s.reqs[rid].cached += len(toks)
 
-    step([(4, [16]), (3, [17]), (2, [18]), (1, [19]), (0, [20])])  # everyone decodes after it
+    step([(4, [16]), (3, [17]), (5, [22]), (2, [18]), (1, [19]), (0, [20])])  # everyone decodes after it
     return out
 
 
@@ -142,11 +149,11 @@ def test_dp_attention_equals_tp1_per_rank(tmp_path):
     for i, path in enumerate(paths):
         want = run_scenario(ReferenceDP(path))
         got = [torch.load(tmp_path / f"{i}-rank{r}.pt") for r in range(N)]
-        assert len(got[0]) == len(got[1]) == len(want) == 8
+        assert len(got[0]) == len(got[1]) == len(want) == 9
         for k, ref in enumerate(want):
-            assert got[0][k].shape == ref.shape and ref.shape[0] > 0, (MODEL_TYPES[i], k)
+            assert got[0][k].shape == ref.shape and (ref.shape[0] > 0) == (k != 6), (MODEL_TYPES[i], k)
             assert torch.equal(got[0][k], got[1][k]), f"{MODEL_TYPES[i]} step {k}: ranks must agree"
-            assert rel_err(got[0][k], ref) < 1e-5, (MODEL_TYPES[i], k)
+            assert ref.shape[0] == 0 or rel_err(got[0][k], ref) < 1e-5, (MODEL_TYPES[i], k)
 
 
 def test_dp_attention_holds_whole_attention_and_split_mlps(tmp_path):
