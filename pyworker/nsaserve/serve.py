@@ -93,6 +93,8 @@ def worker_command(args, rank: int, runtime_dir: str | None, dist_init: str | No
         cmd.append(f"--cuda-graph-max-context={args.cuda_graph_max_context}")
     if args.disable_cuda_graph:
         cmd.append("--disable-cuda-graph")
+    if args.enable_dp_attention:
+        cmd.append("--enable-dp-attention")
     if runtime_dir:
         cmd.append(f"--ipc-dir={runtime_dir}")
     else:
@@ -141,6 +143,8 @@ class Supervisor:
         self.restarts: list[float] = []
 
     def start(self) -> None:
+        if self.args.enable_dp_attention and self.args.tp < 2:
+            raise ServeError(f"--enable-dp-attention needs --tp >= 2, got --tp {self.args.tp}")
         from ._router import Router
 
         if not os.path.exists(os.path.join(self.model_path, "config.json")):

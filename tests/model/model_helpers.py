@@ -2,7 +2,9 @@
 
 `Session` plays the router's part: it hands out KV pages from a shuffled free list (so every
 request's pages are scattered and out of order), tracks cached lengths, and builds a protocol Plan
-per step, which goes through the worker's own build_forward_batch.
+per step, which goes through the worker's own build_forward_batch (runner.forward_plan). With
+dp_size > 1 (data-parallel attention) it keeps one free list per rank, global page ids (rank r owns
+[r * P, (r + 1) * P)), and places each new request on the rank it is told.
 """
 
 from __future__ import annotations
@@ -14,7 +16,6 @@ import torch
 
 from nsaserve.protocol.builder import RequestSpec, build_plan
 from nsaserve.protocol.messages import Plan
-from nsaserve.worker.batch import build_forward_batch
 
 VOCAB = 96
 
@@ -106,51 +107,77 @@ class Request:
     rid: int
     pages: list[int] = field(default_factory=list)
     cached: int = 0
+    rank: int = 0
 
 
 class Session:
     """Allocates scattered pages and builds plans, like the router would."""
 
-    def __init__(self, runner, seed: int = 0):
+    def __init__(self, runner, seed: int = 0, dp_size: int = 1):
         self.runner = runner
         self.ps = runner.page_size
         # At most the first 4096 pages (a pool sized from GPU memory can have millions).
-        self.free = list(range(min(runner.num_pages, 4096)))
-        random.Random(seed).shuffle(self.free)
+        self.free_by_rank = []
+        for rank in range(dp_size):
+            free = [rank * runner.num_pages + p for p in range(min(runner.num_pages, 4096))]
+            random.Random(seed + rank).shuffle(free)
+            self.free_by_rank.append(free)
+        self.free = self.free_by_rank[0]
         self.reqs: dict[int, Request] = {}
 
-    def step(self, work: list[tuple[int, list[int]]], all_logits: bool = False) -> list[torch.Tensor]:
+    def step(
+        self,
+        work: list[tuple[int, list[int]]],
+        all_logits: bool | set[int] = False,
+        ranks: dict[int, int] | None = None,
+    ) -> list[torch.Tensor]:
         """work = [(request id, tokens to run now)]. Returns per request the logits of its last
-        token ([V]), or of all its tokens ([n, V]) with all_logits."""
-        plan = self.last_plan = self.plan(work, all_logits)
-        logits = self.runner.forward(build_forward_batch(plan, self.runner.device))
+        token ([V]), or of all its tokens ([n, V]) with all_logits (True, or the set of request ids
+        that want them). ranks: request id -> rank, for requests new in this step (default 0)."""
+        plan = self.last_plan = self.plan(work, all_logits, ranks)
+        logits = self.last_logits = self.runner.forward_plan(plan)
         for rid, toks in work:
             self.reqs[rid].cached += len(toks)
-        out, row = [], 0
-        for _, toks in work:
-            n = len(toks) if all_logits else 1
-            out.append(logits[row : row + n] if all_logits else logits[row])
-            row += n
-        return out
+        return split_logits(logits, work, all_logits)
 
-    def plan(self, work, all_logits: bool) -> Plan:
+    def plan(self, work, all_logits: bool | set[int], ranks: dict[int, int] | None = None) -> Plan:
         """Allocates pages for the new tokens and builds the step's plan with the protocol's builder."""
         specs = []
         for rid, toks in work:
-            r = self.reqs.setdefault(rid, Request(rid))
+            r = self.reqs.setdefault(rid, Request(rid, rank=(ranks or {}).get(rid, 0)))
             while len(r.pages) * self.ps < r.cached + len(toks):
-                r.pages.append(self.free.pop())
+                r.pages.append(self.free_by_rank[r.rank].pop())
+            every = wants_all(all_logits, rid)
             specs.append(
                 RequestSpec(
                     id=rid,
                     input_ids=toks,
                     cached_len=r.cached,
                     pages=list(r.pages),
-                    sample=not all_logits,
-                    prompt_logprobs=all_logits,
+                    sample=not every,
+                    prompt_logprobs=every,
                 )  # fmt: skip
             )
         return build_plan(0, self.ps, specs)
+
+
+def wants_all(all_logits: bool | set[int], rid: int) -> bool:
+    return all_logits is True or (not isinstance(all_logits, bool) and rid in all_logits)
+
+
+def split_logits(logits: torch.Tensor, work, all_logits: bool | set[int]) -> list[torch.Tensor]:
+    """A step's logit rows (sampling rows of the requests in order, then the prompt-logprob rows)
+    -> per request of `work`: [V] for one that samples, [n, V] for one that wants all its rows."""
+    out: list[torch.Tensor | None] = [None] * len(work)
+    row = 0
+    for i, (rid, _) in enumerate(work):
+        if not wants_all(all_logits, rid):
+            out[i], row = logits[row], row + 1
+    for i, (rid, toks) in enumerate(work):
+        if wants_all(all_logits, rid):
+            out[i], row = logits[row : row + len(toks)], row + len(toks)
+    assert row == logits.shape[0], (row, logits.shape)
+    return out
 
 
 def quantize_checkpoint(src: str, dst: str, fmt: str, scope: str = "linear", **kw) -> None:

@@ -168,3 +168,28 @@ def test_token_ids_outside_the_vocabulary_fail_only_their_request():
     assert list(runnable.req_ids) == [4]
     # Without a vocabulary size (the router's own check) token ids are not looked at.
     assert validate_plan(plan, POOL)[1] == []
+
+
+def test_dp_attention_fails_only_a_request_straddling_ranks():
+    """Data-parallel attention over 2 ranks of POOL pages each: page ids span 2 * POOL; a request
+    whose pages or out_slots leave its rank's pool fails alone, the rest runs (on any rank)."""
+    plan = build_plan(
+        5,
+        PS,
+        [
+            RequestSpec(1, [1, 2, 3], 4, [POOL + 0, POOL + 1]),  # on rank 1
+            RequestSpec(2, [9, 9, 9, 9, 9], 0, [2, POOL + 3]),  # straddles ranks 0 and 1
+            RequestSpec(3, [7], 6, [4, 5]),  # on rank 0
+            RequestSpec(4, [8], 2, [6], out_slots=[POOL * PS + 2]),  # its page on rank 0, its slot on rank 1
+        ],
+    )
+    runnable, errors = validate_plan(plan, POOL, dp_size=2)
+    assert [e[0] for e in errors] == [2, 4]
+    assert "span more than one rank" in errors[0][1] and "outside its rank's pool" in errors[1][1]
+    assert list(runnable.req_ids) == [1, 3]
+    # Without data-parallel attention the rank-1 page ids are outside the pool.
+    _, errors = validate_plan(plan, POOL)
+    assert {e[0] for e in errors} == {1, 2, 4}
+    # Past the last rank's pool is outside the pool.
+    _, errors = validate_plan(build_plan(1, PS, [RequestSpec(1, [1], 0, [2 * POOL])]), POOL, dp_size=2)
+    assert "outside the pool of 64 pages" in errors[0][1]

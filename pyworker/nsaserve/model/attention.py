@@ -96,20 +96,19 @@ class MLAttention(nn.Module):
         H, p = cfg.hidden_size, f"model.layers.{layer}.self_attn."
         self.q_a_proj = wf.linear(p + "q_a_proj", H, cfg.q_lora_rank)
         self.q_a_layernorm = Norm(cfg.q_lora_rank, dtype=wf.dtype, device=wf.device)
-        self.q_b_proj = wf.linear(
-            p + "q_b_proj", cfg.q_lora_rank, cfg.num_attention_heads * qk,
-            shard_dim=0, start=h0 * qk, length=self.heads * qk,
-        )  # fmt: skip
+
+        def heads(dim: int, per_head: int) -> dict:
+            """This rank's heads of a per-head weight; a group of one (TP=1, or data-parallel
+            attention) reads the whole tensor, with no tp_shard."""
+            if tp.size == 1:
+                return {}
+            return dict(shard_dim=dim, start=h0 * per_head, length=self.heads * per_head)
+
+        self.q_b_proj = wf.linear(p + "q_b_proj", cfg.q_lora_rank, cfg.num_attention_heads * qk, **heads(0, qk))
         self.kv_a_proj_with_mqa = wf.linear(p + "kv_a_proj_with_mqa", H, self.rank + self.rope_dim)
         self.kv_a_layernorm = Norm(self.rank, dtype=wf.dtype, device=wf.device)
-        self.kv_b_proj = wf.linear(
-            p + "kv_b_proj", self.rank, cfg.num_attention_heads * kvb,
-            shard_dim=0, start=h0 * kvb, length=self.heads * kvb,
-        )  # fmt: skip
-        self.o_proj = wf.linear(
-            p + "o_proj", cfg.num_attention_heads * self.v_dim, H,
-            shard_dim=1, start=h0 * self.v_dim, length=self.heads * self.v_dim,
-        )  # fmt: skip
+        self.kv_b_proj = wf.linear(p + "kv_b_proj", self.rank, cfg.num_attention_heads * kvb, **heads(0, kvb))
+        self.o_proj = wf.linear(p + "o_proj", cfg.num_attention_heads * self.v_dim, H, **heads(1, self.v_dim))
         self.indexer = Indexer(cfg, wf, p + "indexer.") if cfg.indexer_types[layer] == "full" else None
         self.q_lora = cfg.q_lora_rank
         # q_a_proj and kv_a_proj_with_mqa read the same x: when both are plain Linears, one GEMM

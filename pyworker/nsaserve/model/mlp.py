@@ -42,8 +42,12 @@ class DenseMLP(GatedMLP):
         super().__init__(cfg.hidden_size, cfg.intermediate_size, tp, wf, prefix)
         self.tp = tp
 
+    def partial(self, x, kernels=None):
+        """This rank's share of the output, before the sum over ranks."""
+        return super().forward(x, kernels is not None and kernels.resolved)
+
     def forward(self, x, kernels=None):
-        return self.tp.all_reduce(super().forward(x, kernels is not None and kernels.resolved))
+        return self.tp.all_reduce(self.partial(x, kernels))
 
 
 class Router(nn.Module):
@@ -121,6 +125,11 @@ class MoE(nn.Module):
 
     def forward(self, x, kernels):
         """kernels: model.Kernels (the backend names by kind, and the resolved functions)."""
+        return self.tp.all_reduce(self.partial(x, kernels))
+
+    def partial(self, x, kernels):
+        """This rank's share of the output (its routed experts + its slice of the shared ones),
+        before the sum over ranks."""
         c = self.cfg
         logits = F.linear(x.float(), self.gate.weight)
         weights, ids = kernels.moe_route(
@@ -136,4 +145,4 @@ class MoE(nn.Module):
                 y.add_(self.shared_experts(x, stacked=True))  # float32 += bf16: the same sum, one launch fewer
             else:
                 y = y + self.shared_experts(x).float()
-        return self.tp.all_reduce(y.to(x.dtype))
+        return y.to(x.dtype)

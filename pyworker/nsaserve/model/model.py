@@ -15,6 +15,7 @@ from torch import nn
 
 from ..kernels.registry import get_backend, load_backend
 from .attention import MLAttention
+from .dp_attention import DPStep
 from .linear import Norm, empty_param
 from .mlp import DenseMLP, MoE
 from .parallel import TPGroup
@@ -55,22 +56,30 @@ class Kernels(dict):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg, layer, tp, wf: WeightFactory):
+    def __init__(self, cfg, layer, tp, wf: WeightFactory, attn_tp: TPGroup | None = None):
+        """attn_tp: the group attention splits its heads over (default tp; a group of one under
+        data-parallel attention, see parallel.TPGroup.attention_group)."""
         super().__init__()
         self.eps = cfg.rms_norm_eps
         self.input_layernorm = Norm(cfg.hidden_size, dtype=wf.dtype, device=wf.device)
         self.post_attention_layernorm = Norm(cfg.hidden_size, dtype=wf.dtype, device=wf.device)
-        self.self_attn = MLAttention(cfg, layer, tp, wf)
+        self.self_attn = MLAttention(cfg, layer, attn_tp or tp, wf)
         prefix = f"model.layers.{layer}.mlp."
         if cfg.mlp_layer_types[layer] == "sparse":
             self.mlp = MoE(cfg, tp, wf, prefix)
         else:
             self.mlp = DenseMLP(cfg, tp, wf, prefix)
 
-    def forward(self, h, pending, batch, meta, pool, prev_topk_slots, kernels: Kernels):
+    def forward(self, h, pending, batch, meta, pool, prev_topk_slots, kernels: Kernels, dp: DPStep | None = None):
         """h: the residual stream; pending: the previous layer's MLP output, not yet added to it
         (None before the first layer). Each residual add is fused into the RMSNorm that follows it.
-        Returns (h, this layer's MLP output, top-k slots)."""
+        Returns (h, this layer's MLP output, top-k slots).
+
+        dp: under data-parallel attention, the step's layout; the MLP then runs on the tokens of all
+        ranks (dp_attention.py). batch None: this rank has no tokens this step; it skips attention
+        and the norms but still joins the MLP's collectives with zero rows."""
+        if batch is None:
+            return h, dp.mlp(self.mlp, h, kernels), None
         rms_norm = kernels.rmsnorm
         if pending is None:
             x = rms_norm(h, self.input_layernorm.weight, self.eps)
@@ -78,23 +87,26 @@ class DecoderLayer(nn.Module):
             x, h = rms_norm(pending, self.input_layernorm.weight, self.eps, h)
         attn, topk_slots = self.self_attn(x, batch, meta, pool, prev_topk_slots, kernels)
         x, h = rms_norm(attn, self.post_attention_layernorm.weight, self.eps, h)
-        return h, self.mlp(x, kernels), topk_slots
+        return h, (self.mlp(x, kernels) if dp is None else dp.mlp(self.mlp, x, kernels)), topk_slots
 
 
 class Backbone(nn.Module):
-    def __init__(self, cfg, tp, wf: WeightFactory):
+    def __init__(self, cfg, tp, wf: WeightFactory, attn_tp: TPGroup | None = None):
         super().__init__()
         self.embed_tokens = nn.Module()
         self.embed_tokens.weight = empty_param([cfg.vocab_size, cfg.hidden_size], wf.dtype, wf.device)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, tp, wf) for i in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, tp, wf, attn_tp) for i in range(cfg.num_hidden_layers))
         self.norm = Norm(cfg.hidden_size, dtype=wf.dtype, device=wf.device)
 
 
 class CausalLM(nn.Module):
-    def __init__(self, cfg, tp: TPGroup, *, dtype, device):
+    def __init__(self, cfg, tp: TPGroup, *, dtype, device, dp_attention: bool = False):
+        """dp_attention: attention data parallel over the tp ranks (full heads on every rank, each
+        serving its own requests), MLPs and lm_head split as without it (dp_attention.py)."""
         super().__init__()
-        self.cfg, self.tp = cfg, tp
-        self.model = Backbone(cfg, tp, WeightFactory(dtype, device, cfg.quant))
+        self.cfg, self.tp, self.dp_attention = cfg, tp, dp_attention
+        wf = WeightFactory(dtype, device, cfg.quant)
+        self.model = Backbone(cfg, tp, wf, tp.attention_group(dp_attention))
         v0, vn, self.vocab_share = tp.split_padded(cfg.vocab_size)
         self.lm_head = nn.Module()
         self.lm_head.weight = empty_param([vn, cfg.hidden_size], dtype, device, shard=(0, v0, vn))
@@ -141,7 +153,11 @@ class CausalLM(nn.Module):
         return names
 
     @torch.no_grad()
-    def forward(self, batch, pool) -> torch.Tensor:
+    def forward(self, batch, pool, dp: DPStep | None = None) -> torch.Tensor:
+        """dp: under data-parallel attention, the step's layout (batch: this rank's requests, or None
+        when it has none this step)."""
+        if dp is not None:
+            return self._forward_dp(batch, pool, dp)
         cfg = self.cfg
         if batch.num_tokens == 0:
             return torch.zeros(0, cfg.vocab_size, dtype=torch.float32, device=self.inv_freq.device)
@@ -157,5 +173,33 @@ class CausalLM(nn.Module):
             h = rms_norm(h[rows], self.model.norm.weight, cfg.rms_norm_eps)
         else:
             h = rms_norm(pending[rows], self.model.norm.weight, cfg.rms_norm_eps, h[rows])[0]
+        logits = torch.nn.functional.linear(h, self.lm_head.weight).float()
+        return self.tp.all_gather_rows(logits, self.vocab_share, cfg.vocab_size)
+
+    def _forward_dp(self, batch, pool, dp: DPStep) -> torch.Tensor:
+        """Data-parallel attention: attention on this rank's tokens, every MLP on all ranks' tokens,
+        and the logit rows of all ranks in plan order. Every rank makes the same collective calls,
+        whatever its share of the step (dp_attention.py)."""
+        cfg, device = self.cfg, self.inv_freq.device
+        if dp.max_tokens == 0:  # the same on every rank: no collective is skipped by one alone
+            return torch.zeros(0, cfg.vocab_size, dtype=torch.float32, device=device)
+        kernels = self.kernels()
+        if batch is None:
+            meta = None
+            h = self.model.embed_tokens.weight.new_zeros(0, cfg.hidden_size)
+        else:
+            meta = build_step_meta(batch, self.inv_freq, self.rope_attention_factor)
+            h = self.model.embed_tokens.weight[batch.input_ids]
+        pending = topk_slots = None
+        for layer in self.model.layers:
+            h, pending, topk_slots = layer(h, pending, batch, meta, pool, topk_slots, kernels, dp)
+        if batch is None or batch.logits_index.numel() == 0:
+            h = h.new_zeros(0, cfg.hidden_size)
+        else:
+            rows = batch.logits_index
+            h = kernels.rmsnorm(pending[rows], self.model.norm.weight, cfg.rms_norm_eps, h[rows])[0]
+        if max(dp.logit_rows) == 0:
+            return torch.zeros(0, cfg.vocab_size, dtype=torch.float32, device=device)
+        h = dp.gather_logit_rows(h)
         logits = torch.nn.functional.linear(h, self.lm_head.weight).float()
         return self.tp.all_gather_rows(logits, self.vocab_share, cfg.vocab_size)

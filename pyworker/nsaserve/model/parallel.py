@@ -16,6 +16,11 @@ Layout (rank r of N):
   when the split lands on scale-group boundaries (16 inputs for NVFP4, 128x128 blocks for FP8),
   otherwise that module is dequantised at load and sliced (quant_linear.py); experts are never
   sliced (expert parallel).
+
+Data-parallel attention (--enable-dp-attention, dp size = tp size): attention layers get a group
+of one (attention_group), so they hold every head and their KV pool is this rank's own; each rank
+runs attention on its own requests only. The MLPs, experts and lm_head keep the layout above; the
+hidden states move between the two layouts in dp_attention.py.
 """
 
 from __future__ import annotations
@@ -43,6 +48,11 @@ class TPGroup:
         share = -(-total // self.size)
         start = min(self.rank * share, total)
         return start, min(share, total - start), share
+
+    def attention_group(self, dp_attention: bool) -> TPGroup:
+        """The group attention layers split their heads over: this one, or, under data-parallel
+        attention, a group of one (all heads, whole weights, no collective inside attention)."""
+        return TPGroup(0, 1) if dp_attention else self
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         if self.size > 1:

@@ -1,7 +1,9 @@
 """ModelRunner: loads the model and its KV pool on one tensor-parallel rank and runs steps.
 
-The worker builds a ForwardBatch from each plan and calls forward(); this returns float32 logits
-for batch.logits_index rows, over the full vocabulary, identical on every rank.
+The worker hands each plan to forward_plan() (or builds a ForwardBatch and calls forward()); this
+returns float32 logits for the plan's logit rows, over the full vocabulary, identical on every rank.
+Under data-parallel attention only forward_plan() serves: each rank picks its own requests from
+the combined plan (model/dp_attention.py).
 """
 
 from __future__ import annotations
@@ -10,8 +12,10 @@ import os
 
 import torch
 
-from ..worker.batch import ForwardBatch
+from ..protocol.messages import Plan
+from ..worker.batch import ForwardBatch, build_forward_batch
 from .config import SUPPORTED, load_config
+from .dp_attention import DPStep
 from .kv_pool import KVPool, bytes_per_slot, check_kv_cache_dtype
 from .loader import load_weights
 from .model import CausalLM
@@ -34,17 +38,27 @@ class ModelRunner:
         tp_size: int = 1,
         show_progress: bool = True,
         load_format: str = "safetensors",
+        dp_attention: bool = False,
     ):
         """load_format: "safetensors" reads the checkpoint in model_path; "random" draws every
         weight on `device` with the GLM-5-shaped generator (seed 0) for model_path's config, which
         equals the checkpoint that generator would write, with nothing read but the config
-        (weight_source.py; for benchmarks at depths whose checkpoint would not fit a disk)."""
+        (weight_source.py; for benchmarks at depths whose checkpoint would not fit a disk).
+
+        dp_attention: data-parallel attention over the tp_size ranks (SGLang's, dp size = tp size):
+        every rank holds the whole attention and its own pool of num_pages pages, and runs attention
+        on the requests whose pages it owns (global pages [rank * num_pages, (rank + 1) * num_pages));
+        MLPs, experts and lm_head stay split as without it."""
         check_kv_cache_dtype(kv_cache_dtype)
         self.device = torch.device(device)
         self.config = load_config(model_path)
         cfg = self.config
         self.dtype = dtype or cfg.torch_dtype
         self.tp = TPGroup(tp_rank, tp_size)
+        if dp_attention and tp_size < 2:
+            raise ValueError("data-parallel attention needs tp_size >= 2")
+        self.dp_attention = dp_attention
+        self.dp_size = tp_size if dp_attention else 1  # ranks the router's page id space spans
         self.model_id = os.path.basename(os.path.normpath(model_path))
         self.architecture = SUPPORTED[cfg.model_type]
         self.vocab_size = cfg.vocab_size
@@ -52,7 +66,7 @@ class ModelRunner:
         self.page_size = page_size
         self.kv_cache_dtype = kv_cache_dtype
 
-        self.model = CausalLM(cfg, self.tp, dtype=self.dtype, device=self.device)
+        self.model = CausalLM(cfg, self.tp, dtype=self.dtype, device=self.device, dp_attention=dp_attention)
         source = open_weight_source(load_format, model_path, cfg, self.device)
         load_weights(self.model, source=source, show_progress=show_progress and tp_rank == 0)
         self.model.eval()
@@ -111,6 +125,21 @@ class ModelRunner:
 
     @torch.no_grad()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        if self.dp_attention:
+            raise RuntimeError("with data-parallel attention a step needs its whole plan: use forward_plan")
         if batch.page_size != self.page_size:
             raise ValueError(f"plan page_size {batch.page_size} != pool page_size {self.page_size}")
         return self.model(batch, self.pool)
+
+    @torch.no_grad()
+    def forward_plan(self, plan: Plan) -> torch.Tensor:
+        """One validated plan -> the logits of its logit rows, in plan order, on every rank. Under
+        data-parallel attention the plan is the combined one (global page ids and slots); this rank
+        runs attention on its own requests and every collective of the step."""
+        if not self.dp_attention:
+            return self.forward(build_forward_batch(plan, self.device))
+        if plan.page_size != self.page_size:
+            raise ValueError(f"plan page_size {plan.page_size} != pool page_size {self.page_size}")
+        dp = DPStep.from_plan(plan, self.tp, self.num_pages, self.device)
+        batch = build_forward_batch(dp.local_plan, self.device) if dp.local_plan.num_reqs else None
+        return self.model(batch, self.pool, dp)

@@ -5,7 +5,9 @@ Two levels:
   request in it fails (`ProtocolError`);
 - per-request faults (pages outside the pool, slots that disagree with the page table, two
   requests writing one slot, a malformed previous-step reference) fail those requests; the
-  rest of the step runs. Whether a reference names a row the previous step really sampled for
+  rest of the step runs. Under data-parallel attention (dp_size > 1) the page ids span dp_size
+  pools of num_pages each, and a request whose pages or out_slots are not all in one rank's pool
+  fails alone; the decision uses the plan alone, so every rank makes the same one. Whether a reference names a row the previous step really sampled for
   that request is the worker's check (`worker/prev_step.py`): only it knows that step.
 """
 
@@ -70,9 +72,11 @@ def check_structure(plan: Plan) -> None:
         raise ProtocolError(f"mode {plan.mode!r} contradicts the requests, which make it {mode!r}")
 
 
-def request_faults(plan: Plan, num_pages: int, vocab_size: int | None = None) -> dict[int, str]:
+def request_faults(plan: Plan, num_pages: int, vocab_size: int | None = None, dp_size: int = 1) -> dict[int, str]:
     """Index of each faulty request -> why. Assumes `check_structure` passed. With `vocab_size`,
-    token ids are checked too (one outside the embedding table would fail the whole step)."""
+    token ids are checked too (one outside the embedding table would fail the whole step).
+    num_pages: pages of one rank's pool; dp_size ranks (data-parallel attention) own
+    [r * num_pages, (r + 1) * num_pages) each."""
     n, ps = plan.num_reqs, plan.page_size
     faults: dict[int, str] = {}
     if n == 0:
@@ -101,10 +105,25 @@ def request_faults(plan: Plan, num_pages: int, vocab_size: int | None = None) ->
     )
 
     page_req = np.repeat(np.arange(n), npages)
-    bad_page = (plan.page_table < 0) | (plan.page_table >= num_pages)
-    flag(np.bincount(page_req[bad_page], minlength=n) > 0, f"page id outside the pool of {num_pages} pages")
-
+    total_pages = num_pages * dp_size
+    bad_page = (plan.page_table < 0) | (plan.page_table >= total_pages)
+    flag(np.bincount(page_req[bad_page], minlength=n) > 0, f"page id outside the pool of {total_pages} pages")
     tok_req = np.repeat(np.arange(n), qlen)
+    if dp_size > 1:
+        # The rank of a request is that of its first page; every page and slot must be on it.
+        page_rank = plan.page_table.astype(np.int64) // num_pages
+        first = np.minimum(plan.page_start[:-1], max(len(page_rank) - 1, 0))
+        req_rank = page_rank[first] if len(page_rank) else np.zeros(n, dtype=np.int64)
+        flag(
+            np.bincount(page_req[page_rank != req_rank[page_req]], minlength=n) > 0,
+            f"its pages span more than one rank's pool of {num_pages} pages (data-parallel attention)",
+        )
+        slot_rank = plan.out_slots.astype(np.int64) // (num_pages * ps)
+        flag(
+            np.bincount(tok_req[slot_rank != req_rank[tok_req]], minlength=n) > 0,
+            "out_slots outside its rank's pool (data-parallel attention)",
+        )
+
     if vocab_size is not None:
         # A -1 waiting for the previous step's token (overlap) is checked above, not here.
         outside = ((plan.input_ids < 0) & ~refs[tok_req]) | (plan.input_ids >= vocab_size)
@@ -160,13 +179,16 @@ def select(plan: Plan, keep: np.ndarray) -> Plan:
     return new
 
 
-def validate_plan(plan: Plan, num_pages: int, vocab_size: int | None = None) -> tuple[Plan, list[tuple[int, str]]]:
+def validate_plan(
+    plan: Plan, num_pages: int, vocab_size: int | None = None, dp_size: int = 1
+) -> tuple[Plan, list[tuple[int, str]]]:
     """Returns the runnable sub-plan and `(request id, reason)` for every request it dropped.
+    num_pages and dp_size: see request_faults.
 
     Raises `ProtocolError` when the plan is structurally broken (then every request fails).
     """
     check_structure(plan)
-    faults = request_faults(plan, num_pages, vocab_size)
+    faults = request_faults(plan, num_pages, vocab_size, dp_size)
     if not faults:
         return plan, []
     keep = np.ones(plan.num_reqs, dtype=bool)

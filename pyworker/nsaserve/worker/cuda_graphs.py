@@ -65,6 +65,8 @@ def graph_blockers(runner) -> list[str]:
     reasons = []
     if runner.device.type != "cuda":
         reasons.append(f"the device is {runner.device.type}, not cuda")
+    if getattr(runner, "dp_attention", False):
+        reasons.append("data-parallel attention (decode graphs not yet captured for it)")
     if runner.tp.size > 1:
         import torch.distributed as dist
 

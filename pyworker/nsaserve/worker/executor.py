@@ -36,6 +36,7 @@ class NullExecutor:
         self.num_pages = num_pages
         self.page_size = page_size
         self.max_context = max_context
+        self.dp_size = 1  # the worker sets tp_size under data-parallel attention (page ids span the pools)
 
     def run(self, plan: Plan, is_rank0: bool) -> StepResult:
         t0 = time.perf_counter()

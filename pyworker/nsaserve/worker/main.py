@@ -63,6 +63,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--cuda-graph-bs", type=_sizes, default=None, help="comma-separated batch sizes (overrides max-bs)")
     p.add_argument("--cuda-graph-max-context", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--enable-dp-attention",
+        action="store_true",
+        help="data-parallel attention over the tp ranks (see nsaserve serve --help); page ids span tp pools",
+    )
     return p.parse_args(argv)
 
 
@@ -88,12 +93,14 @@ def build_executor(args: argparse.Namespace) -> StepExecutor:
             from .scripted_executor import scripted_executor
 
             return scripted_executor(args)
-        return NullExecutor(
+        executor = NullExecutor(
             vocab_size=model_vocab_size(args.model_path),
             num_pages=args.num_pages or 4096,
             page_size=args.page_size,
             max_context=args.max_context or 4096,
         )
+        executor.dp_size = args.tp_size if args.enable_dp_attention else 1
+        return executor
     from .model_executor import ModelExecutor
 
     return ModelExecutor.from_args(args)
@@ -123,7 +130,9 @@ def run_plan(
         if msg["kind"] == "shutdown":
             return None, -1
         plan = plan_from_msg(msg)
-        runnable, errors = validate_plan(plan, executor.num_pages, executor.vocab_size)
+        # dp_size > 1 (data-parallel attention): page ids span that many pools of num_pages.
+        dp_size = getattr(executor, "dp_size", 1)
+        runnable, errors = validate_plan(plan, executor.num_pages, executor.vocab_size, dp_size)
         runnable, bad_refs = prev.resolve(plan, runnable)
         errors += bad_refs
     except (ProtocolError, KeyError, ValueError, TypeError) as e:

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from ..protocol.messages import Plan, PromptLogprobs, StepResult
-from .batch import build_forward_batch, prompt_logprob_rows, sample_rows
+from .batch import prompt_logprob_rows, sample_rows
 from .sampler import SamplingBatch, prompt_logprobs, sample
 from .sampling_results import prompt_entries, sampled_entries
 from .step_log import StepLog
@@ -36,6 +36,8 @@ class ModelExecutor:
         self.page_size = runner.page_size
         self.max_context = runner.max_context
         self.vocab_size = runner.vocab_size
+        # Data-parallel attention: the router's page ids span dp_size pools of num_pages (validation).
+        self.dp_size = getattr(runner, "dp_size", 1)
         self.step_log = StepLog.from_env(runner.config.index_topk)  # benchmarks only
 
     @classmethod
@@ -60,6 +62,7 @@ class ModelExecutor:
             tp_rank=args.rank,
             tp_size=args.tp_size,
             load_format=getattr(args, "load_format", "safetensors"),
+            dp_attention=getattr(args, "enable_dp_attention", False),
         )
         moe_backend = getattr(args, "moe_backend", "auto")
         if moe_backend == "auto":  # the Triton expert kernels read NVFP4 stacks only
@@ -78,7 +81,7 @@ class ModelExecutor:
         if graph:
             logits = self.graphs.run(plan)  # a decode step: one row per request, all sampling
         else:
-            logits = self.runner.forward(build_forward_batch(plan, self.device))
+            logits = self.runner.forward_plan(plan)
         # rows: sampling rows, then prompt-logprob rows
         result = StepResult(step=plan.step)
         if not is_rank0:
