@@ -9,7 +9,6 @@ import torch
 from model_helpers import VOCAB, Session, rel_err
 
 from nsaserve.model.runner import ModelRunner
-from nsaserve.worker.batch import build_forward_batch
 
 
 def graph_runner(path, device, dtype=torch.float32, kv="auto", backends=(), **tp):
@@ -30,16 +29,18 @@ def _decode_batches(session, rng, reqs, steps):
         yield [(rid, [rng.randrange(VOCAB)]) for rid in chosen]
 
 
-def compare_graph_to_eager(r, graphs, steps, exact, seed=None):
+def compare_graph_to_eager(r, graphs, steps, exact, seed=None, dp_size=1):
     """Random decode batches (`seed`: the same ones on every rank of a group). float32: the same
     logits to rounding and the same argmax everywhere. bf16: matmuls over the padded batch may
     round differently from those over the real rows (another M), so logits agree to bf16
-    precision and argmaxes nearly always. Returns the graphs' logits, concatenated."""
+    precision and argmaxes nearly always. Returns the graphs' logits, concatenated.
+    dp_size > 1 (data-parallel attention): the requests alternate between the ranks."""
     assert graphs.bs_buckets == [1, 2, 4, 8] and graphs.len_buckets == [128]
     rng = random.Random(int.from_bytes(os.urandom(4), "little") if seed is None else seed)
-    s = Session(r, seed=rng.randrange(100))
+    s = Session(r, seed=rng.randrange(100), dp_size=dp_size)
     reqs = list(range(7))
-    s.step([(i, [rng.randrange(VOCAB) for _ in range(rng.randint(3, 40))]) for i in reqs])  # prefill, eager
+    prompts = [(i, [rng.randrange(VOCAB) for _ in range(rng.randint(3, 40))]) for i in reqs]
+    s.step(prompts, ranks={i: i % dp_size for i in reqs})  # prefill, eager
     same = rows = 0
     outputs = []
     for work in _decode_batches(s, rng, reqs, steps):
@@ -47,7 +48,7 @@ def compare_graph_to_eager(r, graphs, steps, exact, seed=None):
         assert graphs.fits(plan)
         got = graphs.run(plan)
         outputs.append(got.cpu())
-        want = r.forward(build_forward_batch(plan, r.device))
+        want = r.forward_plan(plan)
         assert got.shape == want.shape == (len(work), r.vocab_size)
         assert rel_err(got, want) < (1e-4 if exact else 3e-2), work
         same += int((got.argmax(-1) == want.argmax(-1)).sum())

@@ -25,7 +25,7 @@ TWO_GPUS = torch.cuda.is_available() and torch.cuda.device_count() >= 2
 STEPS, SEED = 6, 11
 
 
-def _rank(rank, path, port, out_dir, cuda):
+def _rank(rank, path, port, out_dir, cuda, dp):
     # A rank stuck in a collective (its peer failed) prints where it is and exits, so the test
     # fails with the reason instead of hanging.
     faulthandler.dump_traceback_later(float(os.environ.get("NSASERVE_TEST_HANG_S", "120")), exit=True)
@@ -36,13 +36,14 @@ def _rank(rank, path, port, out_dir, cuda):
     timeout = datetime.timedelta(seconds=60)
     dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=2, timeout=timeout)
     try:
-        r = graph_runner(path, f"cuda:{rank}" if cuda else "cpu", backends=GRAPH_SAFE, tp_rank=rank, tp_size=2)
+        r = graph_runner(path, f"cuda:{rank}" if cuda else "cpu", backends=GRAPH_SAFE, tp_rank=rank, tp_size=2,
+                         dp_attention=dp)  # fmt: skip
         reasons = " ".join(graph_blockers(r))
         assert reasons == "" if cuda else "only NCCL collectives are captured" in reasons, reasons
         print(f"rank {rank}: model loaded, capturing", flush=True)
         graphs = DecodeGraphs(r, max_bs=8, log=lambda m: None)
         print(f"rank {rank}: captured {sum(g.graph is not None for g in graphs.graphs.values())} graphs", flush=True)
-        logits = compare_graph_to_eager(r, graphs, steps=STEPS, exact=True, seed=SEED)
+        logits = compare_graph_to_eager(r, graphs, steps=STEPS, exact=True, seed=SEED, dp_size=2 if dp else 1)
         assert graphs.replays == (STEPS if cuda else 0)
         torch.save(logits, os.path.join(out_dir, f"rank{rank}.pt"))
     except BaseException:
@@ -58,14 +59,17 @@ def _rank(rank, path, port, out_dir, cuda):
             dist.destroy_process_group()
 
 
+@pytest.mark.parametrize("dp", [False, True], ids=["tp", "dp-attention"])
 @pytest.mark.parametrize(
     "cuda", [False, pytest.param(True, marks=pytest.mark.skipif(not TWO_GPUS, reason="needs two GPUs"))]
 )
-def test_tp2_decode_graphs(cuda, tmp_path):
+def test_tp2_decode_graphs(cuda, dp, tmp_path):
+    """dp: data-parallel attention, the requests alternating between the ranks: each rank's graph
+    runs its own requests padded to the bucket, the logits come back in plan order."""
     path = str(tmp_path / "model")
     # vocab 97: not divisible by 2, so the all-gathered lm_head shards are padded and trimmed.
     make_checkpoint("glm_moe_dsa", path, seed=2, vocab_size=97, initializer_range=0.06, confident_embedding=0.12)
-    mp.spawn(_rank, args=(path, free_port(), str(tmp_path), cuda), nprocs=2, join=True)
+    mp.spawn(_rank, args=(path, free_port(), str(tmp_path), cuda, dp), nprocs=2, join=True)
     r0, r1 = (torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1))
     assert torch.equal(r0, r1), "ranks must return identical logits"
     one = graph_runner(path, "cpu", backends=GRAPH_SAFE)

@@ -179,12 +179,11 @@ def test_dp_attention_holds_whole_attention_and_split_mlps(tmp_path):
         ModelRunner(path, dp_attention=True, **runner_kw())
 
 
-def test_the_flag_reaches_every_worker_and_needs_tp2(tmp_path):
+def test_the_flag_reaches_every_worker_and_needs_tp2():
     """serve --enable-dp-attention: every worker gets it (page ids then span tp pools in its plan
-    validation, graphs are off with the reason said); serve refuses it at --tp 1."""
+    validation); serve refuses it at --tp 1. Decode graphs under it: tests/model/test_cuda_graphs_tp.py."""
     from nsaserve.cli import build_parser
     from nsaserve.serve import ServeError, Supervisor, worker_command
-    from nsaserve.worker.cuda_graphs import graph_blockers
     from nsaserve.worker.main import build_executor, parse_args
 
     def worker_args(flags, rank):
@@ -198,7 +197,3 @@ def test_the_flag_reaches_every_worker_and_needs_tp2(tmp_path):
     with pytest.raises(ServeError, match="needs --tp >= 2"):
         Supervisor(build_parser().parse_args(["serve", "--enable-dp-attention"])).start()
 
-    path = str(tmp_path / "m")
-    make_checkpoint("deepseek_v32", path, seed=2, vocab_size=TP_VOCAB)
-    dp = ModelRunner(path, tp_rank=0, tp_size=2, dp_attention=True, **runner_kw())
-    assert "data-parallel attention (decode graphs not yet captured for it)" in graph_blockers(dp)

@@ -20,7 +20,13 @@ Under tensor parallelism (NCCL) the all-reduces and the logits all-gather are ca
 rest: every rank captures the same graphs in the same order and, since every rank receives the
 same plans and picks a graph from the plan alone, replays the same graph for the same step, so
 the collectives inside pair up as they do eagerly. The warm-up forwards before each capture have
-already created the NCCL communicator (it cannot be created inside a capture). Graphs are only built when every kernel backend
+already created the NCCL communicator (it cannot be created inside a capture).
+
+Under data-parallel attention (model/dp_attention.py) a graph's batch is this rank's requests
+(local page ids), padded to the bucket of the busiest rank's count: every rank derives the same
+bucket from the plan, so the all-gathers and reduce-scatters around the MLPs move bs rows per rank
+in every replay, and the logits of all ranks come back as rank blocks of bs rows, put in plan
+order after the replay. Batch buckets are then per rank. Graphs are only built when every kernel backend
 the model uses is graph-safe (kernels.registry.graph_safe): a host synchronisation inside a
 capture fails or, worse, bakes one step's data into every replay.
 """
@@ -33,6 +39,7 @@ import numpy as np
 import torch
 
 from ..kernels.registry import graph_safe
+from ..model.dp_attention import DPStep, local_plan, request_ranks
 from ..protocol.messages import Plan
 from .batch import ForwardBatch
 
@@ -65,8 +72,6 @@ def graph_blockers(runner) -> list[str]:
     reasons = []
     if runner.device.type != "cuda":
         reasons.append(f"the device is {runner.device.type}, not cuda")
-    if getattr(runner, "dp_attention", False):
-        reasons.append("data-parallel attention (decode graphs not yet captured for it)")
     if runner.tp.size > 1:
         import torch.distributed as dist
 
@@ -85,12 +90,15 @@ def graph_blockers(runner) -> list[str]:
     return reasons
 
 
-def plan_fits(plan: Plan, max_bs: int, max_len: int) -> bool:
-    """Whether a plan can replay a decode graph (see the module docstring)."""
+def plan_fits(plan: Plan, max_bs: int, max_len: int, per_rank: np.ndarray | None = None) -> bool:
+    """Whether a plan can replay a decode graph (see the module docstring). per_rank: under
+    data-parallel attention, each rank's request count (max_bs then bounds the largest)."""
     n = plan.num_reqs
+    most = n if per_rank is None else int(per_rank.max(initial=0))
     return (
         plan.mode == "decode"
-        and 0 < n <= max_bs
+        and 0 < n
+        and most <= max_bs
         and plan.num_tokens == n
         and bool(plan.sample.all())
         and not plan.prompt_logprobs.any()
@@ -117,6 +125,9 @@ class DecodeGraphs:
         bs_list: the batch buckets to capture instead of batch_buckets(max_bs); max_bs is then
         its largest."""
         self.runner = runner
+        # Data-parallel attention: a graph's batch is each rank's (bs rows per rank, padded), and
+        # it returns the logits of all ranks' rows, rank r's at [r * bs, (r + 1) * bs).
+        self.dp = runner.dp_size if getattr(runner, "dp_attention", False) else 1
         self.ps = runner.page_size
         self.scratch_page = runner.pool.scratch_page
         self.bs_buckets = sorted(set(bs_list)) if bs_list else batch_buckets(max_bs)
@@ -130,7 +141,7 @@ class DecodeGraphs:
         self.static = torch.zeros(words, dtype=torch.int64, device=dev)
         # Every graph ends by copying its logits here: one [max_bs, vocab] buffer for all graphs
         # rather than one per graph (at a 150K vocabulary those add up to gigabytes).
-        self.out = torch.zeros(max_bs, runner.vocab_size, dtype=torch.float32, device=dev)
+        self.out = torch.zeros(max_bs * self.dp, runner.vocab_size, dtype=torch.float32, device=dev)
         # Two pinned staging buffers, alternated, so that the host never rewrites one whose copy
         # may still be pending.
         cuda = dev.type == "cuda"
@@ -168,7 +179,14 @@ class DecodeGraphs:
             query_start_host=list(range(bs + 1)), seq_lens_host=[length] * bs, cached_lens_host=[length - 1] * bs,
             static_kv_len=length,
         )  # fmt: skip
-        return self.runner.forward(batch)
+        if self.dp == 1:
+            return self.runner.forward(batch)
+        # Every rank runs bs rows (its requests, then padding), so every collective's block is bs
+        # rows and the logits come back in rank blocks of bs (the plan order is restored in run()).
+        n = self.dp
+        dp = DPStep(group=self.runner.tp, local_plan=None, tokens=[bs] * n, logit_rows=[bs] * n,
+                    logit_order=torch.arange(n * bs, device=dev))  # fmt: skip
+        return self.runner.model(batch, self.runner.pool, dp)
 
     def _fill_idle(self, g: _Graph) -> None:
         """Every row a padded one (what capture and warm-up run on)."""
@@ -203,7 +221,7 @@ class DecodeGraphs:
             torch.cuda.current_stream(dev).wait_stream(side)
             g.graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g.graph, pool=pool, capture_error_mode=mode):
-                self.out[: g.bs].copy_(self._forward(g))
+                self.out[: g.bs * self.dp].copy_(self._forward(g))
         torch.cuda.synchronize(dev)
         self.capture_s = time.perf_counter() - t0
         # What the capture kept: the graphs' shared pool and allocator blocks grown on the way.
@@ -215,11 +233,24 @@ class DecodeGraphs:
 
     # ---- replay -------------------------------------------------------------------------------------
 
+    def _ranks(self, plan: Plan) -> np.ndarray:
+        return request_ranks(plan, self.runner.num_pages)
+
+    def _per_rank(self, plan: Plan) -> np.ndarray | None:
+        """Each rank's request count under data-parallel attention (None without it)."""
+        if self.dp == 1:
+            return None
+        return np.bincount(self._ranks(plan), minlength=self.dp)[: self.dp]
+
     def fits(self, plan: Plan) -> bool:
-        return plan_fits(plan, self.max_bs, self.max_len)
+        return plan_fits(plan, self.max_bs, self.max_len, self._per_rank(plan))
 
     def _pick(self, plan: Plan) -> _Graph:
-        n, longest = plan.num_reqs, int(plan.cached_lens.max()) + 1
+        """The same graph on every rank: batch bucket of the largest rank's requests, context bucket
+        of the plan's longest context."""
+        per_rank = self._per_rank(plan)
+        n = plan.num_reqs if per_rank is None else int(per_rank.max())
+        longest = int(plan.cached_lens.max()) + 1
         bs = next(b for b in self.bs_buckets if b >= n)
         length = next(x for x in self.len_buckets if x >= longest)
         return self.graphs[(bs, length)]
@@ -249,20 +280,33 @@ class DecodeGraphs:
             page_table[:n] = np.where(take, plan.page_table[src] if len(plan.page_table) else 0, self.scratch_page)
 
     def run(self, plan: Plan) -> torch.Tensor:
-        """Logits float32 [num_reqs, vocab] of a plan that fits (a fresh tensor)."""
+        """Logits float32 [num_reqs, vocab] of a plan that fits, in plan order (a fresh tensor)."""
         g = self._pick(plan)
         k = self.turn
         self.turn ^= 1
         if self.copied[k] is not None:
             self.copied[k].synchronize()  # the copy that last read this staging buffer is done
-        self._pack(self.staging[k][: g.words].numpy(), g, plan)
+        mine, order = plan, None
+        if self.dp > 1:
+            # This rank packs its own requests (local page ids); the logits of request i sit at
+            # rank(i) * bs + (its index among its rank's requests).
+            ranks = self._ranks(plan)
+            mine = local_plan(plan, ranks, self.runner.tp.rank, self.runner.num_pages)
+            index = np.zeros(len(ranks), dtype=np.int64)
+            for r in range(self.dp):
+                at = np.flatnonzero(ranks == r)
+                index[at] = r * g.bs + np.arange(len(at))
+            order = torch.from_numpy(index).to(self.runner.device, non_blocking=True)
+        self._pack(self.staging[k][: g.words].numpy(), g, mine)
         self.static[: g.words].copy_(self.staging[k][: g.words], non_blocking=True)
         if g.graph is None:  # not captured: the same static batch, eagerly
-            return self._forward(g)[: plan.num_reqs]
-        ev = torch.cuda.Event()
-        ev.record()
-        self.copied[k] = ev
-        g.graph.replay()
-        self.replays += 1
-        # A copy: the graphs' output buffer is overwritten by the next replay.
-        return self.out[: plan.num_reqs].clone()
+            out = self._forward(g)
+        else:
+            ev = torch.cuda.Event()
+            ev.record()
+            self.copied[k] = ev
+            g.graph.replay()
+            self.replays += 1
+            out = self.out[: g.bs * self.dp]
+        # A copy either way: the graphs' output buffer is overwritten by the next replay.
+        return out[: plan.num_reqs].clone() if order is None else out.index_select(0, order)
