@@ -93,6 +93,8 @@ def worker_command(args, rank: int, runtime_dir: str | None, dist_init: str | No
         cmd.append(f"--cuda-graph-max-context={args.cuda_graph_max_context}")
     if args.disable_cuda_graph:
         cmd.append("--disable-cuda-graph")
+    if args.enable_dp_attention:
+        cmd.append("--enable-dp-attention")
     if runtime_dir:
         cmd.append(f"--ipc-dir={runtime_dir}")
     else:
@@ -121,6 +123,7 @@ def router_config(args, runtime_dir: str | None, model_path: str) -> dict:
         "chunked_prefill_size": chunk,
         "disable_radix_cache": args.disable_radix_cache,
         "disable_overlap_schedule": args.disable_overlap_schedule,
+        "enable_dp_attention": args.enable_dp_attention,
         "heartbeat_timeout_s": args.heartbeat_timeout,
         "log_level": args.log_level,
         "reasoning_parser": args.reasoning_parser,
@@ -141,6 +144,8 @@ class Supervisor:
         self.restarts: list[float] = []
 
     def start(self) -> None:
+        if self.args.enable_dp_attention and self.args.tp < 2:
+            raise ServeError(f"--enable-dp-attention needs --tp 2 or more (the attention data-parallel size is the --tp size); got --tp {self.args.tp}")
         from ._router import Router
 
         if not os.path.exists(os.path.join(self.model_path, "config.json")):

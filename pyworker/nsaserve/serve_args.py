@@ -30,6 +30,11 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
 
     r = p.add_argument_group("parallelism and devices")
     r.add_argument("--tp", "--tp-size", dest="tp", type=int, default=1, help="tensor-parallel worker processes (one per GPU)")
+    r.add_argument(
+        "--enable-dp-attention",
+        action="store_true",
+        help="data-parallel attention over the --tp ranks: each rank runs attention for its own requests with its own KV pool; the MLPs and experts stay tensor/expert parallel",
+    )
     r.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda when available, else cpu")
     r.add_argument("--mem-fraction-static", type=float, default=0.85, help="GPU memory fraction for weights plus KV cache")
     r.add_argument("--max-total-tokens", type=int, default=None, help="KV pool size in tokens (default on CPU: 65536; on GPU: from free memory)")

@@ -185,6 +185,7 @@ fn start_engine_with(behaviour: Behaviour, overlap: bool) -> Started {
         max_waiting: 16,
         heartbeat_timeout: Duration::from_millis(1500),
         disable_overlap_schedule: !overlap,
+        dp_size: 1,
     };
     let metrics = Arc::new(Metrics::new());
     let engine = EngineHandle::start(startup, &workers, &limits, metrics.clone());
