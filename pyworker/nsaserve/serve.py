@@ -145,7 +145,7 @@ class Supervisor:
 
     def start(self) -> None:
         if self.args.enable_dp_attention and self.args.tp < 2:
-            raise ServeError(f"--enable-dp-attention needs --tp 2 or more (the attention data-parallel size is the --tp size); got --tp {self.args.tp}")
+            raise ServeError(f"--enable-dp-attention needs --tp >= 2, got --tp {self.args.tp}")
         from ._router import Router
 
         if not os.path.exists(os.path.join(self.model_path, "config.json")):

@@ -33,7 +33,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     r.add_argument(
         "--enable-dp-attention",
         action="store_true",
-        help="data-parallel attention over the --tp ranks: each rank runs attention for its own requests with its own KV pool; the MLPs and experts stay tensor/expert parallel",
+        help="data-parallel attention (SGLang's meaning, dp size = tp): each rank holds full attention weights and "
+        "its own KV pool and serves its own requests; MLPs and experts stay tensor/expert parallel. Cuts the "
+        "replicated KV and attention work of large tp; needs --tp >= 2",
     )
     r.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda when available, else cpu")
     r.add_argument("--mem-fraction-static", type=float, default=0.85, help="GPU memory fraction for weights plus KV cache")

@@ -24,5 +24,5 @@ def test_off_by_default_and_passed_to_the_router_and_every_worker():
 
 
 def test_one_rank_is_refused():
-    with pytest.raises(ServeError, match="--enable-dp-attention needs --tp 2 or more"):
+    with pytest.raises(ServeError, match="--enable-dp-attention needs --tp >= 2"):
         Supervisor(serve_args("--enable-dp-attention")).start()
