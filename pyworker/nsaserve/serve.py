@@ -123,6 +123,7 @@ def router_config(args, runtime_dir: str | None, model_path: str) -> dict:
         "chunked_prefill_size": chunk,
         "disable_radix_cache": args.disable_radix_cache,
         "disable_overlap_schedule": args.disable_overlap_schedule,
+        "enable_dp_attention": args.enable_dp_attention,
         "heartbeat_timeout_s": args.heartbeat_timeout,
         "log_level": args.log_level,
         "reasoning_parser": args.reasoning_parser,

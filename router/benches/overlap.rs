@@ -169,6 +169,7 @@ fn run(overlap: bool) -> Run {
         max_waiting: 4 * REQUESTS,
         heartbeat_timeout: Duration::from_secs(60),
         disable_overlap_schedule: !overlap,
+        dp_size: 1,
     };
     let engine: Arc<EngineHandle> =
         EngineHandle::start(startup, &workers, &limits, Arc::new(Metrics::new()));

@@ -57,6 +57,10 @@ pub struct RouterConfig {
     /// `--context-length`: prompt plus completion at most (below the model's own limit).
     #[serde(default)]
     pub context_length: Option<u32>,
+    /// `--enable-dp-attention`: attention is data parallel over the `tp` ranks, each with its
+    /// own KV pool; the router keeps one scheduler per rank.
+    #[serde(default)]
+    pub enable_dp_attention: bool,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -130,6 +134,11 @@ impl RouterConfig {
             max_waiting: self.max_queued_requests,
             heartbeat_timeout: Duration::from_secs_f64(self.heartbeat_timeout_s),
             disable_overlap_schedule: self.disable_overlap_schedule,
+            dp_size: if self.enable_dp_attention {
+                self.tp.max(1) as usize
+            } else {
+                1
+            },
         }
     }
 }

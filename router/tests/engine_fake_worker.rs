@@ -171,6 +171,12 @@ fn start_engine(behaviour: Behaviour) -> Started {
 }
 
 fn start_engine_with(behaviour: Behaviour, overlap: bool) -> Started {
+    start_engine_dp(behaviour, overlap, 1)
+}
+
+/// With `dp_size` > 1 the one fake worker stands for a data-parallel group: the router plans
+/// over `dp_size` pools of the 64 pages it reports.
+fn start_engine_dp(behaviour: Behaviour, overlap: bool, dp_size: usize) -> Started {
     let dir = tempfile::tempdir().unwrap();
     let endpoints = Endpoints::Ipc {
         dir: dir.path().display().to_string(),
@@ -185,6 +191,7 @@ fn start_engine_with(behaviour: Behaviour, overlap: bool) -> Started {
         max_waiting: 16,
         heartbeat_timeout: Duration::from_millis(1500),
         disable_overlap_schedule: !overlap,
+        dp_size,
     };
     let metrics = Arc::new(Metrics::new());
     let engine = EngineHandle::start(startup, &workers, &limits, metrics.clone());
@@ -389,7 +396,11 @@ async fn a_dead_worker_is_replaced_and_the_engine_serves_again_from_an_empty_poo
 /// Outputs and finish reasons of a mixed workload (chunked prompts, stop tokens, max_tokens of
 /// 1 and 0, more requests than may run at once) on one engine.
 async fn workload(overlap: bool) -> Vec<(Vec<i32>, String)> {
-    let started = start_engine_with(Behaviour::Echo, overlap);
+    workload_dp(overlap, 1).await
+}
+
+async fn workload_dp(overlap: bool, dp_size: usize) -> Vec<(Vec<i32>, String)> {
+    let started = start_engine_dp(Behaviour::Echo, overlap, dp_size);
     let engine = &started.engine;
     let mut streams = vec![];
     for i in 0..12i32 {
@@ -416,6 +427,13 @@ async fn workload(overlap: bool) -> Vec<(Vec<i32>, String)> {
         };
         out.push((tokens(&events), end));
     }
+    let total = format!("nsaserve_kv_pages_total {}", 64 * dp_size);
+    let free = format!("nsaserve_kv_pages_free {}", 64 * dp_size);
+    wait_for_metrics(
+        &started.metrics,
+        &[&total, &free, "nsaserve_kv_pages_used 0"],
+    )
+    .await;
     assert!(engine.healthy());
     engine.shutdown();
     out
@@ -434,4 +452,19 @@ async fn overlap_gives_the_same_outputs_as_planning_after_each_result() {
         with.iter().any(|(_, end)| end.starts_with("stop")),
         "{with:?}"
     );
+}
+
+/// Data-parallel attention over two and three ranks: the engine plans combined steps over every
+/// rank's pages (overlap references included) and the outputs are those of one pool.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn data_parallel_ranks_give_the_same_outputs_as_one_pool() {
+    let one = workload(true).await;
+    for dp_size in [2, 3] {
+        assert_eq!(
+            workload_dp(true, dp_size).await,
+            one,
+            "dp {dp_size}, overlap"
+        );
+        assert_eq!(workload_dp(false, dp_size).await, one, "dp {dp_size}");
+    }
 }

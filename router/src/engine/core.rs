@@ -21,7 +21,7 @@ use tokio::sync::mpsc::UnboundedSender;
 use super::shared::Shared;
 use super::{GenerateEvent, GenerateRequest, RequestId};
 use crate::protocol::{BatchPlan, StepResult, WorkerMessage};
-use crate::scheduler::Scheduler;
+use crate::scheduler::DataParallelScheduler;
 use crate::transport::PlanSender;
 
 pub enum Input {
@@ -41,7 +41,8 @@ pub enum Input {
 }
 
 pub struct EngineCore {
-    pub scheduler: Scheduler,
+    /// One scheduler per attention data-parallel rank (one without data parallelism).
+    pub scheduler: DataParallelScheduler,
     pub sender: PlanSender,
     pub inputs: Receiver<Input>,
     pub shared: Arc<Shared>,

@@ -16,7 +16,7 @@ use super::shared::Shared;
 use super::startup::{ReceiverThread, Startup, WorkersInfo};
 use super::{Engine, GenerateRequest, ModelInfo, RequestStream, SubmitError};
 use crate::metrics::Metrics;
-use crate::scheduler::{Scheduler, SchedulerConfig};
+use crate::scheduler::{DataParallelScheduler, SchedulerConfig};
 
 /// Scheduling limits chosen on the command line (the pool size comes from the workers).
 #[derive(Debug, Clone)]
@@ -30,6 +30,10 @@ pub struct EngineLimits {
     pub heartbeat_timeout: Duration,
     /// Plan each step only after the previous one's result (no overlap).
     pub disable_overlap_schedule: bool,
+    /// Attention data-parallel ranks (`--enable-dp-attention`: the worker count); 1 is off.
+    /// Each rank has its own pool of the pages the workers report, so the router plans over
+    /// `dp_size` times as many.
+    pub dp_size: usize,
 }
 
 pub struct EngineHandle {
@@ -80,22 +84,28 @@ impl Run {
             max_context: workers.max_context,
             vocab_size: workers.vocab_size,
         };
+        // One rank's pool (with data-parallel attention a request lives on one rank): the
+        // most KV a single request can have.
         let shared = Arc::new(Shared::new(
             info,
             workers.num_pages,
             workers.page_size,
             metrics,
         ));
-        let scheduler = Scheduler::new(SchedulerConfig {
-            page_size: workers.page_size,
-            num_pages: workers.num_pages,
-            max_running_requests: limits.max_running_requests,
-            max_prefill_tokens: limits.max_prefill_tokens,
-            chunked_prefill_size: limits.chunked_prefill_size,
-            disable_radix_cache: limits.disable_radix_cache,
-            max_context: workers.max_context,
-            max_waiting: limits.max_waiting,
-        });
+        let dp_size = limits.dp_size.max(1);
+        let scheduler = DataParallelScheduler::new(
+            SchedulerConfig {
+                page_size: workers.page_size,
+                num_pages: workers.num_pages * dp_size as u32,
+                max_running_requests: limits.max_running_requests,
+                max_prefill_tokens: limits.max_prefill_tokens,
+                chunked_prefill_size: limits.chunked_prefill_size,
+                disable_radix_cache: limits.disable_radix_cache,
+                max_context: workers.max_context,
+                max_waiting: limits.max_waiting,
+            },
+            dp_size,
+        );
         // /metrics shows the new pool at once, not after the first step.
         shared.set_scheduler_stats(&scheduler.stats());
         let core = EngineCore {

@@ -10,10 +10,12 @@
 //!
 //! Files: `allocator` (reference-counted pages), `radix` (prefix cache), `request` (one
 //! request's state), `batcher` (building a step: decode, chunked prefill, admission,
-//! preemption), `results` (committing a step result into events).
+//! preemption), `results` (committing a step result into events), `data_parallel` (one
+//! scheduler per attention data-parallel rank behind the same interface).
 
 mod allocator;
 mod batcher;
+mod data_parallel;
 mod radix;
 mod request;
 mod results;
@@ -27,6 +29,7 @@ use radix::RadixCache;
 use request::{Ending, Request};
 
 pub use crate::protocol::BatchPlan;
+pub use data_parallel::DataParallelScheduler;
 
 #[derive(Debug, Clone)]
 pub struct SchedulerConfig {
@@ -175,6 +178,27 @@ impl Scheduler {
     /// context, more KV than the whole pool, or a reused id); `Overloaded` when the queue is
     /// full.
     pub fn submit(&mut self, id: RequestId, req: GenerateRequest) -> Result<(), SubmitError> {
+        self.check_request(&req)?;
+        if self.index.contains_key(&id) {
+            return Err(SubmitError::Invalid(format!(
+                "request id {id} is already in use"
+            )));
+        }
+        if self.waiting.len() >= self.cfg.max_waiting {
+            return Err(SubmitError::Overloaded(format!(
+                "{} requests are waiting",
+                self.waiting.len()
+            )));
+        }
+        let slot = self.store(Request::new(id, req));
+        self.waiting.push_back(slot);
+        self.requests.submitted += 1;
+        Ok(())
+    }
+
+    /// `Invalid` when a request can never run here: an empty prompt, longer than the context,
+    /// or more KV than the whole pool.
+    pub(crate) fn check_request(&self, req: &GenerateRequest) -> Result<(), SubmitError> {
         let prompt = req.prompt_ids.len();
         if prompt == 0 {
             return Err(SubmitError::Invalid("the prompt is empty".into()));
@@ -197,21 +221,23 @@ impl Scheduler {
                 self.cfg.num_pages
             )));
         }
-        if self.index.contains_key(&id) {
-            return Err(SubmitError::Invalid(format!(
-                "request id {id} is already in use"
-            )));
-        }
-        if self.waiting.len() >= self.cfg.max_waiting {
-            return Err(SubmitError::Overloaded(format!(
-                "{} requests are waiting",
-                self.waiting.len()
-            )));
-        }
-        let slot = self.store(Request::new(id, req));
-        self.waiting.push_back(slot);
-        self.requests.submitted += 1;
         Ok(())
+    }
+
+    /// Whether the request is here (waiting, running, or leaving with a plan in flight).
+    pub fn contains(&self, id: RequestId) -> bool {
+        self.index.contains_key(&id)
+    }
+
+    /// Prompt pages the radix cache could give this request at admission now (0 when it
+    /// would not use the cache); changes nothing.
+    pub fn cached_prefix_pages(&self, req: &GenerateRequest) -> usize {
+        if self.cfg.disable_radix_cache || req.prompt_logprobs || req.prompt_ids.is_empty() {
+            return 0;
+        }
+        let ps = self.cfg.page_size as usize;
+        self.radix
+            .peek_prefix(&req.prompt_ids, (req.prompt_ids.len() - 1) / ps)
     }
 
     fn store(&mut self, r: Request) -> usize {

@@ -136,6 +136,21 @@ impl RadixCache {
         pages
     }
 
+    /// How many pages of `tokens` (at most `max_pages`) the tree holds, changing nothing: for
+    /// choosing where a request goes, not for taking the pages.
+    pub fn peek_prefix(&self, tokens: &[i32], max_pages: usize) -> usize {
+        let mut node = ROOT;
+        let mut n = 0;
+        for chunk in tokens.chunks_exact(self.page_size).take(max_pages) {
+            let Some(c) = self.child(node, chunk) else {
+                break;
+            };
+            n += 1;
+            node = c;
+        }
+        n
+    }
+
     /// Indexes the full pages of a sequence: `tokens` covers exactly `pages.len()` pages and
     /// `pages[k]` holds the KV of `tokens[k*page_size..(k+1)*page_size]`; the caller holds a
     /// reference to each. New pages gain the tree's reference. Where the tree already has

@@ -7,24 +7,27 @@
 use std::collections::HashMap;
 
 use crate::engine::{FinishReason, GenerateEvent, RequestId};
-use crate::protocol::{BatchPlan, PromptLogprobs, StepResult, TokenLogprobs};
+use crate::protocol::{BatchPlan, PlannedRequest, PromptLogprobs, StepResult, TokenLogprobs};
 
 use super::request::Ending;
 use super::Scheduler;
 
-impl Scheduler {
-    /// Applies the result of `plan`. Requests aborted since the plan was built are skipped.
-    pub fn on_result(
-        &mut self,
-        plan: &BatchPlan,
-        result: &StepResult,
-    ) -> Vec<(RequestId, GenerateEvent)> {
-        let sampled: HashMap<u64, (i32, &Option<TokenLogprobs>)> = result
+/// A step result indexed by request id, built once per result (a data-parallel step commits
+/// it rank by rank).
+pub(crate) struct ResultIndex<'a> {
+    sampled: HashMap<u64, (i32, &'a Option<TokenLogprobs>)>,
+    errors: HashMap<u64, &'a str>,
+    prompt_lps: HashMap<u64, Vec<&'a PromptLogprobs>>,
+}
+
+impl<'a> ResultIndex<'a> {
+    pub(crate) fn new(result: &'a StepResult) -> Self {
+        let sampled = result
             .sampled
             .iter()
             .map(|(id, tok, lp)| (*id, (*tok, lp)))
             .collect();
-        let errors: HashMap<u64, &str> = result
+        let errors = result
             .errors
             .iter()
             .map(|(id, m)| (*id, m.as_str()))
@@ -33,10 +36,38 @@ impl Scheduler {
         for p in &result.prompt_logprobs {
             prompt_lps.entry(p.req_id).or_default().push(p);
         }
+        Self {
+            sampled,
+            errors,
+            prompt_lps,
+        }
+    }
+}
 
-        let mut events = Vec::with_capacity(plan.requests.len() + 1);
+impl Scheduler {
+    /// Applies the result of `plan`. Requests aborted since the plan was built are skipped.
+    pub fn on_result(
+        &mut self,
+        plan: &BatchPlan,
+        result: &StepResult,
+    ) -> Vec<(RequestId, GenerateEvent)> {
+        self.commit(plan.requests.iter(), &ResultIndex::new(result))
+    }
+
+    /// Applies a step result to `requests`, this scheduler's entries of the step's plan.
+    pub(crate) fn commit<'p>(
+        &mut self,
+        requests: impl ExactSizeIterator<Item = &'p PlannedRequest>,
+        result: &ResultIndex<'_>,
+    ) -> Vec<(RequestId, GenerateEvent)> {
+        let ResultIndex {
+            sampled,
+            errors,
+            prompt_lps,
+        } = result;
+        let mut events = Vec::with_capacity(requests.len() + 1);
         let mut left = false;
-        for pr in &plan.requests {
+        for pr in requests {
             let Some(&slot) = self.index.get(&pr.id) else {
                 continue;
             };
