@@ -50,7 +50,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--chunked-prefill-size", type=int, default=8192, help="split longer prompts into chunks of this size; -1 disables")
     s.add_argument("--disable-radix-cache", action="store_true", help="do not reuse cached prompt prefixes")
     s.add_argument("--disable-cuda-graph", action="store_true", help="run decode steps eagerly, without CUDA graphs")
-    s.add_argument("--cuda-graph-bs", type=int, nargs="+", default=None, help="the decode batch sizes captured as CUDA graphs, instead of the default buckets up to --cuda-graph-max-bs (each is one capture per context bucket; fewer shorten startup, a batch runs in the next size up)")
+    s.add_argument("--cuda-graph-bs", type=int, nargs="+", default=None, help="the decode batch sizes captured as CUDA graphs, instead of the default buckets up to --cuda-graph-max-bs (each is one capture per context bucket; fewer shorten startup, a batch runs in the next size up; per rank with --enable-dp-attention)")
     s.add_argument("--cuda-graph-max-bs", type=int, default=256, help="largest decode batch captured as a CUDA graph (graphs need graph-safe kernel backends)")
     s.add_argument(
         "--cuda-graph-max-context",

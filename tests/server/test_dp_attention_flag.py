@@ -1,12 +1,15 @@
-"""`serve --enable-dp-attention`: the router config and every worker get it, and one rank is refused
-with a clear error before anything starts."""
+"""`serve --enable-dp-attention`: the router config and every worker get it, one rank is refused
+with a clear error before anything starts, and two ranks serve end to end."""
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
+from server_process import DEVICE_FLAG
 
 from nsaserve.cli import build_parser
-from nsaserve.serve import ServeError, Supervisor, router_config, worker_command
+from nsaserve.serve import EMBEDDED_MODEL, ServeError, Supervisor, router_config, worker_command
 
 
 def serve_args(*flags: str):
@@ -26,3 +29,23 @@ def test_off_by_default_and_passed_to_the_router_and_every_worker():
 def test_one_rank_is_refused():
     with pytest.raises(ServeError, match="--enable-dp-attention needs --tp >= 2"):
         Supervisor(serve_args("--enable-dp-attention")).start()
+
+
+@pytest.mark.skipif(not (EMBEDDED_MODEL / "config.json").exists(), reason="embedded model not built")
+def test_two_ranks_serve_their_own_requests_and_recite_exactly(start_server):
+    """End to end on the embedded model: with --tp 2 --enable-dp-attention the router spreads
+    concurrent requests over both ranks' pools (each rank's attention on its own requests, the
+    MLPs over all of them) and every greedy completion is the recitation one rank gives."""
+    server = start_server("--tp=2", "--enable-dp-attention", DEVICE_FLAG)
+    prompts = {"Errors should never": " pass silently.\nUnless explicitly silenced.",
+               "Beautiful is better than": " ugly.\nExplicit is better than implicit."}  # fmt: skip
+    with ThreadPoolExecutor(6) as pool:
+        texts = list(pool.map(lambda p: (p, server.complete(p, max_tokens=12)), list(prompts) * 3))
+    for prompt, text in texts:
+        assert text.startswith(prompts[prompt]), (prompt, text)
+    dp_pages = server.metrics()["nsaserve_kv_pages_total"]
+    assert server.stop() == 0
+    # Each rank's own pool counts: twice the pages of the same two ranks sharing one latent cache.
+    tp = start_server("--tp=2", DEVICE_FLAG)
+    assert dp_pages == 2 * tp.metrics()["nsaserve_kv_pages_total"] > 0
+    assert tp.stop() == 0
