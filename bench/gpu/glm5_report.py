@@ -49,6 +49,12 @@ def report(doc: dict, title: str) -> str:
             f" Tensor parallel over {doc['machine']['tp']} GPUs: the roofline is one rank's bytes (split tensors "
             "1/tp, the rank's share of the experts, replicated attention inputs, indexer and KV in full) over one "
             "GPU's bandwidth; the all-reduces are not in it."
+            + (
+                " Data-parallel attention: the whole attention on every rank, each rank reading its own "
+                "requests' KV (the step's over tp)."
+                if "--enable-dp-attention" in doc.get("serve_command", "")
+                else ""
+            )
             if doc.get("machine", {}).get("tp", 1) > 1
             else ""
         ),

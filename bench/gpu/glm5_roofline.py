@@ -18,6 +18,10 @@ lm_head) count 1/tp, routed experts count the rank's E/tp share of the distinct 
 rest (q_a/kv_a, the indexer, routers, norms) and the whole KV (the latent and index caches are
 replicated) count in full. The all-reduces between ranks are not in it.
 
+With data-parallel attention (dp_attention) each rank holds the whole attention (every self_attn
+tensor counts in full) and reads only its own requests' KV (the step's KV over tp, the requests
+spread evenly); MLPs, experts and lm_head split as above.
+
 Tensor sizes come from the safetensors headers, or, for a directory holding only a config (the
 weights drawn at load, `--load-format random`), from the generator's tensor list.
 """
@@ -84,10 +88,11 @@ class DecodeRoofline:
     """Bytes a decode step must read on one rank, from a checkpoint's tensors (or its generator's)
     and config."""
 
-    def __init__(self, model_path: str, kv_cache_dtype: str = "fp8_e4m3", tp: int = 1):
+    def __init__(self, model_path: str, kv_cache_dtype: str = "fp8_e4m3", tp: int = 1, dp_attention: bool = False):
         with open(os.path.join(model_path, "config.json")) as f:
             cfg = json.load(f)
         self.tp = tp
+        self.kv_share = 1 / tp if dp_attention else 1.0
         self.layers = int(cfg["num_hidden_layers"])
         self.experts = int(cfg["n_routed_experts"])
         self.top_k = int(cfg["num_experts_per_tok"])
@@ -105,7 +110,8 @@ class DecodeRoofline:
             if _EXPERT.match(name):
                 expert_bytes += size
             else:
-                fixed += size / tp if _SHARDED.search(name) else size
+                split = _SHARDED.search(name) and not (dp_attention and ".self_attn." in name)
+                fixed += size / tp if split else size
         self.fixed_bytes = fixed
         # Average bytes of one routed expert (all experts of all MoE layers have the same shapes).
         self.expert_bytes = expert_bytes / max(1, self.moe_layers * self.experts)
@@ -127,7 +133,7 @@ class DecodeRoofline:
         whose selected tokens sum to `sel`; split by what they are."""
         weights = self.fixed_bytes + 2 * batch * self.hidden
         experts = self.moe_layers * self.distinct_experts(batch) * self.expert_bytes / self.tp
-        kv = self.layers * sel * self.latent_row + self.index_layers * ctx * self.index_row
+        kv = (self.layers * sel * self.latent_row + self.index_layers * ctx * self.index_row) * self.kv_share
         return {"weights": weights, "experts": experts, "kv": kv, "total": weights + experts + kv}
 
 

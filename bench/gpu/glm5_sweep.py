@@ -391,7 +391,8 @@ def main(argv=None) -> int:
         run.doc["bandwidth_tb_s"] = round(bw / 1e12, 3)
         run.say(f"copy bandwidth {bw / 1e12:.2f} TB/s (read + write)")
         model_path = ensure_checkpoint(run)
-        roofline = DecodeRoofline(model_path, args.kv_cache_dtype, tp=args.tp)
+        roofline = DecodeRoofline(model_path, args.kv_cache_dtype, tp=args.tp,
+                                  dp_attention="--enable-dp-attention" in args.serve_arg)  # fmt: skip
         run.doc["roofline_model"] = {"fixed_weight_gb": round(roofline.fixed_bytes / 1e9, 3),
                                      "expert_mb": round(roofline.expert_bytes / 1e6, 3), "moe_layers": roofline.moe_layers,
                                      "latent_row_bytes": roofline.latent_row, "index_row_bytes": roofline.index_row}  # fmt: skip

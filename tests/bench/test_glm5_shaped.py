@@ -150,6 +150,11 @@ def test_roofline_of_a_config_only_dir_and_per_rank_under_tp(ckpt, tmp_path):
     assert full.fixed_bytes / 2 < half.fixed_bytes < full.fixed_bytes - split  # replicated parts stay whole
     b1, b2 = full.step_bytes(8, 900, 300), half.step_bytes(8, 900, 300)
     assert b2["experts"] == pytest.approx(b1["experts"] / 2) and b2["kv"] == b1["kv"]
+    # Data-parallel attention: the whole attention on every rank, half of the step's KV per rank.
+    dp = DecodeRoofline(cfg_only, tp=2, dp_attention=True)
+    b3 = dp.step_bytes(8, 900, 300)
+    assert half.fixed_bytes < dp.fixed_bytes < full.fixed_bytes
+    assert b3["kv"] == pytest.approx(b1["kv"] / 2) and b3["experts"] == b2["experts"]
 
 
 @pytest.mark.skipif(importlib.util.find_spec("nsaserve._router") is None, reason="router extension not built")
