@@ -200,13 +200,22 @@ class Supervisor:
             if time.monotonic() > deadline:
                 raise ServeError(f"workers were not ready after {self.args.startup_timeout:.0f} s")
 
+    def _kv_pages_said(self) -> str:
+        """The KV pool for the ready line: with data-parallel attention each rank has its own
+        pool, and the router's page space is all of them."""
+        pages = self.info["num_pages"]
+        if getattr(self.args, "enable_dp_attention", False):
+            n = self.info["tp_size"]
+            return f"data-parallel attention, {n} x {pages} = {n * pages} KV pages"
+        return f"{pages} KV pages"
+
     def serve_forever(self) -> int:
         self.router.start()
         a, i = self.args, self.info
         print(
             f"nsaserve ready: http://{a.host}:{a.port}/v1 serving {i['model_id']} as "
             f"{router_config(a, self.runtime_dir, self.model_path)['served_model_name']} "
-            f"(tp {i['tp_size']}, {self.device}, {i['num_pages']} KV pages of {i['page_size']} tokens)",
+            f"(tp {i['tp_size']}, {self.device}, {self._kv_pages_said()} of {i['page_size']} tokens)",
             flush=True,
         )
         if Path(self.model_path) == EMBEDDED_MODEL:

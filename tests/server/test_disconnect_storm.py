@@ -103,9 +103,11 @@ def allow_open_files(n: int) -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (n if hard == resource.RLIM_INFINITY else min(n, hard), hard))
 
 
-def test_a_disconnect_storm_leaks_no_page_and_keeps_the_counters_consistent(start_server):
+# The second: two ranks with data-parallel attention, each holding its own pool and requests.
+@pytest.mark.parametrize("flags", [(), ("--tp=2", "--enable-dp-attention")], ids=["one-rank", "dp-attention"])
+def test_a_disconnect_storm_leaks_no_page_and_keeps_the_counters_consistent(start_server, flags):
     allow_open_files(4 * CLIENTS)
-    server = start_server(DEVICE_FLAG)
+    server = start_server(DEVICE_FLAG, *flags)
     expected = {p: server.complete(p, MAX_TOKENS) for p in PROMPTS}
     before = server.wait_for_drain()  # under overlap the last request is counted once its step is back
 

@@ -44,6 +44,8 @@ def test_two_ranks_serve_their_own_requests_and_recite_exactly(start_server):
     for prompt, text in texts:
         assert text.startswith(prompts[prompt]), (prompt, text)
     dp_pages = server.metrics()["nsaserve_kv_pages_total"]
+    ready = next(line for line in server.lines if "nsaserve ready" in line)
+    assert f"data-parallel attention, 2 x {dp_pages // 2:.0f} = {dp_pages:.0f} KV pages" in ready, ready
     assert server.stop() == 0
     # Each rank's own pool counts: twice the pages of the same two ranks sharing one latent cache.
     tp = start_server("--tp=2", DEVICE_FLAG)
