@@ -141,6 +141,8 @@ enum Reply {
     Text(String),
     /// `n` tokens of text, then a failure.
     FailAfter(usize, bool),
+    /// Accepted by `submit`, then refused by the engine loop (the queue filled up meanwhile).
+    RefusedLater(SubmitError),
 }
 
 struct ScriptedEngine {
@@ -206,8 +208,13 @@ impl Engine for ScriptedEngine {
         let (tx, rx) = mpsc::unbounded_channel();
         let reply = self.reply.lock().clone();
         let delay = *self.delay.lock();
+        if let Reply::RefusedLater(e) = reply {
+            let _ = tx.send(GenerateEvent::Refused(e));
+            return Ok(RequestStream::new(id, rx, self.abort_tx.clone()));
+        }
         let (mut ids, failure) = match reply {
             Reply::Text(t) => (self.tokenizer.encode(&t, false).unwrap(), None),
+            Reply::RefusedLater(_) => unreachable!("answered above"),
             Reply::FailAfter(n, retryable) => (
                 self.tokenizer.encode("hello world", false).unwrap()[..n].to_vec(),
                 Some(retryable),
@@ -1329,6 +1336,34 @@ async fn engine_failures_during_generation() {
         .as_str()
         .unwrap()
         .contains("worker 1 died"));
+}
+
+#[tokio::test]
+async fn a_refusal_from_the_engine_loop_keeps_its_status() {
+    // The handle checks the queue bound against the last published count, so a burst (many
+    // prompts x n) can reach a full queue in the engine loop: still a 429, never a 500.
+    let h = harness();
+    let full = SubmitError::Overloaded("512 requests are waiting".into());
+    h.engine.set_reply(Reply::RefusedLater(full));
+    let r = h
+        .post("/v1/completions", json!({"prompt": ["x", "y"], "n": 3}))
+        .await;
+    assert_error(
+        &r,
+        StatusCode::TOO_MANY_REQUESTS,
+        "512 requests are waiting",
+    );
+    h.engine
+        .set_reply(Reply::RefusedLater(SubmitError::Unavailable(
+            "restarting".into(),
+        )));
+    let r = h
+        .post(
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "user", "content": "x"}]}),
+        )
+        .await;
+    assert_error(&r, StatusCode::SERVICE_UNAVAILABLE, "restarting");
 }
 
 #[tokio::test]

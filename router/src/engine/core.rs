@@ -120,10 +120,10 @@ impl EngineCore {
                     self.streams.insert(id, events);
                 }
                 Err(e) => {
-                    let _ = events.send(GenerateEvent::Failed {
-                        message: e.to_string(),
-                        retryable: false,
-                    });
+                    // The handle checks the queue bound against the last published count, so a
+                    // burst can still reach a full queue here: that is an overload (429), not a
+                    // server error.
+                    let _ = events.send(GenerateEvent::Refused(e));
                 }
             },
             Input::Abort(id) => {

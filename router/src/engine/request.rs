@@ -61,6 +61,10 @@ pub enum GenerateEvent {
         message: String,
         retryable: bool,
     },
+    /// The engine refused the request when it arrived there (after the handle's own checks):
+    /// the same refusal, and HTTP status, as if the handle had refused it (429 when the queue
+    /// filled up meanwhile, 400, 503).
+    Refused(SubmitError),
 }
 
 /// Why a request was not accepted.

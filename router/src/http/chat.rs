@@ -424,7 +424,7 @@ impl ChunkWriter for StreamWriter {
                 chunks.extend(self.delta_chunks(index, Vec::new(), Some(reason)));
                 chunks
             }
-            ChoiceEvent::PromptLogprobs { .. } | ChoiceEvent::Failed { .. } => Vec::new(),
+            ChoiceEvent::PromptLogprobs { .. } | ChoiceEvent::Failed(_) => Vec::new(),
         }
     }
 

@@ -306,7 +306,7 @@ impl ChunkWriter for StreamWriter {
                 chunks.push(self.text_chunk(index, String::new(), None, Some(reason)));
                 chunks
             }
-            ChoiceEvent::Failed { .. } => Vec::new(),
+            ChoiceEvent::Failed(_) => Vec::new(),
         }
     }
 

@@ -74,10 +74,8 @@ pub enum ChoiceEvent {
         reason: &'static str,
         usage: Usage,
     },
-    Failed {
-        message: String,
-        retryable: bool,
-    },
+    /// The response's error: a generation that failed, or a refusal that reached the engine.
+    Failed(ApiError),
 }
 
 /// Submits every request, in order. If one is refused the ones already accepted are dropped
@@ -151,9 +149,12 @@ impl ChoiceState {
     }
 
     fn fail(&mut self, message: String, retryable: bool) {
+        self.fail_with(ApiError::generation_failed(&message, retryable));
+    }
+
+    fn fail_with(&mut self, error: ApiError) {
         self.stream = None;
-        self.queued
-            .push_back(ChoiceEvent::Failed { message, retryable });
+        self.queued.push_back(ChoiceEvent::Failed(error));
     }
 
     fn handle(&mut self, event: Option<GenerateEvent>) {
@@ -194,6 +195,7 @@ impl ChoiceState {
                 );
             }
             Some(GenerateEvent::Failed { message, retryable }) => self.fail(message, retryable),
+            Some(GenerateEvent::Refused(e)) => self.fail_with(ApiError::from(e)),
         }
     }
 
@@ -306,9 +308,7 @@ pub async fn collect(
                 o.finish_reason = Some(reason);
                 o.usage = Some(usage);
             }
-            ChoiceEvent::Failed { message, retryable } => {
-                return Err(ApiError::generation_failed(&message, retryable))
-            }
+            ChoiceEvent::Failed(error) => return Err(error),
         }
     }
     Ok(out)

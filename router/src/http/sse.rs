@@ -10,7 +10,6 @@ use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use futures::stream::{self, BoxStream, StreamExt};
 
-use super::errors::ApiError;
 use super::generation::ChoiceEvent;
 
 /// Turns choice events into the JSON chunks of one endpoint.
@@ -39,11 +38,8 @@ async fn next_chunks<W: ChunkWriter>(mut d: Driver<W>) -> Option<(Vec<String>, O
     }
     loop {
         match d.events.next().await {
-            Some(ChoiceEvent::Failed {
-                message, retryable, ..
-            }) => {
+            Some(ChoiceEvent::Failed(error)) => {
                 // Dropping `d` here aborts the other choices of this response.
-                let error = ApiError::generation_failed(&message, retryable);
                 let body = serde_json::to_string(&error.body()).expect("error bodies serialize");
                 return Some((vec![body, DONE.to_owned()], None));
             }

@@ -224,6 +224,9 @@ pub fn record(outcomes: &mut HashMap<RequestId, Outcome>, events: Vec<(RequestId
                 cached_tokens,
             } => o.finish = Some((reason, prompt_tokens, completion_tokens, cached_tokens)),
             GenerateEvent::Failed { message, retryable } => o.failed = Some((message, retryable)),
+            GenerateEvent::Refused(e) => {
+                panic!("request {id}: the scheduler never sends a refusal event ({e})")
+            }
             GenerateEvent::PromptLogprobs(p) => {
                 assert!(
                     o.tokens.is_empty(),
