@@ -91,8 +91,11 @@ def logit_layout(plan: Plan, ranks: np.ndarray, size: int) -> tuple[list[int], n
 def all_gather_blocks(x: torch.Tensor, rows: int, size: int) -> torch.Tensor:
     """Every rank's x [n_r, H] (n_r <= rows) -> [size * rows, H], rank r's block at r * rows,
     zero-padded. One output tensor on CUDA (all_gather_into_tensor); gloo takes the list form."""
-    padded = x.new_zeros(rows, *x.shape[1:])
-    padded[: x.shape[0]] = x
+    if x.shape[0] == rows:  # the busiest rank, and every rank in a decode graph: no padding copy
+        padded = x.contiguous()
+    else:
+        padded = x.new_zeros(rows, *x.shape[1:])
+        padded[: x.shape[0]] = x
     if x.is_cuda:
         out = x.new_empty(size * rows, *x.shape[1:])
         dist.all_gather_into_tensor(out, padded)
