@@ -62,6 +62,15 @@ def report(doc: dict, title: str) -> str:
         summary_table(doc),
         "",
     ]
+    cached = [e["concurrency"] for e in p.get("sweep", []) if (e["bench"].get("prefix_hit_rate") or 0) > 0.05]
+    if cached:
+        lines += [
+            f"Prefix hits at concurrency {', '.join(map(str, cached))}: that level drew the same prompts as an "
+            "earlier run on the same server (the sweep then passed one seed to every run), so its prompts were "
+            "mostly in the radix cache: its prefill was nearly free and its TTFT and total tok/s are not those of "
+            "new prompts; decode steps are unaffected. The sweep now draws fresh prompts for every run.",
+            "",
+        ]
     if doc.get("error"):
         lines += [f"Run error: `{doc['error'][:500]}`", ""]
     return "\n".join(lines)

@@ -95,6 +95,7 @@ class Run:
         self.out = Path(args.out)
         self.out.mkdir(parents=True, exist_ok=True)
         self.work = Path(tempfile.mkdtemp(prefix="glm5-sweep-"))
+        self.bench_calls = 0
         self.t0 = time.monotonic()
         self.deadline = self.t0 + args.budget_s
         self.log_file = open(self.out / "log.txt", "a", buffering=1)
@@ -193,11 +194,18 @@ def start_server(run: Run, model_path: str, tag: str, max_running: int) -> Serve
     return Server(model_path, run.work, tag, flags + a.serve_arg, run.log_file, run.left)
 
 
-def bench(run: Run, server: Server, name: str, flags: list[str], model_path: str) -> dict | None:
-    """One `nsaserve bench` run; its JSON document, or None if it did not finish in the budget."""
+def bench(run: Run, server: Server, name: str, flags: list[str], model_path: str, seed: int | None = None) -> dict | None:
+    """One `nsaserve bench` run; its JSON document, or None if it did not finish in the budget.
+
+    Each call draws its prompts with its own seed (--seed + 1000 x the call's number) unless one
+    is given: one server serves every level, and a level that repeated an earlier call's prompts
+    would find them in the radix cache (its prefill nearly free, its throughput and TTFT not those
+    of new prompts). The prefix hit rate of every run is in its results to show that they do not."""
     out = run.work / f"bench-{name}.json"
+    run.bench_calls += 1
+    seed = run.args.seed + 1000 * run.bench_calls if seed is None else seed
     cmd = [sys.executable, "-m", "nsaserve", "bench", "--port", str(server.port), "--tokenizer", model_path,
-           "--disable-tqdm", "--warmup-requests", "0", "--seed", str(run.args.seed), "--output-file", str(out), *flags]  # fmt: skip
+           "--disable-tqdm", "--warmup-requests", "0", "--seed", str(seed), "--output-file", str(out), *flags]  # fmt: skip
     timeout = run.left() - 45  # keep time to stop the server and write results
     if timeout < 10:
         run.doc["skipped"].append(f"bench {name}: no time left")
@@ -341,7 +349,8 @@ def phase_compare(run: Run, model_path: str) -> None:
     server = start_server(run, view, "compare", a.compare_batch)
     try:
         server.wait_ready()
-        doc = bench(run, server, "compare-ours", flags, view)
+        # The base seed: transformers gets the same prompts (compare_prompts), on a fresh server.
+        doc = bench(run, server, "compare-ours", flags, view, seed=a.seed)
     finally:
         server.stop()
     if doc is None:

@@ -2,14 +2,15 @@
 
 Every rank builds the worker's own executor (ModelExecutor.from_args: the same backends, KV cache
 and decode graphs as `nsaserve serve`), then runs synthetic steps through it: decode batches of B
-requests with C tokens of context each (graph replay when a graph fits, and eagerly), and a
-prefill of R prompts of L tokens. Each scenario is timed over --steps steps (median), then run once
+requests with C tokens of context each (graph replay when a graph fits, and eagerly), a prefill
+of R prompts of L tokens, and an extend step: R requests of N new tokens each after C cached ones
+(a radix-cache hit's prefill). Each scenario is timed over --steps steps (median), then run once
 more under torch.profiler; rank 0 groups the device kernels into families (routed experts, sparse
 MLA, indexer, top-k, GEMMs, NCCL, norms/RoPE, KV stores, sampling, other) and writes the table.
 KV contents are whatever the pool holds (zeros): timing, not output, is the point.
 
     python bench/gpu/step_profile.py --model-path DIR [--load-format random] --tp 4 \\
-        --decode 64x1400,512x1400 --prefill 16x1024 --out OUT/prof [worker flags after --]
+        --decode 64x1400,512x1400 --prefill 16x1024 --extend 256x33x1024 --out OUT/prof [-- worker flags]
 
 Writes OUT/profile.json and OUT/profile.md; prints the markdown table last. On CPU (gloo) it runs
 the same code for a functional check; the families then hold CPU operators.
@@ -50,13 +51,9 @@ def family(name: str) -> str:
     return "other"
 
 
-def parse_shapes(text: str) -> list[tuple[int, int]]:
-    """"64x1400,512x1400" -> [(64, 1400), (512, 1400)]."""
-    out = []
-    for item in filter(None, text.split(",")):
-        a, _, b = item.partition("x")
-        out.append((int(a), int(b)))
-    return out
+def parse_shapes(text: str) -> list[tuple[int, ...]]:
+    """"64x1400,512x1400" -> [(64, 1400), (512, 1400)]; "256x33x1024" -> [(256, 33, 1024)]."""
+    return [tuple(int(v) for v in item.split("x")) for item in filter(None, text.split(","))]
 
 
 def parse_args(argv=None):
@@ -69,6 +66,7 @@ def parse_args(argv=None):
     p.add_argument("--page-size", type=int, default=64)
     p.add_argument("--decode", default="64x1400", help="decode scenarios, BATCHxCONTEXT, comma-separated")
     p.add_argument("--prefill", default="16x1024", help="prefill scenarios, PROMPTSxLENGTH, comma-separated")
+    p.add_argument("--extend", default="", help="prefill after a cached prefix, REQUESTSxNEWxCACHED, comma-separated")
     p.add_argument("--steps", type=int, default=5, help="timed steps per scenario (median reported)")
     p.add_argument("--top", type=int, default=12, help="kernels listed per scenario")
     p.add_argument("--out", required=True)
@@ -80,6 +78,7 @@ def _pages_needed(a) -> int:
     ps = a.page_size
     need = [b * -(-(c + 2) // ps) for b, c in parse_shapes(a.decode)]
     need += [r * -(-(n + 1) // ps) for r, n in parse_shapes(a.prefill)]
+    need += [r * -(-(n + c + 1) // ps) for r, n, c in parse_shapes(a.extend)]
     return max(need + [1]) + 8
 
 
@@ -99,6 +98,11 @@ def _plans(a, vocab: int):
         reqs = [RequestSpec(i, torch.randint(vocab, (n,), generator=g).tolist(), 0, list(range(i * per, (i + 1) * per)))
                 for i in range(r)]  # fmt: skip
         out.append((f"prefill {r}x{n}", "prefill", build_plan(1, ps, reqs)))
+    for r, n, c in parse_shapes(a.extend):
+        per = -(-(n + c + 1) // ps)
+        reqs = [RequestSpec(i, torch.randint(vocab, (n,), generator=g).tolist(), c, list(range(i * per, (i + 1) * per)))
+                for i in range(r)]  # fmt: skip
+        out.append((f"extend {r}x{n} after {c}", "prefill", build_plan(1, ps, reqs)))
     return out
 
 

@@ -160,18 +160,23 @@ def test_roofline_of_a_config_only_dir_and_per_rank_under_tp(ckpt, tmp_path):
 @pytest.mark.skipif(importlib.util.find_spec("nsaserve._router") is None, reason="router extension not built")
 def test_sweep_driver_at_tp2_with_random_weights_on_cpu(tmp_path):
     """--tp 2 --random-weights: a config-only directory, two ranks drawing their weights at load,
-    5 requests end to end, the per-rank roofline and the tp target in the results."""
+    two levels of 6 prompts end to end, the per-rank roofline and the tp target in the results. Pages of 16
+    tokens, so the prompts' full pages enter the radix cache: a level that repeated the earlier
+    level's prompts would show it as prefix hits."""
     out = tmp_path / "out"
     cmd = [sys.executable, str(GPU_BENCH / "glm5_sweep.py"), "--out", str(out), "--device", "cpu", "--tiny",
            "--random-weights", "--tp", "2", "--moe-layers", "2", "--model-path", str(tmp_path / "cfg"),
-           "--phases", "sweep,compare", "--levels", "5", "--input-len", "40", "--output-len", "4", "--prefill-probes", "0",
-           "--budget-s", "100", "--serve-arg=--max-total-tokens=4096"]  # fmt: skip
+           "--phases", "sweep,compare", "--levels", "3,6", "--level-waves", "3:2", "--input-len", "40", "--output-len", "4", "--prefill-probes", "0",
+           "--budget-s", "100", "--serve-arg=--max-total-tokens=4096", "--serve-arg=--page-size=16"]  # fmt: skip
     proc, doc = run_sweep(cmd, out)
     assert not any(n.endswith(".safetensors") for n in os.listdir(tmp_path / "cfg"))
     assert "--tp 2" in doc["serve_command"] and "--load-format random" in doc["serve_command"]
-    (level,) = doc["phases"]["sweep"]
-    assert (level["bench"]["summary"]["completed"], level["bench"]["summary"]["failed"]) == (5, 0)
+    first, level = doc["phases"]["sweep"]
+    assert (level["bench"]["summary"]["completed"], level["bench"]["summary"]["failed"]) == (6, 0)
     assert level["decode"]["decode_steps"] >= 1 and level["decode"]["roofline_ms_median"] > 0
+    # Fresh prompts at every level (both draw 6 prompts: with one seed they would be the same
+    # ones): nothing of the first level's is found in the cache.
+    assert first["bench"]["prefix_hit_rate"] == level["bench"]["prefix_hit_rate"] == 0.0
     assert doc["checkpoint"]["random_weights"] and doc["machine"]["tp"] == 2
     assert "total_tok_s_at_1024_at_least_15000" in doc["targets"]  # not measured here: no level 1024
     assert any("compare" in s for s in doc["skipped"])  # transformers needs the weights on disk

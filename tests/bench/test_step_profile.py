@@ -30,7 +30,7 @@ def test_profiles_decode_and_prefill_at_tp2_on_cpu(tmp_path):
     make_glm5_config_dir(str(cfg), moe_layers=1, dense_layers=1, overrides=TINY_OVERRIDES)
     out = tmp_path / "out"
     cmd = [sys.executable, str(ROOT / "bench" / "gpu" / "step_profile.py"), "--model-path", str(cfg),
-           "--load-format", "random", "--tp", "2", "--device", "cpu", "--decode", "4x40", "--prefill", "2x30",
+           "--load-format", "random", "--tp", "2", "--device", "cpu", "--decode", "4x40", "--prefill", "2x30", "--extend", "3x5x20",
            "--steps", "1", "--out", str(out)]  # fmt: skip
     here = str(Path(nsaserve.__file__).resolve().parent.parent)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([here, os.environ.get("PYTHONPATH", "")]))
@@ -38,7 +38,7 @@ def test_profiles_decode_and_prefill_at_tp2_on_cpu(tmp_path):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     doc = json.loads((out / "profile.json").read_text())
     assert doc["machine"]["tp"] == 2 and not doc["graphs"]
-    assert [s["scenario"] for s in doc["scenarios"]] == ["decode 4x40", "prefill 2x30"]
+    assert [s["scenario"] for s in doc["scenarios"]] == ["decode 4x40", "prefill 2x30", "extend 3x5 after 20"]
     for s in doc["scenarios"]:
         assert len(s["eager_ms"]) == 1 and s["eager_profile"]["kernels_total_ms"] > 0
         assert sum(s["eager_profile"]["families_ms"].values()) > 0
