@@ -58,7 +58,7 @@ def test_plans_that_fit_and_blockers(tmp_path):
     assert capped.len_buckets == [4] and capped.fits(decode)
     # --cuda-graph-bs: exactly the listed sizes; the largest is the limit, a batch runs in the next size up.
     listed = DecodeGraphs(r, max_bs=256, log=lambda m: None, capture=False, bs_list=[4, 1])
-    assert listed.bs_buckets == [1, 4] and listed.max_bs == 4 and listed._pick(decode).bs == 4
+    assert listed.bs_buckets == [1, 4] and listed.max_bs == 4 and listed._pick(decode, None).bs == 4
     s.step([(0, [7, 8])])
     assert not capped.fits(s.plan([(0, [9]), (1, [8])], all_logits=False))  # request 0 is at 6 tokens
     reasons = " ".join(graph_blockers(r))

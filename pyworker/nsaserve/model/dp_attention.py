@@ -30,15 +30,8 @@ import torch
 import torch.distributed as dist
 
 from ..protocol.messages import Plan
-from ..protocol.validate import select
+from ..protocol.validate import request_ranks, select
 from .parallel import TPGroup
-
-
-def request_ranks(plan: Plan, num_pages: int) -> np.ndarray:
-    """The rank each request lives on: the owner of its first page (the validator has failed every
-    request whose pages are not all on one rank, and every request has a page)."""
-    first = plan.page_table[plan.page_start[:-1]] if plan.num_reqs else np.zeros(0, dtype=np.int64)
-    return first.astype(np.int64) // num_pages
 
 
 def local_plan(plan: Plan, ranks: np.ndarray, rank: int, num_pages: int) -> Plan:
@@ -52,7 +45,7 @@ def local_plan(plan: Plan, ranks: np.ndarray, rank: int, num_pages: int) -> Plan
     )
 
 
-def _before_in_rank(ranks: np.ndarray, counts: np.ndarray, size: int) -> np.ndarray:
+def before_in_rank(ranks: np.ndarray, counts: np.ndarray, size: int) -> np.ndarray:
     """For each request, the sum of `counts` over the earlier requests of its rank."""
     out = np.zeros(len(ranks), dtype=np.int64)
     for r in range(size):
@@ -77,8 +70,8 @@ def logit_layout(plan: Plan, ranks: np.ndarray, size: int) -> tuple[list[int], n
     n_prompt = np.bincount(ranks, weights=prompt_rows, minlength=size)[:size].astype(np.int64)
     rows = (n_samp + n_prompt).astype(np.int64)
     max_rows = int(rows.max(initial=0))
-    samp_before = _before_in_rank(ranks, samp.astype(np.int64), size)
-    prompt_before = _before_in_rank(ranks, prompt_rows, size)
+    samp_before = before_in_rank(ranks, samp.astype(np.int64), size)
+    prompt_before = before_in_rank(ranks, prompt_rows, size)
     base = ranks * max_rows
     parts = [(base + samp_before)[samp]]
     for i in np.flatnonzero(prompt):

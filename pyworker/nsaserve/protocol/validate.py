@@ -7,8 +7,9 @@ Two levels:
   requests writing one slot, a malformed previous-step reference) fail those requests; the
   rest of the step runs. Under data-parallel attention (dp_size > 1) the page ids span dp_size
   pools of num_pages each, and a request whose pages or out_slots are not all in one rank's pool
-  fails alone; the decision uses the plan alone, so every rank makes the same one. Whether a reference names a row the previous step really sampled for
-  that request is the worker's check (`worker/prev_step.py`): only it knows that step.
+  fails alone; the decision uses the plan alone, so every rank makes the same one. Whether a
+  reference names a row the previous step really sampled for that request is the worker's check
+  (`worker/prev_step.py`): only it knows that step.
 """
 
 from __future__ import annotations
@@ -72,6 +73,15 @@ def check_structure(plan: Plan) -> None:
         raise ProtocolError(f"mode {plan.mode!r} contradicts the requests, which make it {mode!r}")
 
 
+def request_ranks(plan: Plan, num_pages: int) -> np.ndarray:
+    """Under data-parallel attention, the rank each request lives on: the owner of its first page
+    (num_pages: one rank's pool). The faults below fail a request with pages on another rank."""
+    if len(plan.page_table) == 0:
+        return np.zeros(plan.num_reqs, dtype=np.int64)
+    first = np.minimum(plan.page_start[:-1], len(plan.page_table) - 1)
+    return plan.page_table[first].astype(np.int64) // num_pages
+
+
 def request_faults(plan: Plan, num_pages: int, vocab_size: int | None = None, dp_size: int = 1) -> dict[int, str]:
     """Index of each faulty request -> why. Assumes `check_structure` passed. With `vocab_size`,
     token ids are checked too (one outside the embedding table would fail the whole step).
@@ -112,8 +122,7 @@ def request_faults(plan: Plan, num_pages: int, vocab_size: int | None = None, dp
     if dp_size > 1:
         # The rank of a request is that of its first page; every page and slot must be on it.
         page_rank = plan.page_table.astype(np.int64) // num_pages
-        first = np.minimum(plan.page_start[:-1], max(len(page_rank) - 1, 0))
-        req_rank = page_rank[first] if len(page_rank) else np.zeros(n, dtype=np.int64)
+        req_rank = request_ranks(plan, num_pages)
         flag(
             np.bincount(page_req[page_rank != req_rank[page_req]], minlength=n) > 0,
             f"its pages span more than one rank's pool of {num_pages} pages (data-parallel attention)",

@@ -39,8 +39,9 @@ import numpy as np
 import torch
 
 from ..kernels.registry import graph_safe
-from ..model.dp_attention import DPStep, local_plan, request_ranks
+from ..model.dp_attention import DPStep, before_in_rank, local_plan
 from ..protocol.messages import Plan
+from ..protocol.validate import request_ranks
 from .batch import ForwardBatch
 
 # Context buckets start here (or at the model's max context if smaller) and double up to it. A
@@ -233,22 +234,20 @@ class DecodeGraphs:
 
     # ---- replay -------------------------------------------------------------------------------------
 
-    def _ranks(self, plan: Plan) -> np.ndarray:
-        return request_ranks(plan, self.runner.num_pages)
+    def _ranks(self, plan: Plan) -> np.ndarray | None:
+        """Each request's rank under data-parallel attention (None without it)."""
+        return request_ranks(plan, self.runner.num_pages) if self.dp > 1 else None
 
-    def _per_rank(self, plan: Plan) -> np.ndarray | None:
-        """Each rank's request count under data-parallel attention (None without it)."""
-        if self.dp == 1:
-            return None
-        return np.bincount(self._ranks(plan), minlength=self.dp)[: self.dp]
+    def _per_rank(self, ranks: np.ndarray | None) -> np.ndarray | None:
+        return None if ranks is None else np.bincount(ranks, minlength=self.dp)[: self.dp]
 
     def fits(self, plan: Plan) -> bool:
-        return plan_fits(plan, self.max_bs, self.max_len, self._per_rank(plan))
+        return plan_fits(plan, self.max_bs, self.max_len, self._per_rank(self._ranks(plan)))
 
-    def _pick(self, plan: Plan) -> _Graph:
+    def _pick(self, plan: Plan, ranks: np.ndarray | None) -> _Graph:
         """The same graph on every rank: batch bucket of the largest rank's requests, context bucket
         of the plan's longest context."""
-        per_rank = self._per_rank(plan)
+        per_rank = self._per_rank(ranks)
         n = plan.num_reqs if per_rank is None else int(per_rank.max())
         longest = int(plan.cached_lens.max()) + 1
         bs = next(b for b in self.bs_buckets if b >= n)
@@ -281,21 +280,18 @@ class DecodeGraphs:
 
     def run(self, plan: Plan) -> torch.Tensor:
         """Logits float32 [num_reqs, vocab] of a plan that fits, in plan order (a fresh tensor)."""
-        g = self._pick(plan)
+        ranks = self._ranks(plan)
+        g = self._pick(plan, ranks)
         k = self.turn
         self.turn ^= 1
         if self.copied[k] is not None:
             self.copied[k].synchronize()  # the copy that last read this staging buffer is done
         mine, order = plan, None
-        if self.dp > 1:
+        if ranks is not None:
             # This rank packs its own requests (local page ids); the logits of request i sit at
             # rank(i) * bs + (its index among its rank's requests).
-            ranks = self._ranks(plan)
             mine = local_plan(plan, ranks, self.runner.tp.rank, self.runner.num_pages)
-            index = np.zeros(len(ranks), dtype=np.int64)
-            for r in range(self.dp):
-                at = np.flatnonzero(ranks == r)
-                index[at] = r * g.bs + np.arange(len(at))
+            index = ranks * g.bs + before_in_rank(ranks, np.ones(len(ranks), dtype=np.int64), self.dp)
             order = torch.from_numpy(index).to(self.runner.device, non_blocking=True)
         self._pack(self.staging[k][: g.words].numpy(), g, mine)
         self.static[: g.words].copy_(self.staging[k][: g.words], non_blocking=True)
