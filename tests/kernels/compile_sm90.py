@@ -1,4 +1,4 @@
-"""Compile every Triton attention kernel for sm_90 (Hopper) without a GPU: the whole pipeline
+"""Compile every Triton attention kernel (and the MoE layout kernel) for sm_90 (Hopper) without a GPU: the whole pipeline
 through ptxas. Triton's CPU interpreter runs code the compiler rejects (a helper returning
 different types from two constexpr branches, a constexpr reassigned in an unrolled loop), so
 the tests run this in a process of its own, without TRITON_INTERPRET.
@@ -14,6 +14,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from nsaserve.kernels import triton_indexer as ti
+from nsaserve.kernels import triton_moe_w4a16 as tw
 from nsaserve.kernels import triton_sparse_mla as tm
 from nsaserve.kernels import triton_topk as tk
 
@@ -52,8 +53,8 @@ def indexer_cases():
         yield (
             f"topk bits={bits} chunks={nchunk}",
             tk._topk_kernel,
-            sig,
-            dict(CHUNK=4096, NCHUNK=nchunk, BITS=bits),
+            {**sig, "nchunk": "i32"},
+            dict(CHUNK=4096, MULTI=nchunk > 1, NCHUNK=0, BITS=bits, INTERPRET=False),
             8,
         )
     names = ("logits_ptr", "row_pos_ptr", "out_ptr", "scratch_ptr", "logits_stride", "out_stride", "topk", "width")
@@ -69,9 +70,9 @@ def indexer_cases():
 
 def sparse_mla_cases():
     # The launches the benchmark and the registry use, with the launch's specialisation (16-byte
-    # divisible pointers, heads and top-k): without it Triton pipelines nothing, so neither the
-    # shared memory nor the schedule would be the launched kernel's.
-    attrs = {(i,): [["tt.divisibility", 16]] for i in range(12)}
+    # divisible pointers and heads; top-k is not specialised): without it Triton pipelines
+    # nothing, so neither the shared memory nor the schedule would be the launched kernel's.
+    attrs = {(i,): [["tt.divisibility", 16]] for i in range(11)}
     for fp8 in (True, False):
         for logical, split, skip, prefetch, trim, mask_all, block_n, stages in (
             (False, True, False, True, False, False, 64, 2),  # decode default
@@ -84,10 +85,10 @@ def sparse_mla_cases():
                 "q_lat_ptr": "*bf16", "q_pe_ptr": "*bf16", "cache_ptr": cache_ty,
                 "cache_f32_ptr": F32 if fp8 else cache_ty, "cache_bf16_ptr": "*bf16", "idx_ptr": "*i64",
                 "kv_base_ptr": "*i64", "kv_slots_ptr": "*i64", "o_ptr": F32, "lse_ptr": F32, "heads": "i32",
-                "topk": "i32", "num_splits": "i32", "scale_log2": "fp32",
+                "topk": "i32", "num_splits": "i32", "scale_log2": "fp32", "split_len": "i32",
             }  # fmt: skip
             consts = dict(
-                SPLIT_LEN=1024 if split else 2048, R=512, P=64, P_PAD=64, G=128, ROW_BYTES=656 if fp8 else 576,
+                SPLIT_LEN=0, R=512, P=64, P_PAD=64, G=128, ROW_BYTES=656 if fp8 else 576,
                 BLOCK_H=64, BLOCK_N=block_n, FP8=fp8, LOGICAL=logical, SPLIT=split, SKIP_EMPTY=skip,
                 PREFETCH=prefetch, TRIM=trim, TRIM_LEN=1024 if split else 2048, MASK_ALL=mask_all,
                 INTERPRET=False,
@@ -98,10 +99,25 @@ def sparse_mla_cases():
     yield "sparse mla combine", tm._combine_kernel, sig, dict(R=512, BLOCK_S=8), 4
 
 
+def moe_cases():
+    # The routed experts' layout kernel: its loop counts are runtime values (one variant per block size).
+    sig = {
+        "ids_ptr": "*i64", "sorted_slot_ptr": "*i32", "block_expert_ptr": "*i32", "x_ptr": "*bf16", "xp_ptr": "*bf16",
+        "n_slots": "i32", "first_expert": "i32", "num_local": "i32", "max_blocks": "i32", "slot_chunks": "i32",
+        "expert_block_chunks": "i32", "block_chunks": "i32",
+    }  # fmt: skip
+    for block_m in (16, 64):
+        consts = dict(
+            E_P2=512, BLOCK_M=block_m, CHUNK=256, SLOT_CHUNKS=0, EXPERT_BLOCK_CHUNKS=0, BLOCK_CHUNKS=0,
+            HIDDEN=6144, BLOCK_K=256, INTERPRET=False,
+        )  # fmt: skip
+        yield f"moe align block_m={block_m}", tw._align_kernel, sig, consts, 4
+
+
 def main() -> int:
     assert not os.environ.get("TRITON_INTERPRET"), "run without TRITON_INTERPRET"
     failed = 0
-    for name, fn, sig, consts, warps, *extra in [*indexer_cases(), *sparse_mla_cases()]:
+    for name, fn, sig, consts, warps, *extra in [*indexer_cases(), *sparse_mla_cases(), *moe_cases()]:
         opts = extra[0] if extra else {}
         try:
             # Pointers 16-byte aligned, as the runtime specialises them (this turns on the pipelined

@@ -278,7 +278,9 @@ def indexer_logits(
     row_blocks: (first row int32 [NB], row count int32 [NB], ROWS): blocks of up to ROWS
     consecutive query rows of one request that share key tiles (prefill); None: a row per program."""
     rows, heads, dim = q.shape
-    logits = torch.empty(rows, max_len, dtype=torch.float32, device=q.device)
+    # Rows padded to a multiple of 16 floats: the row stride is then always 16-divisible, so the
+    # logits and top-k kernels compile once for it (and keep their vector loads) at every length.
+    logits = torch.empty(rows, -(-max_len // 16) * 16, dtype=torch.float32, device=q.device)[:, :max_len]
     fp8 = index_k_cache.dtype == torch.uint8
     cache = index_k_cache.contiguous()
     k_scale = cache.view(torch.float32) if fp8 else cache  # scales read as fp32 through this view

@@ -317,17 +317,22 @@ def _permute_row(x_ptr, xp_ptr, row, HIDDEN: tl.constexpr, BLOCK_K: tl.constexpr
         tl.store(xp_ptr + row * HIDDEN + dst, v.to(tl.bfloat16), mask=inb)
 
 
-@triton.jit
+# Slot and block counts follow the token count: runtime values, not specialised, so a step of a
+# new size compiles nothing (as constants they made a variant per power of two of the count).
+@triton.jit(do_not_specialize=["n_slots", "max_blocks", "slot_chunks", "expert_block_chunks", "block_chunks"])
 def _align_kernel(
     ids_ptr, sorted_slot_ptr, block_expert_ptr, x_ptr, xp_ptr,
-    n_slots, first_expert, num_local, max_blocks,
+    n_slots, first_expert, num_local, max_blocks, slot_chunks, expert_block_chunks, block_chunks,
     E_P2: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, SLOT_CHUNKS: tl.constexpr,
     EXPERT_BLOCK_CHUNKS: tl.constexpr, BLOCK_CHUNKS: tl.constexpr, HIDDEN: tl.constexpr, BLOCK_K: tl.constexpr,
+    INTERPRET: tl.constexpr,
 ):  # fmt: skip
     """Program e < num_local lays out local expert e's run; program num_local + t permutes token
     t's activations for the gate/up kernel (one launch for both). No program waits for another:
     each expert's program counts every expert (cheap next to the weights) to find where its run
-    starts. Loop counts are constexpr powers of two (bounded recompiles; the tails are masked)."""
+    starts. Loop counts: slot_chunks, expert_block_chunks, block_chunks (the tails are masked);
+    the constants of the same names carry them for Triton's CPU interpreter (0 when compiled),
+    which takes no runtime loop bound."""
     pid = tl.program_id(0)
     if pid >= num_local:
         _permute_row(x_ptr, xp_ptr, (pid - num_local).to(tl.int64), HIDDEN, BLOCK_K, 1024)
@@ -336,7 +341,7 @@ def _align_kernel(
     offs_c = tl.arange(0, CHUNK)
     # Slots per local expert; the last bin (E_P2 > num_local) collects slots of other ranks.
     counts = tl.zeros([E_P2], dtype=tl.int32)
-    for sc in range(SLOT_CHUNKS):
+    for sc in range(SLOT_CHUNKS if INTERPRET else slot_chunks):
         loc = _local_expert(ids_ptr, sc * CHUNK + offs_c, n_slots, first_expert, num_local)
         counts += tl.histogram(tl.where(loc >= 0, loc, E_P2 - 1), E_P2)
     counts = tl.where(offs_e < num_local, counts, 0)
@@ -344,17 +349,17 @@ def _align_kernel(
     start = tl.sum(tl.where(offs_e < pid, padded, 0), 0)
     count = tl.sum(tl.where(offs_e == pid, counts, 0), 0)
     my_blocks = (count + BLOCK_M - 1) // BLOCK_M
-    for bc in range(EXPERT_BLOCK_CHUNKS):
+    for bc in range(EXPERT_BLOCK_CHUNKS if INTERPRET else expert_block_chunks):
         b = bc * CHUNK + offs_c
         tl.store(block_expert_ptr + start // BLOCK_M + b, tl.full([CHUNK], 0, tl.int32) + pid, mask=b < my_blocks)
     if pid == 0:  # blocks past the last expert's run: their programs exit at once
         total_blocks = tl.sum(padded, 0) // BLOCK_M
-        for bc in range(BLOCK_CHUNKS):
+        for bc in range(BLOCK_CHUNKS if INTERPRET else block_chunks):
             b = bc * CHUNK + offs_c
             tl.store(block_expert_ptr + b, tl.full([CHUNK], -1, tl.int32), mask=(b >= total_blocks) & (b < max_blocks))
     # This expert's slots in input order, then -1 up to the end of its last block.
     seen = 0
-    for sc in range(SLOT_CHUNKS):
+    for sc in range(SLOT_CHUNKS if INTERPRET else slot_chunks):
         s0 = sc * CHUNK
         mine = _local_expert(ids_ptr, s0 + offs_c, n_slots, first_expert, num_local) == pid
         rank = seen + tl.cumsum(mine.to(tl.int32), 0) - 1
@@ -542,10 +547,6 @@ def _reg_cap(cfg: dict) -> dict:
     return {"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}
 
 
-def _pow2_chunks(n: int, chunk: int) -> int:
-    return triton.next_power_of_2(triton.cdiv(n, chunk))
-
-
 def pick_block_m(num_slots: int, num_local: int) -> int:
     """Tokens per expert block. Each block re-reads and re-dequantises its expert's weights, but
     the MMA work grows with the block too: tokens are the MMA's N side, and at 64 the tensor cores
@@ -637,11 +638,13 @@ def moe_experts_nvfp4_triton(
     e_p2 = triton.next_power_of_2(num_local + 1)
     chunk = 256
     xp = torch.empty(num_tokens, hidden, dtype=torch.bfloat16, device=dev)
+    loops = (triton.cdiv(n_slots, chunk), triton.cdiv(triton.cdiv(n_slots, bm), chunk), triton.cdiv(nblocks, chunk))
+    const = loops if _INTERPRET or not x.is_cuda else (0, 0, 0)
     _align_kernel[(num_local + num_tokens,)](
-        ids, sorted_slot, block_expert, x.contiguous(), xp, n_slots, first_expert, num_local, nblocks,
-        E_P2=e_p2, BLOCK_M=bm, CHUNK=chunk, SLOT_CHUNKS=_pow2_chunks(n_slots, chunk),
-        EXPERT_BLOCK_CHUNKS=_pow2_chunks(triton.cdiv(n_slots, bm), chunk),
-        BLOCK_CHUNKS=_pow2_chunks(nblocks, chunk), HIDDEN=hidden, BLOCK_K=gu["BLOCK_K"], num_warps=4,
+        ids, sorted_slot, block_expert, x.contiguous(), xp, n_slots, first_expert, num_local, nblocks, *loops,
+        E_P2=e_p2, BLOCK_M=bm, CHUNK=chunk, SLOT_CHUNKS=const[0], EXPERT_BLOCK_CHUNKS=const[1],
+        BLOCK_CHUNKS=const[2], HIDDEN=hidden, BLOCK_K=gu["BLOCK_K"], INTERPRET=_INTERPRET or not x.is_cuda,
+        num_warps=4,
     )  # fmt: skip
 
     h = torch.empty(rows, inter, dtype=torch.bfloat16, device=dev)

@@ -92,11 +92,14 @@ def _attend_block(
     return m_new, l_i, acc
 
 
-@triton.jit
+# The list length (topk: min(index_topk, longest context)) and its split are runtime values, not
+# specialised: as constants they compiled a new variant (1-2 s) for nearly every prefill step
+# whose longest context was below index_topk.
+@triton.jit(do_not_specialize=["topk", "split_len"])
 def _sparse_mla_kernel(
     q_lat_ptr, q_pe_ptr, cache_ptr, cache_f32_ptr, cache_bf16_ptr,
     idx_ptr, kv_base_ptr, kv_slots_ptr, o_ptr, lse_ptr,
-    heads, topk, num_splits, scale_log2,
+    heads, topk, num_splits, scale_log2, split_len,
     SPLIT_LEN: tl.constexpr, R: tl.constexpr, P: tl.constexpr, P_PAD: tl.constexpr, G: tl.constexpr,
     ROW_BYTES: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     FP8: tl.constexpr, LOGICAL: tl.constexpr, SPLIT: tl.constexpr, SKIP_EMPTY: tl.constexpr,
@@ -123,8 +126,10 @@ def _sparse_mla_kernel(
     m_i = tl.full([BLOCK_H], -1.0e30, dtype=tl.float32)  # finite, so an all-masked block adds 0
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, R], dtype=tl.float32)
-    j0 = sp * SPLIT_LEN
-    j1 = tl.minimum(j0 + SPLIT_LEN, topk)
+    # Triton's CPU interpreter takes no runtime loop bound: SPLIT_LEN carries the value there.
+    span = SPLIT_LEN if INTERPRET else split_len
+    j0 = sp * span
+    j1 = tl.minimum(j0 + span, topk)
     if TRIM:
         # Loop only up to the last valid entry of this part of the list (prefill rows early in a
         # prompt select fewer than top-k keys and are -1 padded): a loop bound, not a branch around
@@ -140,7 +145,7 @@ def _sparse_mla_kernel(
         valid_nx, slot_nx = _block_slots(
             idx_ptr, kv_slots_ptr, kv_base, t, topk, j0 + tl.arange(0, BLOCK_N), j1, LOGICAL
         )
-        for n in range(0, n_end if TRIM else SPLIT_LEN, BLOCK_N):
+        for n in range(0, n_end if TRIM else (SPLIT_LEN if INTERPRET else split_len), BLOCK_N):
             valid, slot = valid_nx, slot_nx
             valid_nx, slot_nx = _block_slots(
                 idx_ptr, kv_slots_ptr, kv_base, t, topk, j0 + n + BLOCK_N + tl.arange(0, BLOCK_N), j1, LOGICAL
@@ -150,7 +155,7 @@ def _sparse_mla_kernel(
                 offs_r, offs_p, pmask, R, P, G, ROW_BYTES, BLOCK_N, FP8, MASK_ALL, INTERPRET,
             )  # fmt: skip
     else:
-        for n in range(0, n_end if TRIM else SPLIT_LEN, BLOCK_N):
+        for n in range(0, n_end if TRIM else (SPLIT_LEN if INTERPRET else split_len), BLOCK_N):
             valid, slot = _block_slots(
                 idx_ptr, kv_slots_ptr, kv_base, t, topk, j0 + n + tl.arange(0, BLOCK_N), j1, LOGICAL
             )
@@ -273,11 +278,11 @@ def sparse_mla_decode(
     _sparse_mla_kernel[(tokens, num_splits, head_blocks)](
         q_lat.contiguous(), q_pe.contiguous(), cache, f32_view, bf16_view,
         idx, token_kv_base if logical else idx, kv_slots if logical else idx, o_part, lse,
-        heads, topk, num_splits, softmax_scale * 1.4426950408889634,
-        SPLIT_LEN=split_len, R=rank, P=rope, P_PAD=max(16, triton.next_power_of_2(rope)), G=group,
+        heads, topk, num_splits, softmax_scale * 1.4426950408889634, split_len,
+        SPLIT_LEN=split_len if interp else 0, R=rank, P=rope, P_PAD=max(16, triton.next_power_of_2(rope)), G=group,
         ROW_BYTES=row_bytes, BLOCK_H=block_h, BLOCK_N=block_n, FP8=fp8, LOGICAL=logical, SPLIT=split,
         SKIP_EMPTY=skip_empty and not prefetch, PREFETCH=prefetch,
-        TRIM=trim and not interp, TRIM_LEN=triton.next_power_of_2(split_len), MASK_ALL=mask_all,
+        TRIM=trim and not interp, TRIM_LEN=triton.next_power_of_2(split_len) if trim else 16, MASK_ALL=mask_all,
         INTERPRET=interp,
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip

@@ -85,13 +85,13 @@ def _radix_select(u, valid, k, BITS: tl.constexpr):
 
 
 @triton.jit
-def _radix_select_chunks(row_logits, offs, pos, k, NCHUNK: tl.constexpr, CHUNK: tl.constexpr, BITS: tl.constexpr):
-    """_radix_select over a row of NCHUNK chunks, re-read from memory every pass."""
+def _radix_select_chunks(row_logits, offs, pos, k, n_chunks, CHUNK: tl.constexpr, BITS: tl.constexpr):
+    """_radix_select over a row of n_chunks chunks, re-read from memory every pass."""
     prefix = tl.zeros((), dtype=tl.uint32)
     k_rem = k
     for i in tl.static_range((32 + BITS - 1) // BITS):
         hist = tl.zeros([1 << BITS], dtype=tl.int32)
-        for c in range(NCHUNK):
+        for c in range(n_chunks):
             u, valid = _order_keys(row_logits, c * CHUNK + offs, pos)
             hist += _radix_hist(u, valid, prefix, i, BITS)
         prefix, k_rem = _narrow(hist, prefix, k_rem, i, BITS)
@@ -121,35 +121,40 @@ def _this_row(logits_ptr, row_pos_ptr, out_ptr, logits_stride, out_stride, topk)
     return pos, tl.minimum(topk, pos + 1), logits_ptr + row * logits_stride, out_ptr + row * out_stride
 
 
-@triton.jit
+# Row lengths are runtime values, not specialised: the kernels compile once per chunk size, not
+# once per context length (as constants, each new length of a serving step cost a 2-4 s compile).
+# The logits' row stride stays specialised: indexer_logits pads it to a multiple of 16.
+@triton.jit(do_not_specialize=["out_stride", "width", "nchunk"])
 def _topk_kernel(
-    logits_ptr, row_pos_ptr, out_ptr, logits_stride, out_stride, topk, width,
-    CHUNK: tl.constexpr, NCHUNK: tl.constexpr, BITS: tl.constexpr,
+    logits_ptr, row_pos_ptr, out_ptr, logits_stride, out_stride, topk, width, nchunk,
+    CHUNK: tl.constexpr, MULTI: tl.constexpr, NCHUNK: tl.constexpr, BITS: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
+    """MULTI: rows of more than one chunk (nchunk of them). NCHUNK: nchunk again, for Triton's CPU
+    interpreter, which takes no runtime loop bound (0 when compiled)."""
     pos, k_eff, row_logits, out_row = _this_row(logits_ptr, row_pos_ptr, out_ptr, logits_stride, out_stride, topk)
     offs = tl.arange(0, CHUNK)
     if pos + 1 <= topk:
         # The whole causal context fits: every position is chosen (prompt rows early in a prefill).
-        for c in range(NCHUNK):
+        for c in range(NCHUNK if INTERPRET else nchunk):
             p = c * CHUNK + offs
             tl.store(out_row + p, tl.where(p <= pos, p, -1).to(tl.int64), mask=p < width)
     else:
-        if NCHUNK == 1:
+        if not MULTI:
             u, valid = _order_keys(row_logits, offs, pos)
             thr, k_rem = _radix_select(u, valid, k_eff, BITS)
             _emit(out_row, u, valid, offs, thr, k_rem, 0, 0)
         else:
-            thr, k_rem = _radix_select_chunks(row_logits, offs, pos, k_eff, NCHUNK, CHUNK, BITS)
+            thr, k_rem = _radix_select_chunks(row_logits, offs, pos, k_eff, NCHUNK if INTERPRET else nchunk, CHUNK, BITS)
             gt_seen = 0
             eq_seen = 0
-            for c in range(NCHUNK):
+            for c in range(NCHUNK if INTERPRET else nchunk):
                 p = c * CHUNK + offs
                 u, valid = _order_keys(row_logits, p, pos)
                 n_gt, n_eq = _emit(out_row, u, valid, p, thr, k_rem, gt_seen, eq_seen)
                 gt_seen += n_gt
                 eq_seen += n_eq
         # Pad the rest of the row with -1 here rather than in a separate fill launch.
-        for c in range(NCHUNK):
+        for c in range(NCHUNK if INTERPRET else nchunk):
             p = c * CHUNK + offs
             tl.store(out_row + p, tl.full([CHUNK], -1, tl.int64), mask=(p >= k_eff) & (p < width))
 
@@ -168,7 +173,7 @@ def _sample_bracket(row_logits, pos, n, k_eff, SAMPLES: tl.constexpr, MARGIN: tl
     return hi, lo
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["out_stride", "width"])
 def _topk_sampled_kernel(
     logits_ptr, row_pos_ptr, out_ptr, scratch_ptr, logits_stride, out_stride, topk, width,
     CHUNK: tl.constexpr, SAMPLES: tl.constexpr, MARGIN: tl.constexpr, CAND: tl.constexpr, BITS: tl.constexpr,
@@ -304,8 +309,10 @@ def topk_of_logits(
             CHUNK=chunk, SAMPLES=min(chunk, 256), MARGIN=16, CAND=cand, BITS=bits, num_warps=warps,
         )  # fmt: skip
     else:
+        nchunk = triton.cdiv(max_len, chunk)
+        interp = logits.device.type != "cuda"
         _topk_kernel[(rows,)](
-            logits, row_pos, out, logits.stride(0), out.stride(0), topk, width,
-            CHUNK=chunk, NCHUNK=triton.cdiv(max_len, chunk), BITS=bits, num_warps=warps,
+            logits, row_pos, out, logits.stride(0), out.stride(0), topk, width, nchunk,
+            CHUNK=chunk, MULTI=nchunk > 1, NCHUNK=nchunk if interp else 0, BITS=bits, INTERPRET=interp, num_warps=warps,
         )  # fmt: skip
     return out
