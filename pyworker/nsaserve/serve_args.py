@@ -93,6 +93,12 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     w.add_argument("--worker-host", default="127.0.0.1", help="host the router binds its worker sockets on (tcp)")
     w.add_argument("--worker-base-port", type=int, default=31000, help="first of tp + 1 ports for the worker sockets (tcp)")
     w.add_argument("--startup-timeout", type=float, default=900.0, help="seconds to wait for every worker's hello")
+    w.add_argument(
+        "--skip-server-warmup",
+        action="store_true",
+        help="on GPUs, serve without first running one synthetic step of each shape bucket (prompt sizes, decode "
+        "batch sizes) to compile the kernels; the first requests of each new size then wait for those compiles",
+    )
     w.add_argument("--heartbeat-timeout", type=float, default=5.0, help="a worker silent this long is declared dead")
     w.add_argument(
         "--restart-workers",

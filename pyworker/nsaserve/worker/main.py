@@ -64,6 +64,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--cuda-graph-max-context", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
+        "--warmup-tokens",
+        type=int,
+        default=0,
+        help="on CUDA, before the hello: warm-up steps (worker/warmup.py) up to this many prompt tokens; 0: none",
+    )
+    p.add_argument("--warmup-batch", type=int, default=256, help="largest decode batch of the warm-up")
+    p.add_argument(
         "--enable-dp-attention",
         action="store_true",
         help="data-parallel attention over the tp ranks (see nsaserve serve --help); page ids span tp pools",

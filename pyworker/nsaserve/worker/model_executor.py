@@ -73,7 +73,14 @@ class ModelExecutor:
             runner.set_backend(kind, getattr(args, "attention_backend", "auto"))
         for kind in ("rmsnorm", "rope", "kv_store", "index_key_store"):  # small ops follow the device
             runner.set_backend(kind, "auto")
-        return cls(runner, device, decode_graphs(runner, args))
+        executor = cls(runner, device, decode_graphs(runner, args))
+        if getattr(args, "warmup_tokens", 0) > 0 and device.type == "cuda":
+            # After the graphs: the warm-up's activations come out of the memory serving will use.
+            from .warmup import WarmupShape, warm_up
+
+            shape = WarmupShape(args.warmup_tokens, -(-args.warmup_batch // runner.dp_size), runner.max_context)
+            warm_up(runner, shape, log=_rank0_log(runner))
+        return executor
 
     def run(self, plan: Plan, is_rank0: bool) -> StepResult:
         t0 = time.perf_counter()
@@ -111,6 +118,14 @@ class ModelExecutor:
         return PromptLogprobs(int(plan.req_ids[i]), int(plan.cached_lens[i]) + 1, targets.tolist(), prompt_entries(lp, top_ids, top_lps))
 
 
+def _rank0_log(runner):
+    def log(message: str) -> None:
+        if runner.tp.rank == 0:
+            print(f"[nsaserve worker] {message}", file=sys.stderr, flush=True)
+
+    return log
+
+
 def decode_graphs(runner, args):
     """Decode CUDA graphs for this runner, unless disabled, not on CUDA, or blocked by a kernel
     backend that is not graph-safe (said once on stderr)."""
@@ -118,9 +133,7 @@ def decode_graphs(runner, args):
         return None
     from .cuda_graphs import DecodeGraphs, graph_blockers
 
-    def log(message: str) -> None:
-        if runner.tp.rank == 0:
-            print(f"[nsaserve worker] {message}", file=sys.stderr, flush=True)
+    log = _rank0_log(runner)
 
     blockers = graph_blockers(runner)
     if blockers:

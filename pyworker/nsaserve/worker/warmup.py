@@ -1,0 +1,113 @@
+"""Kernel warm-up before serving: synthetic steps through the model so that the GPU kernels'
+variants are compiled before the first request, not in the middle of it.
+
+Triton compiles a kernel variant the first time a launch needs it, 0.5-5 s each on the H200 for
+the indexer, top-k, sparse MLA and MoE kernels. The kernels keep their variants few (sizes are
+runtime values; what stays constant is a power-of-two bucket of the step's shape: tokens per
+expert, longest context, rows per request, key blocks per program), but a new server still met
+each bucket for the first time while serving: its first prompts of each size took 1.5-7.7 s
+instead of 40-600 ms. The warm-up runs one step per bucket a server can meet:
+
+- one prompt of 16, 32, 64, ... tokens up to the most a step holds (token-count buckets of the
+  MoE kernels, prompt row blocks and context buckets of the indexer and its top-k, the sparse MLA
+  prefill path);
+- prompt chunks of several requests after cached prefixes (a radix-cache hit's step);
+- decode batches of 1, 2, 4, ... requests up to the most that run at once (the decode path of
+  every kernel, eagerly: CUDA graphs cover only their own batch sizes);
+- one decode over a context longer than the top-k kernel's single chunk.
+
+Triton keeps what it compiled on disk, so a restart on the same machine compiles nothing and the
+warm-up costs the steps alone. KV: the steps write and read garbage in the pool's first pages
+before any request exists; a request reads only slots that its own or an earlier request's steps
+wrote, so nothing of the warm-up is ever read as data.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..protocol.builder import RequestSpec, build_plan
+from ..protocol.messages import Plan
+
+# The top-k kernel's single chunk (kernels/triton_topk.CHUNK): longer contexts take its chunked form.
+TOPK_CHUNK = 8192
+SMALLEST_PROMPT = 16
+
+
+@dataclass
+class WarmupShape:
+    """The largest steps the server will run, as the router's limits set them."""
+
+    max_tokens: int  # prompt tokens in one step (max prefill tokens / chunk size)
+    max_batch: int  # requests decoding at once
+    max_context: int  # longest context a request can reach
+
+
+def _powers_of_two(lo: int, hi: int) -> list[int]:
+    out, n = [], lo
+    while n < hi:
+        out.append(n)
+        n *= 2
+    return out + [hi] if hi >= lo else out
+
+
+def warmup_steps(shape: WarmupShape, num_pages: int, page_size: int, vocab_size: int, dp_size: int = 1) -> list[tuple[str, Plan]]:
+    """(name, plan) of every warm-up step. Requests share the pages [0, n) of each rank's pool
+    (under data-parallel attention every rank gets a copy of each request, in its own pages, so
+    that every rank compiles its attention kernels)."""
+    usable = min(shape.max_context, num_pages * page_size) - 1  # longest context that fits the pool
+    if usable < 1:
+        return []
+    rng = np.random.default_rng(0)
+
+    def ids(n: int) -> list[int]:
+        return rng.integers(0, vocab_size, n).tolist()
+
+    def pages(rank: int, context: int) -> list[int]:
+        return [rank * num_pages + p for p in range(-(-(context + 1) // page_size))]
+
+    def plan(step: int, reqs: list[tuple[list[int], int]]) -> Plan:
+        """reqs: (input ids, cached length) per request, copied onto every rank's pages."""
+        specs = [
+            RequestSpec(i * dp_size + r, tokens, cached, pages(r, cached + len(tokens)))
+            for i, (tokens, cached) in enumerate(reqs)
+            for r in range(dp_size)
+        ]
+        return build_plan(step, page_size, specs)
+
+    steps: list[tuple[str, Plan]] = []
+    for n in _powers_of_two(SMALLEST_PROMPT, min(shape.max_tokens, usable)):
+        steps.append((f"prompt of {n}", plan(len(steps), [(ids(n), 0)])))
+    # A radix-cache hit's step: several requests' chunks after cached prefixes.
+    new, cached = 32, min(992, usable - 32)
+    if cached > 0:
+        reqs = max(1, min(32, shape.max_tokens // new))
+        steps.append((f"{reqs} chunks of {new} after {cached}", plan(len(steps), [(ids(new), cached)] * reqs)))
+    context = min(2048, usable - 1)
+    if context > 0:
+        for b in _powers_of_two(1, max(1, shape.max_batch)):
+            steps.append((f"decode of {b} at {context}", plan(len(steps), [(ids(1), context)] * b)))
+    if usable - 1 > TOPK_CHUNK:
+        long = min(usable - 1, TOPK_CHUNK + 64)
+        steps.append((f"decode of 1 at {long}", plan(len(steps), [(ids(1), long)])))
+    return steps
+
+
+def warm_up(runner, shape: WarmupShape, log=None) -> tuple[int, float]:
+    """Runs the warm-up steps through runner.forward_plan (every rank runs the same steps, so their
+    collectives pair up). -> (steps run, seconds)."""
+    t0 = time.perf_counter()
+    steps = warmup_steps(shape, runner.num_pages, runner.page_size, runner.vocab_size, getattr(runner, "dp_size", 1))
+    for _, plan in steps:
+        runner.forward_plan(plan)
+    if runner.device.type == "cuda":
+        import torch
+
+        torch.cuda.synchronize(runner.device)
+    seconds = time.perf_counter() - t0
+    if log is not None:
+        log(f"warm-up: {len(steps)} steps in {seconds:.1f} s")
+    return len(steps), seconds

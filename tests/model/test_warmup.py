@@ -1,0 +1,82 @@
+"""The kernel warm-up (worker/warmup.py): its steps cover the shape buckets it names and stay
+inside the pool (each rank's own pages under data-parallel attention), and running them leaves a
+model's results unchanged: the garbage they write into the pool is never read as data."""
+
+import numpy as np
+import pytest
+import torch
+from model_helpers import VOCAB, Session, make_checkpoint
+
+from nsaserve.model.runner import ModelRunner
+from nsaserve.protocol.validate import request_ranks
+from nsaserve.worker.warmup import TOPK_CHUNK, WarmupShape, warm_up, warmup_steps
+
+
+def by_kind(steps, kind: str):
+    return [(name, plan) for name, plan in steps if name.startswith(kind)]
+
+
+def test_steps_cover_the_buckets_inside_the_pool():
+    num_pages, ps = 200, 64
+    steps = warmup_steps(WarmupShape(max_tokens=1000, max_batch=100, max_context=100_000), num_pages, ps, vocab_size=50)
+    assert [p.num_tokens for _, p in by_kind(steps, "prompt")] == [16, 32, 64, 128, 256, 512, 1000]
+    decode = [p for name, p in by_kind(steps, "decode") if name.endswith("at 2048")]
+    assert [p.num_reqs for p in decode] == [1, 2, 4, 8, 16, 32, 64, 100]
+    assert all(p.mode == "decode" and (p.cached_lens == 2048).all() for p in decode)
+    chunks = [p for name, p in steps if " chunks of 32 after " in name]
+    assert len(chunks) == 1 and chunks[0].num_reqs == 31 and (chunks[0].cached_lens > 0).all()
+    # The pool holds 12,800 tokens: one decode past the top-k kernel's single chunk fits.
+    long = [p for name, p in steps if name.startswith("decode of 1 at") and not name.endswith("2048")]
+    assert len(long) == 1 and long[0].cached_lens[0] > TOPK_CHUNK
+    for _, p in steps:
+        assert p.page_table.max() < num_pages and p.out_slots.max() < num_pages * ps
+        assert (p.positions < num_pages * ps).all() and (p.input_ids < 50).all()
+    assert [p.step for _, p in steps] == list(range(len(steps)))
+
+
+def test_a_small_pool_or_short_context_caps_every_step():
+    steps = warmup_steps(WarmupShape(max_tokens=16384, max_batch=4, max_context=100_000), 10, 64, vocab_size=50)
+    assert max(p.num_tokens for _, p in by_kind(steps, "prompt")) == 639  # 10 pages of 64, less one
+    assert all(p.cached_lens.max() + p.num_tokens // max(1, p.num_reqs) <= 639 for _, p in steps)
+    assert not [n for n, _ in steps if n.startswith("decode of 1 at") and int(n.split()[-1]) > TOPK_CHUNK]
+    short = warmup_steps(WarmupShape(max_tokens=16384, max_batch=4, max_context=300), 1000, 64, vocab_size=50)
+    assert max(int(p.cached_lens.max()) + 1 for _, p in short) <= 299
+    assert warmup_steps(WarmupShape(16, 1, 1), 10, 64, vocab_size=50) == []
+
+
+def test_data_parallel_ranks_each_get_every_request():
+    num_pages, dp = 100, 2
+    steps = warmup_steps(WarmupShape(max_tokens=256, max_batch=8, max_context=4096), num_pages, 64, 50, dp_size=dp)
+    for _, plan in steps:
+        ranks = request_ranks(plan, num_pages)
+        assert sorted(np.bincount(ranks, minlength=dp).tolist()) == [plan.num_reqs // dp] * dp
+        assert len(set(plan.req_ids.tolist())) == plan.num_reqs
+
+
+def prompt_logits(runner) -> list[torch.Tensor]:
+    """Two prompts and two decode steps of a fixed session (scattered pages, as the router)."""
+    g = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (37, 12)]
+    s = Session(runner, seed=1)
+    out = s.step(list(enumerate(prompts)), all_logits=True)
+    for t in range(2):
+        out += s.step([(0, [3 + t]), (1, [5 + t])])
+    return out
+
+
+@pytest.mark.parametrize("kv", ["auto", "fp8_e4m3"])
+def test_warm_up_leaves_results_unchanged(kv, tmp_path):
+    make_checkpoint("glm_moe_dsa", str(tmp_path), seed=2)
+
+    def runner():
+        return ModelRunner(str(tmp_path), device=torch.device("cpu"), dtype=None, kv_cache_dtype=kv,
+                           num_pages=40, page_size=4, show_progress=False)  # fmt: skip
+
+    want = prompt_logits(runner())
+    warmed = runner()
+    steps, _ = warm_up(warmed, WarmupShape(max_tokens=100, max_batch=6, max_context=warmed.max_context))
+    assert steps == len(warmup_steps(WarmupShape(100, 6, warmed.max_context), 40, 4, warmed.vocab_size))
+    got = prompt_logits(warmed)
+    assert len(got) == len(want)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
