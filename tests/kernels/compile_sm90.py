@@ -70,9 +70,10 @@ def indexer_cases():
 
 def sparse_mla_cases():
     # The launches the benchmark and the registry use, with the launch's specialisation (16-byte
-    # divisible pointers and heads; top-k is not specialised): without it Triton pipelines
-    # nothing, so neither the shared memory nor the schedule would be the launched kernel's.
-    attrs = {(i,): [["tt.divisibility", 16]] for i in range(11)}
+    # divisible pointers, heads and index row stride; top-k is not specialised): without it
+    # Triton pipelines nothing, so neither the shared memory nor the schedule would be the
+    # launched kernel's.
+    attrs = {(i,): [["tt.divisibility", 16]] for i in (*range(11), 12)}
     for fp8 in (True, False):
         for logical, split, skip, prefetch, trim, mask_all, block_n, stages in (
             (False, True, False, True, False, False, 64, 2),  # decode default
@@ -85,7 +86,7 @@ def sparse_mla_cases():
                 "q_lat_ptr": "*bf16", "q_pe_ptr": "*bf16", "cache_ptr": cache_ty,
                 "cache_f32_ptr": F32 if fp8 else cache_ty, "cache_bf16_ptr": "*bf16", "idx_ptr": "*i64",
                 "kv_base_ptr": "*i64", "kv_slots_ptr": "*i64", "o_ptr": F32, "lse_ptr": F32, "heads": "i32",
-                "topk": "i32", "num_splits": "i32", "scale_log2": "fp32", "split_len": "i32",
+                "topk": "i32", "idx_stride": "i32", "num_splits": "i32", "scale_log2": "fp32", "split_len": "i32",
             }  # fmt: skip
             consts = dict(
                 SPLIT_LEN=0, R=512, P=64, P_PAD=64, G=128, ROW_BYTES=656 if fp8 else 576,

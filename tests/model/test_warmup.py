@@ -9,7 +9,7 @@ from model_helpers import VOCAB, Session, make_checkpoint
 
 from nsaserve.model.runner import ModelRunner
 from nsaserve.protocol.validate import request_ranks
-from nsaserve.worker.warmup import TOPK_CHUNK, WarmupShape, warm_up, warmup_steps
+from nsaserve.worker.warmup import ODD_CONTEXT, ODD_PROMPT, TOPK_CHUNK, WarmupShape, warm_up, warmup_steps
 
 
 def by_kind(steps, kind: str):
@@ -19,14 +19,17 @@ def by_kind(steps, kind: str):
 def test_steps_cover_the_buckets_inside_the_pool():
     num_pages, ps = 200, 64
     steps = warmup_steps(WarmupShape(max_tokens=1000, max_batch=100, max_context=100_000), num_pages, ps, vocab_size=50)
-    assert [p.num_tokens for _, p in by_kind(steps, "prompt")] == [16, 32, 64, 128, 256, 512, 1000]
+    assert [p.num_tokens for _, p in by_kind(steps, "prompt")] == [16, 32, 64, 128, 256, 512, 1000, ODD_PROMPT]
     decode = [p for name, p in by_kind(steps, "decode") if name.endswith("at 2048")]
     assert [p.num_reqs for p in decode] == [1, 2, 4, 8, 16, 32, 64, 100]
     assert all(p.mode == "decode" and (p.cached_lens == 2048).all() for p in decode)
+    # The same batches with a top-k list length (context + 1) that is not a multiple of 16.
+    odd = [p for name, p in by_kind(steps, "decode") if name.endswith(f"at {ODD_CONTEXT}")]
+    assert [p.num_reqs for p in odd] == [1, 2, 4, 8, 16, 32, 64, 100] and (ODD_CONTEXT + 1) % 16
     chunks = [p for name, p in steps if " chunks of 32 after " in name]
     assert len(chunks) == 1 and chunks[0].num_reqs == 31 and (chunks[0].cached_lens > 0).all()
     # The pool holds 12,800 tokens: one decode past the top-k kernel's single chunk fits.
-    long = [p for name, p in steps if name.startswith("decode of 1 at") and not name.endswith("2048")]
+    long = [p for name, p in steps if name.startswith("decode of 1 at") and int(name.split()[-1]) > 2048]
     assert len(long) == 1 and long[0].cached_lens[0] > TOPK_CHUNK
     for _, p in steps:
         assert p.page_table.max() < num_pages and p.out_slots.max() < num_pages * ps

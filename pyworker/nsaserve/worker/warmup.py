@@ -14,7 +14,9 @@ instead of 40-600 ms. The warm-up runs one step per bucket a server can meet:
 - prompt chunks of several requests after cached prefixes (a radix-cache hit's step);
 - decode batches of 1, 2, 4, ... requests up to the most that run at once (the decode path of
   every kernel, eagerly: CUDA graphs cover only their own batch sizes);
-- one decode over a context longer than the top-k kernel's single chunk.
+- one decode over a context longer than the top-k kernel's single chunk;
+- each of the prompt and decode paths once more with a top-k list whose length is not a multiple
+  of 16 (the sparse MLA kernel specialises its index row stride on that).
 
 Triton keeps what it compiled on disk, so a restart on the same machine compiles nothing and the
 warm-up costs the steps alone. KV: the steps write and read garbage in the pool's first pages
@@ -35,6 +37,10 @@ from ..protocol.messages import Plan
 # The top-k kernel's single chunk (kernels/triton_topk.CHUNK): longer contexts take its chunked form.
 TOPK_CHUNK = 8192
 SMALLEST_PROMPT = 16
+# A prompt long enough for the sparse MLA prefill path (kernels/triton_sparse_mla.PREFILL_TOKENS)
+# and a decode context, each giving a top-k list length that is not a multiple of 16.
+ODD_PROMPT = 264
+ODD_CONTEXT = 999
 
 
 @dataclass
@@ -79,17 +85,20 @@ def warmup_steps(shape: WarmupShape, num_pages: int, page_size: int, vocab_size:
         return build_plan(step, page_size, specs)
 
     steps: list[tuple[str, Plan]] = []
-    for n in _powers_of_two(SMALLEST_PROMPT, min(shape.max_tokens, usable)):
+    prompts = _powers_of_two(SMALLEST_PROMPT, min(shape.max_tokens, usable))
+    if min(shape.max_tokens, usable) >= ODD_PROMPT:
+        prompts.append(ODD_PROMPT)
+    for n in prompts:
         steps.append((f"prompt of {n}", plan(len(steps), [(ids(n), 0)])))
     # A radix-cache hit's step: several requests' chunks after cached prefixes.
     new, cached = 32, min(992, usable - 32)
     if cached > 0:
         reqs = max(1, min(32, shape.max_tokens // new))
         steps.append((f"{reqs} chunks of {new} after {cached}", plan(len(steps), [(ids(new), cached)] * reqs)))
-    context = min(2048, usable - 1)
-    if context > 0:
-        for b in _powers_of_two(1, max(1, shape.max_batch)):
-            steps.append((f"decode of {b} at {context}", plan(len(steps), [(ids(1), context)] * b)))
+    for context in sorted({min(2048, usable - 1), min(ODD_CONTEXT, usable - 1)}, reverse=True):
+        if context > 0:
+            for b in _powers_of_two(1, max(1, shape.max_batch)):
+                steps.append((f"decode of {b} at {context}", plan(len(steps), [(ids(1), context)] * b)))
     if usable - 1 > TOPK_CHUNK:
         long = min(usable - 1, TOPK_CHUNK + 64)
         steps.append((f"decode of 1 at {long}", plan(len(steps), [(ids(1), long)])))
