@@ -7,8 +7,9 @@ A decode step of B requests must read at least:
   - per MoE layer, the routed experts that at least one of the B tokens chose: with uniform
     routing of k of E experts per token that is E * (1 - (1 - k/E)^B) experts in expectation;
   - per layer, the KV the step touches: `sel` latent rows for sparse attention (each request's
-    min(context, index_topk) selected tokens) and `ctx` indexer keys (the indexer scores every
-    cached token), in the cache's storage format.
+    min(context, index_topk) selected tokens) and `idx` indexer keys (the indexer scores every
+    cached token, unless no context of the step exceeds index_topk: then it selects whole
+    contexts without reading them, and idx is 0), in the cache's storage format.
 Activations, the KV written for the new token and the sampler are left out (each is under 1% of
 the weights at GLM-5 shapes), so the bound is a slight underestimate: steps can only be slower.
 
@@ -129,8 +130,8 @@ class DecodeRoofline:
         return self.experts * (1.0 - (1.0 - self.top_k / self.experts) ** batch)
 
     def step_bytes(self, batch: int, ctx: int, sel: int) -> dict[str, float]:
-        """Bytes of one decode step of `batch` requests whose contexts sum to `ctx` tokens and
-        whose selected tokens sum to `sel`; split by what they are."""
+        """Bytes of one decode step of `batch` requests whose indexer scores `ctx` cached tokens in
+        all and whose selected tokens sum to `sel`; split by what they are."""
         weights = self.fixed_bytes + 2 * batch * self.hidden
         experts = self.moe_layers * self.distinct_experts(batch) * self.expert_bytes / self.tp
         kv = (self.layers * sel * self.latent_row + self.index_layers * ctx * self.index_row) * self.kv_share
@@ -175,7 +176,7 @@ def decode_step_report(steps: list[dict], roofline: DecodeRoofline, bandwidth: f
 
     rows = []
     for s in use:
-        b = roofline.step_bytes(s["reqs"], s["ctx"], s["sel"])
+        b = roofline.step_bytes(s["reqs"], s.get("idx", s["ctx"]), s["sel"])  # step logs before "idx": ctx
         rows.append((s["ms"], 1e3 * b["total"] / bandwidth, b, s))
     ms = median([r[0] for r in rows])
     roof = median([r[1] for r in rows])

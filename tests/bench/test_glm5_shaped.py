@@ -260,6 +260,10 @@ def test_decode_report_uses_full_decode_steps_and_targets_read_it(ckpt):
     assert r["roofline_ms_median"] == pytest.approx(roofline_ms)
     assert r["ratio_median"] == pytest.approx(4.0 / roofline_ms)
     assert decode_step_report(steps[:2], roof, bw, 256) == {"decode_steps": 0}
+    # Steps whose contexts all fit the top-k log idx 0: the indexer read no key, the bound drops.
+    unscored = decode_step_report([{**s, "idx": 0} for s in steps], roof, bw, 256)
+    no_index_ms = 1e3 * roof.step_bytes(256, 0, 256 * 32)["total"] / bw
+    assert unscored["roofline_ms_median"] == pytest.approx(no_index_ms) and no_index_ms < roofline_ms
 
     def level(c, out_tps, ttft, failed=0, decode=None):
         summary = {"failed": failed, "output_throughput": out_tps, "ttft": {"p50_ms": ttft}}

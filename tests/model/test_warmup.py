@@ -19,17 +19,21 @@ def by_kind(steps, kind: str):
 def test_steps_cover_the_buckets_inside_the_pool():
     num_pages, ps = 200, 64
     steps = warmup_steps(WarmupShape(max_tokens=1000, max_batch=100, max_context=100_000), num_pages, ps, vocab_size=50)
-    assert [p.num_tokens for _, p in by_kind(steps, "prompt")] == [16, 32, 64, 128, 256, 512, 1000, ODD_PROMPT]
-    decode = [p for name, p in by_kind(steps, "decode") if name.endswith("at 2048")]
+    prompts = by_kind(steps, "prompt")
+    assert [p.num_tokens for _, p in prompts] == [16, 32, 64, 128, 256, 512, 1000, ODD_PROMPT]
+    # Each size after a prefix that takes it past the top-k (2048), but the last, a whole prompt.
+    assert [int(p.cached_lens[0]) + p.num_tokens for _, p in prompts] == [4096] * 7 + [ODD_PROMPT]
+    # Decode batches past the top-k (2048 by default), where the indexer scores and selects.
+    decode = [p for name, p in by_kind(steps, "decode") if name.endswith("at 4095")]
     assert [p.num_reqs for p in decode] == [1, 2, 4, 8, 16, 32, 64, 100]
-    assert all(p.mode == "decode" and (p.cached_lens == 2048).all() for p in decode)
+    assert all(p.mode == "decode" and (p.cached_lens == 4095).all() for p in decode)
     # The same batches with a top-k list length (context + 1) that is not a multiple of 16.
     odd = [p for name, p in by_kind(steps, "decode") if name.endswith(f"at {ODD_CONTEXT}")]
     assert [p.num_reqs for p in odd] == [1, 2, 4, 8, 16, 32, 64, 100] and (ODD_CONTEXT + 1) % 16
     chunks = [p for name, p in steps if " chunks of 32 after " in name]
-    assert len(chunks) == 1 and chunks[0].num_reqs == 31 and (chunks[0].cached_lens > 0).all()
+    assert len(chunks) == 1 and chunks[0].num_reqs == 31 and (chunks[0].cached_lens + 32 > 2048).all()
     # The pool holds 12,800 tokens: one decode past the top-k kernel's single chunk fits.
-    long = [p for name, p in steps if name.startswith("decode of 1 at") and int(name.split()[-1]) > 2048]
+    long = [p for name, p in steps if name.startswith("decode of 1 at") and int(name.split()[-1]) > TOPK_CHUNK]
     assert len(long) == 1 and long[0].cached_lens[0] > TOPK_CHUNK
     for _, p in steps:
         assert p.page_table.max() < num_pages and p.out_slots.max() < num_pages * ps

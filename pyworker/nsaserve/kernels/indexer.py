@@ -116,6 +116,14 @@ def indexer_topk_torch_fp8q(*args, **kwargs) -> torch.Tensor:
     return indexer_topk_torch(*args, **kwargs, query="fp8")
 
 
+def whole_context(row_pos: torch.Tensor, width: int) -> torch.Tensor:
+    """Logical positions [T, width]: row t's whole causal context 0..row_pos[t], then -1. The
+    top-k of a row whose context holds at most top-k keys, whatever their scores (the indexer
+    backends return the same set). No host sync: CUDA graphs capture it."""
+    cols = torch.arange(width, device=row_pos.device)
+    return torch.where(cols[None, :] <= row_pos[:, None].long(), cols[None, :], -1)
+
+
 def topk_to_slots(topk_pos: torch.Tensor, token_kv_base: torch.Tensor, kv_slots: torch.Tensor) -> torch.Tensor:
     """Logical top-k positions [T, K] -> physical KV slots (-1 stays -1).
 

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..kernels.hadamard import hadamard_rotate
-from ..kernels.indexer import topk_to_slots
+from ..kernels.indexer import topk_to_slots, whole_context
 from ..kernels.norms import layer_norm
 from ..kernels.registry import get_backend
 from .linear import Linear, Norm, stacked_weight
@@ -32,6 +32,10 @@ INDEXER_NORM_EPS = 1e-6
 
 class Indexer(nn.Module):
     """Lightning indexer: scores keys with a few cheap heads and picks each query's top-k."""
+
+    # Steps whose every context fits the top-k select whole contexts without scoring (forward).
+    # Tests turn it off to check the scoring path picks the same.
+    skip_scoring_when_all_fit = True
 
     def __init__(self, cfg, wf, prefix: str):
         super().__init__()
@@ -48,19 +52,27 @@ class Indexer(nn.Module):
         num_tokens = x.shape[0]
         backend = backends["indexer"]
         rope = get_backend("rope", backends["rope"])
+        plan = meta.indexer  # row metadata built once per step (model/step_meta.py), shared by the layers
         # The indexer ropes the FIRST rope_dim dims of its heads (MLA ropes the last ones): the rope
         # kernels rotate the first 2 * cos.shape[1] dims and pass the rest through.
-        q = rope(self.wq_b(qr).view(num_tokens, self.n_heads, self.head_dim), meta.cos, meta.sin, self.interleaved)
         k = rope(
             layer_norm(self.wk(x), self.k_norm.weight, self.k_norm.bias, INDEXER_NORM_EPS),
             meta.cos, meta.sin, self.interleaved,
         )  # fmt: skip
         if pool.fp8:
             # As DeepSeek's reference does before fp8-quantising the keys: same scores, smaller error.
-            q, k = hadamard_rotate(q), hadamard_rotate(k)
+            k = hadamard_rotate(k)
         pool.write_index_k(layer, batch.out_slots, k, get_backend("index_key_store", backends["index_key_store"]))
+        if plan.max_len <= self.topk and self.skip_scoring_when_all_fit:
+            # No row of the step sees more than top-k keys, so each selects its whole causal
+            # context whatever the scores: only the keys are needed (for later, longer steps).
+            # Skips the query and weight projections, the logits and the top-k. Under CUDA graphs
+            # max_len is the graph's context bucket, fixed at capture.
+            return topk_to_slots(whole_context(plan.row_pos, plan.max_len), meta.token_kv_base, batch.kv_slots)
+        q = rope(self.wq_b(qr).view(num_tokens, self.n_heads, self.head_dim), meta.cos, meta.sin, self.interleaved)
+        if pool.fp8:
+            q = hadamard_rotate(q)
         weights = self.weights_proj(x.float()) * self.n_heads**-0.5
-        plan = meta.indexer  # row metadata built once per step (model/step_meta.py), shared by the layers
         if batch.static_kv_len is not None:  # no host lists (CUDA graphs): row metadata on the device
             topk_pos = get_backend("indexer_rows", backend)(
                 q.float(), weights.float(), pool.index_k[layer], batch.kv_slots, plan.row_kv_off,

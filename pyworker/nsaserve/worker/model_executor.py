@@ -78,7 +78,8 @@ class ModelExecutor:
             # After the graphs: the warm-up's activations come out of the memory serving will use.
             from .warmup import WarmupShape, warm_up
 
-            shape = WarmupShape(args.warmup_tokens, -(-args.warmup_batch // runner.dp_size), runner.max_context)
+            per_rank = -(-args.warmup_batch // runner.dp_size)
+            shape = WarmupShape(args.warmup_tokens, per_rank, runner.max_context, runner.config.index_topk)
             warm_up(runner, shape, log=_rank0_log(runner))
         return executor
 

@@ -3,12 +3,13 @@ rank 0 appends one JSON line per executed step to PATH.
 
 A line: {"step": the plan's step number, "t": unix time at the end of the step, "mode": "prefill" | "decode" | "mixed",
 "reqs": requests, "tokens": tokens run, "ctx": sum of the requests' context lengths after the
-step, "sel": sum of min(context, index_topk), "ms": the worker's step time (batch build, forward,
+step, "sel": sum of min(context, index_topk), "idx": the contexts the indexer scored (ctx, or 0
+when no context exceeds index_topk: whole contexts are then selected unscored), "ms": the worker's step time (batch build, forward,
 sampling; the sampled tokens reach the host, so the GPU work is included), "graph": whether the
 forward replayed a decode CUDA graph}.
 
-ctx and sel are what a decode step's memory roofline needs (the indexer reads every cached key,
-sparse attention reads `sel` latent rows); bench/gpu/glm5_roofline.py turns them into bytes.
+idx and sel are what a decode step's memory roofline needs (the indexer reads every cached key
+it scores, sparse attention reads `sel` latent rows); bench/gpu/glm5_roofline.py turns them into bytes.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ class StepLog:
             "tokens": int(plan.num_tokens),
             "ctx": int(ctx.sum()),
             "sel": int(np.minimum(ctx, self.index_topk).sum()),
+            "idx": int(ctx.sum()) if len(ctx) and int(ctx.max()) > self.index_topk else 0,
             "ms": round(step_ms, 3),
             "graph": graph,
         }

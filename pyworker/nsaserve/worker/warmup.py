@@ -8,15 +8,16 @@ expert, longest context, rows per request, key blocks per program), but a new se
 each bucket for the first time while serving: its first prompts of each size took 1.5-7.7 s
 instead of 40-600 ms. The warm-up runs one step per bucket a server can meet:
 
-- one prompt of 16, 32, 64, ... tokens up to the most a step holds (token-count buckets of the
-  MoE kernels, prompt row blocks and context buckets of the indexer and its top-k, the sparse MLA
-  prefill path);
+- prompt chunks of 16, 32, 64, ... tokens up to the most a step holds, each after a cached prefix
+  that takes it past the top-k (token-count buckets of the MoE kernels, prompt row blocks and
+  key-span buckets of the indexer and its top-k, the sparse MLA prefill path);
 - prompt chunks of several requests after cached prefixes (a radix-cache hit's step);
-- decode batches of 1, 2, 4, ... requests up to the most that run at once (the decode path of
-  every kernel, eagerly: CUDA graphs cover only their own batch sizes);
+- decode batches of 1, 2, 4, ... requests up to the most that run at once, past the top-k (the
+  decode path of every kernel, eagerly: CUDA graphs cover only their own batch sizes);
 - one decode over a context longer than the top-k kernel's single chunk;
 - each of the prompt and decode paths once more with a top-k list whose length is not a multiple
-  of 16 (the sparse MLA kernel specialises its index row stride on that).
+  of 16 (the sparse MLA kernel specialises its index row stride on that), one of them a whole
+  prompt, whose top-k is its whole context.
 
 Triton keeps what it compiled on disk, so a restart on the same machine compiles nothing and the
 warm-up costs the steps alone. KV: the steps write and read garbage in the pool's first pages
@@ -50,6 +51,9 @@ class WarmupShape:
     max_tokens: int  # prompt tokens in one step (max prefill tokens / chunk size)
     max_batch: int  # requests decoding at once
     max_context: int  # longest context a request can reach
+    # The model's top-k: steps whose contexts all fit it skip the indexer's scoring (model/attention.py),
+    # so the steps meant for the indexer's kernels run past it.
+    index_topk: int = 2048
 
 
 def _powers_of_two(lo: int, hi: int) -> list[int]:
@@ -85,17 +89,21 @@ def warmup_steps(shape: WarmupShape, num_pages: int, page_size: int, vocab_size:
         return build_plan(step, page_size, specs)
 
     steps: list[tuple[str, Plan]] = []
-    prompts = _powers_of_two(SMALLEST_PROMPT, min(shape.max_tokens, usable))
+    # Prompt chunks of every size bucket, each after a cached prefix that takes its context past
+    # the top-k (where it fits), so the indexer scores them; one whole prompt of an odd size,
+    # selected unscored.
+    past = 2 * shape.index_topk
+    for n in _powers_of_two(SMALLEST_PROMPT, min(shape.max_tokens, usable)):
+        cached = max(0, min(past - n, usable - n))
+        steps.append((f"prompt of {n} after {cached}", plan(len(steps), [(ids(n), cached)])))
     if min(shape.max_tokens, usable) >= ODD_PROMPT:
-        prompts.append(ODD_PROMPT)
-    for n in prompts:
-        steps.append((f"prompt of {n}", plan(len(steps), [(ids(n), 0)])))
-    # A radix-cache hit's step: several requests' chunks after cached prefixes.
-    new, cached = 32, min(992, usable - 32)
+        steps.append((f"prompt of {ODD_PROMPT} after 0", plan(len(steps), [(ids(ODD_PROMPT), 0)])))
+    # A radix-cache hit's step: several requests' chunks after cached prefixes (past the top-k).
+    new, cached = 32, min(2 * shape.index_topk - 32, usable - 32)
     if cached > 0:
         reqs = max(1, min(32, shape.max_tokens // new))
         steps.append((f"{reqs} chunks of {new} after {cached}", plan(len(steps), [(ids(new), cached)] * reqs)))
-    for context in sorted({min(2048, usable - 1), min(ODD_CONTEXT, usable - 1)}, reverse=True):
+    for context in sorted({min(2 * shape.index_topk - 1, usable - 1), min(ODD_CONTEXT, usable - 1)}, reverse=True):
         if context > 0:
             for b in _powers_of_two(1, max(1, shape.max_batch)):
                 steps.append((f"decode of {b} at {context}", plan(len(steps), [(ids(1), context)] * b)))

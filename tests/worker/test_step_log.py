@@ -1,0 +1,28 @@
+"""The benchmark step log (worker/step_log.py): one JSON line per step with the sums the decode
+roofline reads, the indexer's scored contexts among them."""
+
+import json
+
+from nsaserve.protocol.builder import RequestSpec, build_plan
+from nsaserve.worker.step_log import StepLog
+
+
+def line_for(tmp_path, contexts: list[int], index_topk: int = 8) -> dict:
+    """One decode step of requests whose contexts after the step are `contexts`."""
+    reqs = [RequestSpec(i, [1], c - 1, list(range(i * 8, i * 8 + 8))) for i, c in enumerate(contexts)]
+    path = tmp_path / "steps.jsonl"
+    log = StepLog(str(path), index_topk)
+    log.record(build_plan(7, 4, reqs), step_ms=2.5, graph=True)
+    return json.loads(path.read_text().splitlines()[-1])
+
+
+def test_a_line_holds_the_roofline_sums(tmp_path):
+    line = line_for(tmp_path, [5, 12, 20])
+    assert (line["step"], line["mode"], line["reqs"], line["tokens"]) == (7, "decode", 3, 3)
+    assert (line["ctx"], line["sel"], line["ms"], line["graph"]) == (37, 5 + 8 + 8, 2.5, True)
+    assert line["idx"] == 37  # a context past the top-k: the indexer scores every context
+
+
+def test_contexts_within_the_top_k_are_not_scored(tmp_path):
+    line = line_for(tmp_path, [5, 8, 3])
+    assert line["ctx"] == line["sel"] == 16 and line["idx"] == 0
