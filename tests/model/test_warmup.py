@@ -1,6 +1,9 @@
 """The kernel warm-up (worker/warmup.py): its steps cover the shape buckets it names and stay
 inside the pool (each rank's own pages under data-parallel attention), and running them leaves a
-model's results unchanged: the garbage they write into the pool is never read as data."""
+model's results unchanged: the garbage they write into the pool is never read as data. Also over
+two ranks (gloo), tensor-parallel and with data-parallel attention."""
+
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -87,3 +90,47 @@ def test_warm_up_leaves_results_unchanged(kv, tmp_path):
     assert len(got) == len(want)
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def _two_ranks(rank, path, port, result_dir):
+    """Rank `rank` of 2 (gloo): for tensor parallel and data-parallel attention, the logits of a
+    session on a fresh runner and on one that ran the warm-up first (every rank runs the same
+    warm-up steps, so the collectives pair up; a mismatch would hang here)."""
+    import os
+
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        for dp in (False, True):
+            out = []
+            for warm in (False, True):
+                r = ModelRunner(path, device=torch.device("cpu"), dtype=None, num_pages=24, page_size=4,
+                                show_progress=False, tp_rank=rank, tp_size=2, dp_attention=dp)  # fmt: skip
+                if warm:
+                    warm_up(r, WarmupShape(max_tokens=40, max_batch=4, max_context=r.max_context, index_topk=8))
+                s = Session(r, seed=4, dp_size=2 if dp else 1)
+                g = torch.Generator().manual_seed(9)
+                prompts = [torch.randint(0, 97, (n,), generator=g).tolist() for n in (19, 7)]
+                ranks = {0: 0, 1: 1} if dp else None
+                logits = [torch.cat(s.step(list(enumerate(prompts)), all_logits=True, ranks=ranks))]
+                for t in range(2):
+                    logits.append(torch.stack(s.step([(0, [4 + t]), (1, [8 + t])])))
+                out.append(logits)
+            for a, b in zip(*out):
+                torch.testing.assert_close(a, b, rtol=0, atol=0)
+        (Path(result_dir) / f"ok{rank}").write_text("ok")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_warm_up_under_tensor_parallel_and_dp_attention(tmp_path):
+    import torch.multiprocessing as mp
+    from test_tensor_parallel import free_port
+
+    path = str(tmp_path / "m")
+    make_checkpoint("glm_moe_dsa", path, seed=3, vocab_size=97)
+    mp.spawn(_two_ranks, args=(path, free_port(), str(tmp_path)), nprocs=2, join=True)
+    assert (tmp_path / "ok0").exists() and (tmp_path / "ok1").exists()
