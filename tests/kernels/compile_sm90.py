@@ -96,8 +96,11 @@ def sparse_mla_cases():
             )  # fmt: skip
             name = f"sparse mla fp8={fp8} logical={logical} prefetch={prefetch} trim={trim} n{block_n}s{stages}"
             yield name, tm._sparse_mla_kernel, sig, consts, 8, {"num_stages": stages, "attrs": attrs}
+            if not split:  # without splits the kernel writes the model's dtype (the registry backend)
+                yield name + " bf16 out", tm._sparse_mla_kernel, {**sig, "o_ptr": "*bf16"}, consts, 8, {"num_stages": stages, "attrs": attrs}
     sig = {"o_part_ptr": F32, "lse_ptr": F32, "out_ptr": F32, "heads": "i32", "num_splits": "i32"}
-    yield "sparse mla combine", tm._combine_kernel, sig, dict(R=512, BLOCK_S=8), 4
+    yield "sparse mla combine", tm._combine_kernel, sig, dict(R=512, BLOCK_S=8, INTERPRET=False), 4
+    yield "sparse mla combine, bf16 out", tm._combine_kernel, {**sig, "out_ptr": "*bf16"}, dict(R=512, BLOCK_S=8, INTERPRET=False), 4
 
 
 def moe_cases():

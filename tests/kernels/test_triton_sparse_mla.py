@@ -68,9 +68,30 @@ def test_matches_reference(fp8, heads, logical):
     else:
         got = get_backend("attention", "triton")(d(q_lat), d(q_pe), d(cache), d(slots), scale)
     got = got.cpu()
-    assert got.shape == want.shape and got.dtype == torch.float32
+    # The registry backend answers in the model's dtype (q_lat's), the kernel in float32 by default.
+    assert got.shape == want.shape and got.dtype == (torch.float32 if logical else q_lat.dtype)
+    got = got.float()
     assert torch.isfinite(got).all()
     assert rel_err(got, want) < 1e-2  # bf16 operands (P and, for fp8, the dequantised latent)
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("prefill", [False, True])
+def test_model_dtype_output_is_the_float32_output_rounded(fp8, splits, prefill):
+    """out_dtype=bf16 (what the model takes) is the float32 result rounded to bf16, bit for bit:
+    in the kernel's own store and in the split combine."""
+    tokens, heads, rank, rope, topk = (3, 16, 256, 32, 48) if not GPU else (5, 64, 512, 64, 2048)
+    q_lat, q_pe, cache, pos, base, kv_slots = make_case(tokens, heads, rank, rope, topk, fp8, seed=7 + fp8)
+    d = lambda t: t.to(DEV)  # noqa: E731
+    slots = d(topk_to_slots(pos, base, kv_slots))
+    run = sparse_mla_prefill if prefill else sparse_mla_decode
+    kw = {} if prefill else {"num_splits": splits}
+    args = (d(q_lat), d(q_pe), d(cache), slots, 0.0625)
+    full = run(*args, **kw)
+    half = run(*args, out_dtype=torch.bfloat16, **kw)
+    assert full.dtype == torch.float32 and half.dtype == torch.bfloat16
+    assert torch.equal(half.cpu(), full.to(torch.bfloat16).cpu())
 
 
 @pytest.mark.parametrize("fp8", [False, True])

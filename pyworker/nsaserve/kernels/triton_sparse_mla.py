@@ -37,6 +37,7 @@ import triton
 import triton.language as tl
 
 from .triton_common import mma_operand
+from .triton_rounding import cast
 
 
 @triton.jit
@@ -182,11 +183,13 @@ def _sparse_mla_kernel(
         tl.store(o_ptr + part[:, None] * R + offs_r[None, :], out, mask=hmask[:, None])
         tl.store(lse_ptr + part, tl.where(has, m_i + tl.log2(l_i), float("-inf")), mask=hmask)
     else:
-        tl.store(o_ptr + q_rows[:, None] * R + offs_r[None, :], out, mask=hmask[:, None])
+        tl.store(o_ptr + q_rows[:, None] * R + offs_r[None, :], cast(out, o_ptr.dtype.element_ty, INTERPRET), mask=hmask[:, None])
 
 
 @triton.jit
-def _combine_kernel(o_part_ptr, lse_ptr, out_ptr, heads, num_splits, R: tl.constexpr, BLOCK_S: tl.constexpr):
+def _combine_kernel(
+    o_part_ptr, lse_ptr, out_ptr, heads, num_splits, R: tl.constexpr, BLOCK_S: tl.constexpr, INTERPRET: tl.constexpr
+):
     """out[t, h] = sum_s 2^(lse_s - lse) o_s over the splits of (t, h)."""
     t = tl.program_id(0)
     h = tl.program_id(1)
@@ -198,7 +201,8 @@ def _combine_kernel(o_part_ptr, lse_ptr, out_ptr, heads, num_splits, R: tl.const
     w = w / tl.sum(w, axis=0)
     offs_r = tl.arange(0, R)
     o = tl.load(o_part_ptr + part[:, None] * R + offs_r[None, :], mask=smask[:, None], other=0.0)
-    tl.store(out_ptr + (t * heads + h).to(tl.int64) * R + offs_r, tl.sum(o * w[:, None], axis=0))
+    o = tl.sum(o * w[:, None], axis=0)
+    tl.store(out_ptr + (t * heads + h).to(tl.int64) * R + offs_r, cast(o, out_ptr.dtype.element_ty, INTERPRET))
 
 
 def _num_sms(device: torch.device) -> int:
@@ -227,8 +231,13 @@ def sparse_mla_decode(
     prefetch: bool = True,
     trim: bool = False,
     mask_all: bool = False,
+    out_dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
-    """-> o_lat float32 [T, H, R]. Device-only (no host sync): CUDA-graph capturable.
+    """-> o_lat [T, H, R] in out_dtype (float32 by default). Device-only (no host sync): CUDA-graph
+    capturable.
+
+    out_dtype: the model's dtype saves a pass over the output (the model rounds o_lat to it before
+    the W_UV product anyway; the kernel's rounding is the same round-to-nearest-even).
 
     skip_empty: test each block of indices and skip those that are all -1 (costs a reduction per
     block and keeps the row loads out of the software pipeline).
@@ -243,7 +252,7 @@ def sparse_mla_decode(
     tokens, heads, rank = q_lat.shape
     rope = q_pe.shape[2]
     topk = indices.shape[1]
-    out = torch.empty(tokens, heads, rank, dtype=torch.float32, device=q_lat.device)
+    out = torch.empty(tokens, heads, rank, dtype=out_dtype, device=q_lat.device)
     if tokens == 0:
         return out
     fp8 = latent_cache.dtype == torch.uint8
@@ -293,8 +302,9 @@ def sparse_mla_decode(
     )  # fmt: skip
     if split:
         _combine_kernel[(tokens, heads)](
-            o_part, lse, out, heads, num_splits, R=rank, BLOCK_S=triton.next_power_of_2(num_splits), num_warps=4
-        )
+            o_part, lse, out, heads, num_splits, R=rank, BLOCK_S=triton.next_power_of_2(num_splits),
+            INTERPRET=interp, num_warps=4,
+        )  # fmt: skip
     return out
 
 
@@ -325,7 +335,9 @@ def sparse_mla_prefill(q_lat, q_pe, latent_cache, indices, softmax_scale, token_
 
 
 def sparse_mla_triton(q_lat, q_pe, latent_cache, slots, softmax_scale) -> torch.Tensor:
-    """The registry's ("attention", "triton") backend: same arguments as sparse_mla_torch."""
+    """The registry's ("attention", "triton") backend: same arguments as sparse_mla_torch; the
+    output comes in q_lat's dtype (the model's), which the model casts it to either way."""
+    kw = {"out_dtype": q_lat.dtype}
     if q_lat.shape[0] >= PREFILL_TOKENS:
-        return sparse_mla_prefill(q_lat, q_pe, latent_cache, slots, softmax_scale, **PREFILL_OPTIONS)
-    return sparse_mla_decode(q_lat, q_pe, latent_cache, slots, softmax_scale, **DECODE_OPTIONS)
+        return sparse_mla_prefill(q_lat, q_pe, latent_cache, slots, softmax_scale, **{**kw, **PREFILL_OPTIONS})
+    return sparse_mla_decode(q_lat, q_pe, latent_cache, slots, softmax_scale, **{**kw, **DECODE_OPTIONS})
