@@ -21,6 +21,7 @@ from ..kernels.hadamard import hadamard_rotate
 from ..kernels.indexer import topk_to_slots, whole_context
 from ..kernels.norms import layer_norm
 from ..kernels.registry import get_backend
+from .dense_prefill import dense_attention
 from .linear import Linear, Norm, stacked_weight
 from .rope_params import mla_softmax_scale
 
@@ -160,7 +161,11 @@ class MLAttention(nn.Module):
         # A quantised kv_b_proj is dequantised here once per layer call (it is small: [heads*(nope+v), R]).
         w = self.kv_b_proj.dense_weight().view(self.heads, self.nope + self.v_dim, self.rank)
         w_uk, w_uv = w[:, : self.nope], w[:, self.nope :]
-        if kernels.resolved:
+        if meta.dense:
+            # Every context fits the top-k (the selection is every causal position): plain causal
+            # attention in the non-absorbed form (model/dense_prefill.py).
+            o = dense_attention(q_nope, q_pe, w_uk, w_uv, pool.latent[self.layer], batch, self.softmax_scale)
+        elif kernels.resolved:
             # The two absorbed products as batched matmuls over heads, written through [H, T, .]
             # views straight into token-major buffers, so that neither needs a copy after it
             # (the attention kernel reads q_lat contiguous; o_proj reads [T, H * v]).

@@ -117,6 +117,9 @@ class CausalLM(nn.Module):
         self.backends = dict(DEFAULT_BACKENDS)
         self.resolve_kernels = os.environ.get(HOST_PATH_ENV, "resolved") != "lookup"
         self._kernels: Kernels | None = None
+        # Dense attention for prompt steps whose contexts fit the top-k (model/dense_prefill.py);
+        # off until measured on GPUs (the worker's --dense-prefill turns it on).
+        self.dense_prefill = False
 
     def kernels(self) -> Kernels:
         """The backends in self.backends (set_backend writes there), resolved again only when a
@@ -162,7 +165,7 @@ class CausalLM(nn.Module):
         if batch.num_tokens == 0:
             return torch.zeros(0, cfg.vocab_size, dtype=torch.float32, device=self.inv_freq.device)
         kernels = self.kernels()
-        meta = build_step_meta(batch, self.inv_freq, self.rope_attention_factor)
+        meta = self._step_meta(batch)
         h = self.model.embed_tokens.weight[batch.input_ids]
         pending = topk_slots = None
         for layer in self.model.layers:
@@ -176,6 +179,11 @@ class CausalLM(nn.Module):
         logits = torch.nn.functional.linear(h, self.lm_head.weight).float()
         return self.tp.all_gather_rows(logits, self.vocab_share, cfg.vocab_size)
 
+    def _step_meta(self, batch):
+        return build_step_meta(
+            batch, self.inv_freq, self.rope_attention_factor, self.dense_prefill, self.cfg.index_topk
+        )
+
     def _forward_dp(self, batch, pool, dp: DPStep) -> torch.Tensor:
         """Data-parallel attention: attention on this rank's tokens, every MLP on all ranks' tokens,
         and the logit rows of all ranks in plan order. Every rank makes the same collective calls,
@@ -188,7 +196,7 @@ class CausalLM(nn.Module):
             meta = None
             h = self.model.embed_tokens.weight.new_zeros(0, cfg.hidden_size)
         else:
-            meta = build_step_meta(batch, self.inv_freq, self.rope_attention_factor)
+            meta = self._step_meta(batch)
             h = self.model.embed_tokens.weight[batch.input_ids]
         pending = topk_slots = None
         for layer in self.model.layers:

@@ -39,6 +39,7 @@ class ModelRunner:
         show_progress: bool = True,
         load_format: str = "safetensors",
         dp_attention: bool = False,
+        dense_prefill: bool = False,
     ):
         """load_format: "safetensors" reads the checkpoint in model_path; "random" draws every
         weight on `device` with the GLM-5-shaped generator (seed 0) for model_path's config, which
@@ -48,7 +49,10 @@ class ModelRunner:
         dp_attention: data-parallel attention over the tp_size ranks (SGLang's, dp size = tp size):
         every rank holds the whole attention and its own pool of num_pages pages, and runs attention
         on the requests whose pages it owns (global pages [rank * num_pages, (rank + 1) * num_pages));
-        MLPs, experts and lm_head stay split as without it."""
+        MLPs, experts and lm_head stay split as without it.
+
+        dense_prefill: dense attention for prompt steps whose contexts all fit the top-k
+        (model/dense_prefill.py); off by default until measured on GPUs."""
         check_kv_cache_dtype(kv_cache_dtype)
         self.device = torch.device(device)
         self.config = load_config(model_path)
@@ -67,6 +71,7 @@ class ModelRunner:
         self.kv_cache_dtype = kv_cache_dtype
 
         self.model = CausalLM(cfg, self.tp, dtype=self.dtype, device=self.device, dp_attention=dp_attention)
+        self.model.dense_prefill = dense_prefill
         source = open_weight_source(load_format, model_path, cfg, self.device)
         load_weights(self.model, source=source, show_progress=show_progress and tp_rank == 0)
         self.model.eval()

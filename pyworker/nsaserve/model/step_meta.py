@@ -8,6 +8,7 @@ import torch
 
 from ..kernels.indexer_plan import IndexerPlan, plan_indexer
 from ..kernels.rope import rope_cos_sin
+from .dense_prefill import wants_dense
 
 
 @dataclass
@@ -19,9 +20,15 @@ class StepMeta:
     token_kv_base: torch.Tensor  # int64 [T]
     # The indexer's per-row metadata (and prompt-chunk row blocks), for every indexer layer.
     indexer: IndexerPlan
+    # Every layer attends densely (model/dense_prefill.py) instead of through the sparse kernels.
+    dense: bool = False
 
 
-def build_step_meta(batch, inv_freq: torch.Tensor, attention_factor: float) -> StepMeta:
+def build_step_meta(
+    batch, inv_freq: torch.Tensor, attention_factor: float, dense_prefill: bool = False, index_topk: int = 0
+) -> StepMeta:
+    """dense_prefill: the model's switch for dense attention in prompt steps whose contexts all
+    fit index_topk (taken where dense_prefill.wants_dense says it pays)."""
     cos, sin = rope_cos_sin(batch.positions, inv_freq, attention_factor)
     token_kv_base = batch.kv_start.to(torch.int64)[batch.token_req]
     static = batch.static_kv_len is not None  # CUDA-graph decode: host lists are placeholders
@@ -31,4 +38,5 @@ def build_step_meta(batch, inv_freq: torch.Tensor, attention_factor: float) -> S
         batch.static_kv_len if static else max(batch.seq_lens_host, default=0),
         None if static else batch.query_start_host,
     )
-    return StepMeta(cos=cos, sin=sin, token_kv_base=token_kv_base, indexer=indexer)
+    dense = dense_prefill and not static and wants_dense(batch.query_start_host, batch.seq_lens_host, index_topk)
+    return StepMeta(cos=cos, sin=sin, token_kv_base=token_kv_base, indexer=indexer, dense=dense)

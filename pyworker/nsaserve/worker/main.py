@@ -71,6 +71,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--warmup-batch", type=int, default=256, help="largest decode batch of the warm-up")
     p.add_argument(
+        "--dense-prefill",
+        action="store_true",
+        help="dense attention for prompt steps whose contexts all fit the top-k (model/dense_prefill.py); "
+        "for measuring it against the sparse kernels (bench/gpu/step_profile.py passes worker flags)",
+    )
+    p.add_argument(
         "--enable-dp-attention",
         action="store_true",
         help="data-parallel attention over the tp ranks (see nsaserve serve --help); page ids span tp pools",

@@ -63,6 +63,7 @@ class ModelExecutor:
             tp_size=args.tp_size,
             load_format=getattr(args, "load_format", "safetensors"),
             dp_attention=getattr(args, "enable_dp_attention", False),
+            dense_prefill=getattr(args, "dense_prefill", False),
         )
         moe_backend = getattr(args, "moe_backend", "auto")
         if moe_backend == "auto":  # the Triton expert kernels read NVFP4 stacks only

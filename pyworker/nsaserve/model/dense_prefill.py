@@ -1,0 +1,76 @@
+"""Dense (MHA-form) attention for prompt steps whose every context fits the indexer's top-k.
+
+When no context exceeds index_topk, sparse attention selects every causal position, so it is plain
+causal attention, and the non-absorbed form is cheaper for long prompt chunks: per head it attends
+over keys [W_UK c | k_pe] (nope + rope dims) and values W_UV c (v dims) instead of the latent's
+rank + rope and rank dims, at the price of expanding each context token's latent through kv_b_proj
+once. SGLang takes this path for such prefills ("MHA one shot"). Per (query, key) pair and head:
+absorbed 2 (R + P + R) FLOPs (1088 at GLM-5 and DeepSeek-V3.2 shapes), dense 2 (nope + P + v)
+(GLM-5 1024, DeepSeek-V3.2 640); per context token and head the expansion costs 2 R (nope + v).
+
+Same math as the absorbed path in attention.py: q_nope . (W_UK c) = (q_nope W_UK) . c, and
+softmax(s) (c W_UV^T) = (softmax(s) c) W_UV^T. The latents are read back from the cache (the new
+tokens' too, after their store), as the sparse kernels read them, so an fp8 cache rounds alike.
+
+wants_dense is the host-side choice, made once per step (StepMeta): the model's dense_prefill
+switch on, an eager step (not a CUDA-graph decode), every context within the top-k, and enough
+new tokens per context token that the expansion pays: sum_i q_i L_i >= DENSE_MIN_QUERIES *
+sum_i L_i, where q_i and L_i are request i's new tokens and context. DENSE_MIN_QUERIES is an
+estimate from the kernels' measured rates (sparse MLA ~155 TFLOP/s in prefill, bf16 GEMMs ~600,
+causal attention assumed ~300), not a measurement of this path yet.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
+
+from ..kernels.kv_cache_format import gather_latent
+
+# New tokens per context token (query-weighted) from which the dense form is taken.
+DENSE_MIN_QUERIES = 72
+
+
+def wants_dense(query_start: list[int], seq_lens: list[int], index_topk: int) -> bool:
+    """Whether a step (host lists of an eager batch) runs dense attention, switch aside."""
+    if not seq_lens or max(seq_lens) > index_topk:
+        return False
+    pairs = sum((query_start[i + 1] - query_start[i]) * seq_lens[i] for i in range(len(seq_lens)))
+    return pairs >= DENSE_MIN_QUERIES * sum(seq_lens)
+
+
+def dense_attention(
+    q_nope: torch.Tensor,  # [T, H, nope] model dtype
+    q_pe: torch.Tensor,  # [T, H, P] roped
+    w_uk: torch.Tensor,  # [H, nope, R]
+    w_uv: torch.Tensor,  # [H, v, R]
+    latent_cache: torch.Tensor,  # one layer's latent cache (kernels/kv_cache_format)
+    batch,  # ForwardBatch with host lists
+    softmax_scale: float,
+) -> torch.Tensor:
+    """-> o [T, H, v] in q_nope's dtype: each request's new tokens attend causally (bottom-right
+    aligned: query j of a chunk after c cached tokens sees positions 0..c + j) over its context."""
+    num_tokens, heads, _ = q_nope.shape
+    rank = w_uk.shape[2]
+    dtype = q_nope.dtype
+    o = q_nope.new_empty(num_tokens, heads, w_uv.shape[1])
+    qs, lens = batch.query_start_host, batch.seq_lens_host
+    kv0 = 0
+    for i, length in enumerate(lens):
+        q0, q1 = qs[i], qs[i + 1]
+        if q1 > q0:
+            c, k_pe = gather_latent(latent_cache, batch.kv_slots[kv0 : kv0 + length], rank)  # [L, R], [L, P] float32
+            c = c.to(dtype)
+            # [H, L, nope] and [H, L, v]: the context's keys and values per head.
+            k_nope = torch.matmul(c, w_uk.transpose(1, 2))
+            v = torch.matmul(c, w_uv.transpose(1, 2))
+            k = torch.cat([k_nope, k_pe.to(dtype).unsqueeze(0).expand(heads, -1, -1)], dim=-1)
+            q = torch.cat([q_nope[q0:q1], q_pe[q0:q1].to(dtype)], dim=-1).transpose(0, 1)  # [H, t, nope + P]
+            out = F.scaled_dot_product_attention(
+                q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0),
+                attn_mask=causal_lower_right(q1 - q0, length), scale=softmax_scale,
+            )  # fmt: skip
+            o[q0:q1] = out[0].transpose(0, 1)
+        kv0 += length
+    return o

@@ -1,0 +1,72 @@
+"""Dense (MHA-form) prompt attention (model/dense_prefill.py): where every context fits the top-k,
+the same logits as the sparse absorbed path and as Hugging Face transformers' own model, for fresh
+prompts, prompt chunks after cached prefixes and the decode steps after them (which stay sparse);
+and the host-side choice of when to take it."""
+
+import pytest
+import torch
+from model_helpers import VOCAB, Session, hf_prefill_logits, make_checkpoint, rel_err
+
+from nsaserve.model.dense_prefill import DENSE_MIN_QUERIES, wants_dense
+from nsaserve.model.runner import ModelRunner
+
+
+def test_the_choice_needs_contexts_within_the_top_k_and_enough_new_tokens():
+    assert wants_dense([0, 500, 800], [500, 300], index_topk=2048)  # fresh prompts
+    assert not wants_dense([0, 500, 800], [500, 3000], index_topk=2048)  # a context past the top-k
+    # 256 chunks of 33 tokens after ~1K cached: 33 new per context token < DENSE_MIN_QUERIES.
+    qs = [33 * i for i in range(257)]
+    assert not wants_dense(qs, [1057] * 256, index_topk=2048) and 33 < DENSE_MIN_QUERIES
+    assert wants_dense([0, 1000], [2000], index_topk=2048)  # a long chunk after a cached half
+    assert not wants_dense([0, 1, 2], [1500, 1500], index_topk=2048)  # decode-like rows
+    assert not wants_dense([0], [], index_topk=2048)
+
+
+def runner(path: str, kv: str, dense: bool) -> ModelRunner:
+    return ModelRunner(path, device=torch.device("cpu"), dtype=None, kv_cache_dtype=kv, num_pages=128, page_size=4,
+                       show_progress=False, dense_prefill=dense)  # fmt: skip
+
+
+def session_logits(r: ModelRunner) -> tuple[list[torch.Tensor], list[bool]]:
+    """Two fresh prompts, a prompt chunk after one's cached prefix beside the other's decode, and
+    decode steps; the logits of every step and whether it ran dense."""
+    g = torch.Generator().manual_seed(11)
+    a, b, more = (torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (90, 75, 150))
+    s = Session(r, seed=5)
+    dense, out = [], []
+
+    def step(work, all_logits=False):
+        out.extend(s.step(work, all_logits=all_logits))
+        plan = s.last_plan
+        lens = (plan.cached_lens + (plan.query_start[1:] - plan.query_start[:-1])).tolist()
+        dense.append(r.model.dense_prefill and wants_dense(plan.query_start.tolist(), lens, r.config.index_topk))
+
+    step([(0, a), (1, b)], all_logits=True)
+    step([(0, more), (1, [7])], all_logits={0})  # a chunk of 150 after 90 cached tokens, and a decode
+    for t in range(3):
+        step([(0, [3 + t]), (1, [9 + t])])
+    return out, dense
+
+
+@pytest.mark.parametrize("model_type", ["glm_moe_dsa", "deepseek_v32"])
+@pytest.mark.parametrize("kv", ["auto", "fp8_e4m3"])
+def test_dense_prompts_match_the_sparse_path(model_type, kv, tmp_path):
+    make_checkpoint(model_type, str(tmp_path), seed=8, index_topk=256, max_position_embeddings=512)
+    want, _ = session_logits(runner(str(tmp_path), kv, dense=False))
+    got, dense = session_logits(runner(str(tmp_path), kv, dense=True))
+    assert dense == [True, True, False, False, False]  # prompt steps dense, decode sparse
+    # The two forms round differently (bf16-free here: a float32 model), and with the fp8 cache a
+    # ~1e-6 difference can move a later token's latent across an e4m3 step.
+    tol = 2e-5 if kv == "auto" else 2e-3
+    for x, y in zip(got, want):
+        assert rel_err(x, y) < tol
+
+
+@pytest.mark.parametrize("model_type", ["glm_moe_dsa", "deepseek_v32"])
+def test_dense_prompt_matches_transformers(model_type, tmp_path):
+    hf = make_checkpoint(model_type, str(tmp_path), seed=9, index_topk=256, max_position_embeddings=512)
+    prompt = torch.randint(0, VOCAB, (70,), generator=torch.Generator().manual_seed(2)).tolist()
+    r = runner(str(tmp_path), "auto", dense=True)
+    got = Session(r, seed=1).step([(0, prompt)], all_logits=True)[0]
+    want = hf_prefill_logits(hf, prompt)
+    assert rel_err(got, want) < 1e-4
