@@ -86,6 +86,11 @@ class ModelExecutor:
 
     def run(self, plan: Plan, is_rank0: bool) -> StepResult:
         t0 = time.perf_counter()
+        # The sampling parameters go to the device before the forward is queued: their
+        # host-to-device copies wait for the stream, so built after it they held the host until
+        # the whole forward had run, and the sampler's launches then left the GPU idle.
+        n_sample = len(sample_rows(plan)) if is_rank0 else 0
+        sb = SamplingBatch.from_plan(plan, self.device) if n_sample else None
         graph = self.graphs is not None and self.graphs.fits(plan)
         if graph:
             logits = self.graphs.run(plan)  # a decode step: one row per request, all sampling
@@ -95,9 +100,7 @@ class ModelExecutor:
         result = StepResult(step=plan.step)
         if not is_rank0:
             return result
-        n_sample = len(sample_rows(plan))
         if n_sample:
-            sb = SamplingBatch.from_plan(plan, self.device)
             result.sampled = sampled_entries(plan, sb, sample(logits[:n_sample], sb))
         row = n_sample
         for i, token_rows in prompt_logprob_rows(plan):
