@@ -34,6 +34,15 @@ def test_sampled_entries_follow_the_plan_and_each_requests_width():
     assert StepResult(step=1, sampled=entries).encode()
 
 
+def test_a_step_without_logprobs_gives_tokens_alone():
+    reqs = [SamplingRequest(req_id=80, temperature=0.0), SamplingRequest(req_id=81, sample=False),
+            SamplingRequest(req_id=82, temperature=0.0)]  # fmt: skip
+    plan = make_plan(reqs)
+    sb = SamplingBatch.from_plan(plan, "cpu")
+    logits = torch.tensor([[0.0, 3.0, 1.0, 2.0], [0.0, 0.0, 0.0, 1.0]])
+    assert sampled_entries(plan, sb, sample(logits, sb)) == [(80, 1, None), (82, 3, None)]
+
+
 def test_prompt_entries():
     logits = torch.tensor([[1.0, 0.0, 0.0], [0.0, 0.0, 2.0]])
     entries = prompt_entries(*prompt_logprobs(logits, torch.tensor([0, 1]), 1))
