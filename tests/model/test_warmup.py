@@ -134,3 +134,17 @@ def test_warm_up_under_tensor_parallel_and_dp_attention(tmp_path):
     make_checkpoint("glm_moe_dsa", path, seed=3, vocab_size=97)
     mp.spawn(_two_ranks, args=(path, free_port(), str(tmp_path)), nprocs=2, join=True)
     assert (tmp_path / "ok0").exists() and (tmp_path / "ok1").exists()
+
+
+def test_serve_passes_the_warm_up_shape_to_every_worker_unless_skipped():
+    from nsaserve.cli import build_parser
+    from nsaserve.serve import worker_command
+    from nsaserve.worker.main import parse_args
+
+    def worker_args(*flags):
+        args = build_parser().parse_args(["serve", "--model-path=m", "--tp=2", *flags])
+        return [parse_args(worker_command(args, r, "/ipc", None, "m", "cuda")[3:]) for r in (0, 1)]
+
+    ranks = worker_args("--max-prefill-tokens=8192", "--max-running-requests=512")
+    assert [(a.warmup_tokens, a.warmup_batch) for a in ranks] == [(8192, 512)] * 2
+    assert [a.warmup_tokens for a in worker_args("--skip-server-warmup")] == [0, 0]
