@@ -76,6 +76,27 @@ def test_matches_reference(fp8, heads, logical):
 
 
 @pytest.mark.parametrize("fp8", [False, True])
+def test_whole_context_rows_give_the_same_with_the_hint(fp8):
+    """Rows that are each query's whole causal context, -1 padded (what the indexer's short-circuit
+    and a decode graph's bucket give): the registry backend with whole_contexts=True (decode then
+    ends each row at its last valid entry) equals it without, and the torch reference."""
+    tokens, heads, rank, rope, topk = (4, 16, 256, 32, 48) if not GPU else (6, 64, 512, 64, 2048)
+    q_lat, q_pe, cache, _, base, kv_slots = make_case(tokens, heads, rank, rope, topk, fp8, seed=21 + fp8)
+    cols = torch.arange(topk)
+    lens = torch.tensor([1, topk // 3, topk // 2 + 5, topk - 1, topk, 7][:tokens])
+    pos = torch.where(cols[None, :] < lens[:, None], cols[None, :], -1)  # contexts 0..len-1, then -1
+    slots = topk_to_slots(pos, base, kv_slots)
+    want = sparse_mla_torch(q_lat, q_pe, cache, slots, 0.0625)
+    d = lambda t: t.to(DEV)  # noqa: E731
+    backend = get_backend("attention", "triton")
+    plain = backend(d(q_lat), d(q_pe), d(cache), d(slots), 0.0625).float().cpu()
+    hinted = backend(d(q_lat), d(q_pe), d(cache), d(slots), 0.0625, whole_contexts=True).float().cpu()
+    assert torch.equal(hinted, plain)
+    assert rel_err(hinted, want) < 1e-2
+    assert torch.equal(sparse_mla_torch(q_lat, q_pe, cache, slots, 0.0625, whole_contexts=True), want)
+
+
+@pytest.mark.parametrize("fp8", [False, True])
 @pytest.mark.parametrize("splits", [1, 3])
 @pytest.mark.parametrize("prefill", [False, True])
 def test_model_dtype_output_is_the_float32_output_rounded(fp8, splits, prefill):

@@ -5,6 +5,10 @@
 
 `slots` [T, K] are physical KV slots chosen for each query (the indexer's top-k mapped through the
 page table); -1 marks an unused entry. Softmax and accumulation are float32.
+
+Every "attention" backend also takes whole_contexts= (keyword): the caller's hint that each row is
+its query's whole causal context followed by -1 padding (no context of the step exceeds the
+top-k), so a backend may stop each row at its last valid entry. Results must not depend on it.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ def sparse_mla_torch(
     latent_cache: torch.Tensor,  # one layer's latent cache (see kv_cache_format)
     slots: torch.Tensor,  # int64 [T, K], -1 = unused
     softmax_scale: float,
+    whole_contexts: bool = False,  # a hint (module docstring); the reference reads every entry anyway
 ) -> torch.Tensor:
     num_tokens, heads, rank = q_lat.shape
     out = torch.empty(num_tokens, heads, rank, dtype=torch.float32, device=q_lat.device)

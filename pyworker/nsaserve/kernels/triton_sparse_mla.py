@@ -334,10 +334,16 @@ def sparse_mla_prefill(q_lat, q_pe, latent_cache, indices, softmax_scale, token_
     return sparse_mla_decode(q_lat, q_pe, latent_cache, indices, softmax_scale, token_kv_base, kv_slots, **kw)
 
 
-def sparse_mla_triton(q_lat, q_pe, latent_cache, slots, softmax_scale) -> torch.Tensor:
+def sparse_mla_triton(q_lat, q_pe, latent_cache, slots, softmax_scale, whole_contexts: bool = False) -> torch.Tensor:
     """The registry's ("attention", "triton") backend: same arguments as sparse_mla_torch; the
-    output comes in q_lat's dtype (the model's), which the model casts it to either way."""
+    output comes in q_lat's dtype (the model's), which the model casts it to either way.
+
+    whole_contexts: decode trims each row's loop at its last valid entry too (prefill always
+    does). A decode CUDA graph's lists are as wide as its context bucket, so rows shorter than the
+    bucket end in -1 padding: at contexts of ~1400 in the 2048 bucket, about a third of each row."""
     kw = {"out_dtype": q_lat.dtype}
     if q_lat.shape[0] >= PREFILL_TOKENS:
         return sparse_mla_prefill(q_lat, q_pe, latent_cache, slots, softmax_scale, **{**kw, **PREFILL_OPTIONS})
+    if whole_contexts:
+        kw["trim"] = True
     return sparse_mla_decode(q_lat, q_pe, latent_cache, slots, softmax_scale, **{**kw, **DECODE_OPTIONS})

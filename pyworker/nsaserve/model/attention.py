@@ -124,6 +124,7 @@ class MLAttention(nn.Module):
         self.o_proj = wf.linear(p + "o_proj", cfg.num_attention_heads * self.v_dim, H, **heads(1, self.v_dim))
         self.indexer = Indexer(cfg, wf, p + "indexer.") if cfg.indexer_types[layer] == "full" else None
         self.q_lora = cfg.q_lora_rank
+        self.index_topk = cfg.index_topk
         # q_a_proj and kv_a_proj_with_mqa read the same x: when both are plain Linears, one GEMM
         # on their stacked weights (linear.stacked_weight) serves both.
         self._qkv_a = None
@@ -161,6 +162,8 @@ class MLAttention(nn.Module):
         # A quantised kv_b_proj is dequantised here once per layer call (it is small: [heads*(nope+v), R]).
         w = self.kv_b_proj.dense_weight().view(self.heads, self.nope + self.v_dim, self.rank)
         w_uk, w_uv = w[:, : self.nope], w[:, self.nope :]
+        # No context of the step exceeds the top-k: every list is a whole causal context, -1 padded.
+        whole = meta.indexer.max_len <= self.index_topk
         if meta.dense:
             # Every context fits the top-k (the selection is every causal position): plain causal
             # attention in the non-absorbed form (model/dense_prefill.py).
@@ -171,12 +174,16 @@ class MLAttention(nn.Module):
             # (the attention kernel reads q_lat contiguous; o_proj reads [T, H * v]).
             q_lat = x.new_empty(num_tokens, self.heads, self.rank)
             torch.bmm(q_nope.transpose(0, 1), w_uk, out=q_lat.transpose(0, 1))
-            o_lat = kernels.attention(q_lat, q_pe, pool.latent[self.layer], topk_slots, self.softmax_scale)
+            o_lat = kernels.attention(
+                q_lat, q_pe, pool.latent[self.layer], topk_slots, self.softmax_scale, whole_contexts=whole
+            )  # fmt: skip
             o = x.new_empty(num_tokens, self.heads, self.v_dim)
             torch.bmm(o_lat.to(x.dtype).transpose(0, 1), w_uv.transpose(1, 2), out=o.transpose(0, 1))
         else:
             q_lat = torch.einsum("thn,hnr->thr", q_nope, w_uk)
-            o_lat = kernels.attention(q_lat, q_pe, pool.latent[self.layer], topk_slots, self.softmax_scale)
+            o_lat = kernels.attention(
+                q_lat, q_pe, pool.latent[self.layer], topk_slots, self.softmax_scale, whole_contexts=whole
+            )  # fmt: skip
             o = torch.einsum("thr,hvr->thv", o_lat.to(x.dtype), w_uv)
         o = o.reshape(num_tokens, self.heads * self.v_dim)
         return self.tp.all_reduce(self.o_proj(o)), topk_slots
