@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
 
 from ..kernels.kv_cache_format import gather_latent
 
@@ -51,6 +50,10 @@ def dense_attention(
 ) -> torch.Tensor:
     """-> o [T, H, v] in q_nope's dtype: each request's new tokens attend causally (bottom-right
     aligned: query j of a chunk after c cached tokens sees positions 0..c + j) over its context."""
+    # Imported here, not with the model: importing torch.nn.attention.bias makes torch create its
+    # compile cache directory under TMPDIR, which a server that never takes this path must not leave.
+    from torch.nn.attention.bias import causal_lower_right
+
     num_tokens, heads, _ = q_nope.shape
     rank = w_uk.shape[2]
     dtype = q_nope.dtype
