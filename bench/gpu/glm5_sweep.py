@@ -67,7 +67,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "with more waves than one, most requests arrive into a running batch, as in steady serving")
     p.add_argument("--warmup-prompts", type=int, default=0, help="before the levels: this many requests at "
                    "the first level's concurrency (input as the levels, 16 tokens out), not reported: "
-                   "first-use compilation of the prefill shapes lands there")
+                   "the server's own warm-up compiles the kernels before it is ready; this settles the rest")
     p.add_argument("--input-len", type=int, default=1024)
     p.add_argument("--output-len", type=int, default=1024)
     p.add_argument("--range-ratio", type=float, default=0.8)
