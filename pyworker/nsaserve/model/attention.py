@@ -64,11 +64,10 @@ class Indexer(nn.Module):
             # As DeepSeek's reference does before fp8-quantising the keys: same scores, smaller error.
             k = hadamard_rotate(k)
         pool.write_index_k(layer, batch.out_slots, k, get_backend("index_key_store", backends["index_key_store"]))
-        if plan.max_len <= self.topk and self.skip_scoring_when_all_fit:
+        if meta.whole_contexts and self.skip_scoring_when_all_fit:
             # No row of the step sees more than top-k keys, so each selects its whole causal
             # context whatever the scores: only the keys are needed (for later, longer steps).
-            # Skips the query and weight projections, the logits and the top-k. Under CUDA graphs
-            # max_len is the graph's context bucket, fixed at capture.
+            # Skips the query and weight projections, the logits and the top-k.
             return topk_to_slots(whole_context(plan.row_pos, plan.max_len), meta.token_kv_base, batch.kv_slots)
         q = rope(self.wq_b(qr).view(num_tokens, self.n_heads, self.head_dim), meta.cos, meta.sin, self.interleaved)
         if pool.fp8:
@@ -124,7 +123,6 @@ class MLAttention(nn.Module):
         self.o_proj = wf.linear(p + "o_proj", cfg.num_attention_heads * self.v_dim, H, **heads(1, self.v_dim))
         self.indexer = Indexer(cfg, wf, p + "indexer.") if cfg.indexer_types[layer] == "full" else None
         self.q_lora = cfg.q_lora_rank
-        self.index_topk = cfg.index_topk
         # q_a_proj and kv_a_proj_with_mqa read the same x: when both are plain Linears, one GEMM
         # on their stacked weights (linear.stacked_weight) serves both.
         self._qkv_a = None
@@ -162,8 +160,7 @@ class MLAttention(nn.Module):
         # A quantised kv_b_proj is dequantised here once per layer call (it is small: [heads*(nope+v), R]).
         w = self.kv_b_proj.dense_weight().view(self.heads, self.nope + self.v_dim, self.rank)
         w_uk, w_uv = w[:, : self.nope], w[:, self.nope :]
-        # No context of the step exceeds the top-k: every list is a whole causal context, -1 padded.
-        whole = meta.indexer.max_len <= self.index_topk
+        whole = meta.whole_contexts  # every list a whole causal context, -1 padded
         if meta.dense:
             # Every context fits the top-k (the selection is every causal position): plain causal
             # attention in the non-absorbed form (model/dense_prefill.py).

@@ -20,6 +20,9 @@ class StepMeta:
     token_kv_base: torch.Tensor  # int64 [T]
     # The indexer's per-row metadata (and prompt-chunk row blocks), for every indexer layer.
     indexer: IndexerPlan
+    # No context of the step exceeds the top-k (index_topk): every row's top-k is its whole causal
+    # context. The indexer then skips its scoring, and the attention lists are -1 padded contexts.
+    whole_contexts: bool = False
     # Every layer attends densely (model/dense_prefill.py) instead of through the sparse kernels.
     dense: bool = False
 
@@ -27,8 +30,9 @@ class StepMeta:
 def build_step_meta(
     batch, inv_freq: torch.Tensor, attention_factor: float, dense_prefill: bool = False, index_topk: int = 0
 ) -> StepMeta:
-    """dense_prefill: the model's switch for dense attention in prompt steps whose contexts all
-    fit index_topk (taken where dense_prefill.wants_dense says it pays)."""
+    """index_topk: the model's top-k (0: unknown, no step counts as whole contexts).
+    dense_prefill: the model's switch for dense attention in prompt steps whose contexts all fit
+    index_topk (taken where dense_prefill.wants_dense says it pays)."""
     cos, sin = rope_cos_sin(batch.positions, inv_freq, attention_factor)
     token_kv_base = batch.kv_start.to(torch.int64)[batch.token_req]
     static = batch.static_kv_len is not None  # CUDA-graph decode: host lists are placeholders
@@ -38,5 +42,10 @@ def build_step_meta(
         batch.static_kv_len if static else max(batch.seq_lens_host, default=0),
         None if static else batch.query_start_host,
     )
-    dense = dense_prefill and not static and wants_dense(batch.query_start_host, batch.seq_lens_host, index_topk)
-    return StepMeta(cos=cos, sin=sin, token_kv_base=token_kv_base, indexer=indexer, dense=dense)
+    # Under CUDA graphs max_len is the graph's context bucket, fixed at capture.
+    whole = indexer.max_len <= index_topk
+    dense = whole and dense_prefill and not static
+    dense = dense and wants_dense(batch.query_start_host, batch.seq_lens_host, index_topk)
+    return StepMeta(
+        cos=cos, sin=sin, token_kv_base=token_kv_base, indexer=indexer, whole_contexts=whole, dense=dense
+    )  # fmt: skip
