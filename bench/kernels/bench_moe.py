@@ -78,7 +78,7 @@ def torch_path_us(x, ids, weights, w13, w2) -> float:
     return e0.elapsed_time(e1) / 3 * 1e3
 
 
-KERNELS = ("_align_kernel", "_gate_up_kernel", "_down_kernel", "_sum_kernel")
+KERNELS = ("_moe_align_kernel", "_moe_gate_up_kernel", "_moe_down_kernel", "_moe_sum_kernel")
 
 
 def kernel_breakdown(call, reps: int = 5) -> dict:

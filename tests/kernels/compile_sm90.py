@@ -115,7 +115,7 @@ def moe_cases():
             E_P2=512, BLOCK_M=block_m, CHUNK=256, SLOT_CHUNKS=0, EXPERT_BLOCK_CHUNKS=0, BLOCK_CHUNKS=0,
             HIDDEN=6144, BLOCK_K=256, INTERPRET=False,
         )  # fmt: skip
-        yield f"moe align block_m={block_m}", tw._align_kernel, sig, consts, 4
+        yield f"moe align block_m={block_m}", tw._moe_align_kernel, sig, consts, 4
 
 
 def main() -> int:

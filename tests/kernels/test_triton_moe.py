@@ -345,7 +345,7 @@ def test_align_layout():
     xp = torch.empty(30, 128, dtype=torch.bfloat16, device=DEV)
     loops = (4, 1, 2)  # slot, expert-block and block chunks of 32 (more than needed: the tails are masked)
     interp = DEV != "cuda"
-    tm._align_kernel[(e + 30,)](
+    tm._moe_align_kernel[(e + 30,)](
         ids, slots, blocks, x, xp, n_slots, 2, e, nblocks, *loops,
         E_P2=8, BLOCK_M=bm, CHUNK=32, SLOT_CHUNKS=loops[0] if interp else 0,
         EXPERT_BLOCK_CHUNKS=loops[1] if interp else 0, BLOCK_CHUNKS=loops[2] if interp else 0,

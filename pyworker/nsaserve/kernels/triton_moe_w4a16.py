@@ -10,18 +10,18 @@ straight from the checkpoint layout of model/expert_stack.py (no repacking):
 Four launches, no host synchronisation, every buffer sized by the worst case for the token count
 (so a CUDA graph captured for T tokens replays for any routing):
 
-1. _align_kernel, one program per local expert: counts the (token, k) slots per local expert,
+1. _moe_align_kernel, one program per local expert: counts the (token, k) slots per local expert,
    pads each expert's run to a multiple of BLOCK_M, and writes its part of the sorted slot list
    (-1 = padding) and the expert of each of its BLOCK_M blocks (-1 = unused block; those
    programs exit at once). Slot order inside an expert is the input order, so the layout is
    deterministic. One more program per token permutes the activations (below) in the same launch.
-2. _gate_up_kernel, grid (I / BLOCK_N, blocks): for one expert block and BLOCK_N columns of gate
+2. _moe_gate_up_kernel, grid (I / BLOCK_N, blocks): for one expert block and BLOCK_N columns of gate
    and of up, C^T = W · X^T with the dequantised weight tile as the MMA's A operand (weights on the
    M side: a handful of tokens only pad the N side to 16), then h = silu(a_g·gate) · (a_u·up) in
    bf16, per sorted row.
-3. _down_kernel, grid (H / BLOCK_N, blocks): y = (a_2·W2 · h^T)^T · routing weight, bf16, one
+3. _moe_down_kernel, grid (H / BLOCK_N, blocks): y = (a_2·W2 · h^T)^T · routing weight, bf16, one
    row per (token, k) slot.
-4. _sum_kernel: out[t] = sum over k of y[t, k] in float32, in a fixed order (deterministic; slots whose expert
+4. _moe_sum_kernel: out[t] = sum over k of y[t, k] in float32, in a fixed order (deterministic; slots whose expert
    lives on another rank count as 0).
 
 Packed bytes hold element 2j in the low nibble and 2j+1 in the high one; the kernels read them as
@@ -320,7 +320,7 @@ def _permute_row(x_ptr, xp_ptr, row, HIDDEN: tl.constexpr, BLOCK_K: tl.constexpr
 # Slot and block counts follow the token count: runtime values, not specialised, so a step of a
 # new size compiles nothing (as constants they made a variant per power of two of the count).
 @triton.jit(do_not_specialize=["n_slots", "max_blocks", "slot_chunks", "expert_block_chunks", "block_chunks"])
-def _align_kernel(
+def _moe_align_kernel(
     ids_ptr, sorted_slot_ptr, block_expert_ptr, x_ptr, xp_ptr,
     n_slots, first_expert, num_local, max_blocks, slot_chunks, expert_block_chunks, block_chunks,
     E_P2: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, SLOT_CHUNKS: tl.constexpr,
@@ -378,7 +378,7 @@ def _block_slots(sorted_slot_ptr, pid_m, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
-def _gate_up_kernel(
+def _moe_gate_up_kernel(
     x_ptr, w_ptr, s_ptr, s2_ptr, sorted_slot_ptr, block_expert_ptr, h_ptr, part_ptr, count_ptr,
     top_k, part_rows,
     K: tl.constexpr, INTER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -473,7 +473,7 @@ def _gate_up_epilogue(
 
 
 @triton.jit
-def _down_kernel(
+def _moe_down_kernel(
     h_ptr, w_ptr, s_ptr, s2_ptr, sorted_slot_ptr, block_expert_ptr, topk_w_ptr, y_ptr,
     HIDDEN: tl.constexpr, INTER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, FUSE_K: tl.constexpr, ASM: tl.constexpr, INTERPRET: tl.constexpr,
@@ -518,7 +518,7 @@ def _down_kernel(
 
 
 @triton.jit
-def _sum_kernel(
+def _moe_sum_kernel(
     y_ptr, ids_ptr, out_ptr, first_expert, num_local,
     HIDDEN: tl.constexpr, TOP_K: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
@@ -640,7 +640,7 @@ def moe_experts_nvfp4_triton(
     xp = torch.empty(num_tokens, hidden, dtype=torch.bfloat16, device=dev)
     loops = (triton.cdiv(n_slots, chunk), triton.cdiv(triton.cdiv(n_slots, bm), chunk), triton.cdiv(nblocks, chunk))
     const = loops if _INTERPRET or not x.is_cuda else (0, 0, 0)
-    _align_kernel[(num_local + num_tokens,)](
+    _moe_align_kernel[(num_local + num_tokens,)](
         ids, sorted_slot, block_expert, x.contiguous(), xp, n_slots, first_expert, num_local, nblocks, *loops,
         E_P2=e_p2, BLOCK_M=bm, CHUNK=chunk, SLOT_CHUNKS=const[0], EXPERT_BLOCK_CHUNKS=const[1],
         BLOCK_CHUNKS=const[2], HIDDEN=hidden, BLOCK_K=gu["BLOCK_K"], INTERPRET=_INTERPRET or not x.is_cuda,
@@ -656,7 +656,7 @@ def moe_experts_nvfp4_triton(
         count = torch.zeros(nblocks * (inter // gu["BLOCK_N"]), dtype=torch.int32, device=dev)
     else:
         part, count = h, sorted_slot  # not read
-    _gate_up_kernel[(inter // gu["BLOCK_N"], nblocks, split_k)](
+    _moe_gate_up_kernel[(inter // gu["BLOCK_N"], nblocks, split_k)](
         xp, w13.view(torch.int32), w13_scale, w13_scale_2, sorted_slot, block_expert, h, part, count, top_k, rows,
         K=hidden, INTER=inter, BLOCK_M=bm, BLOCK_N=gu["BLOCK_N"], BLOCK_K=gu["BLOCK_K"], H_BLOCK_K=dn["BLOCK_K"], FUSE_K=gu["FUSE_K"],
         ASM=asm, INTERPRET=_INTERPRET, LAYOUT=layout, SPLIT_K=split_k, num_warps=gu["num_warps"], num_stages=gu["num_stages"], **_reg_cap(gu),
@@ -664,7 +664,7 @@ def moe_experts_nvfp4_triton(
 
     # bf16 per-slot outputs, like the reference's per-expert matmuls; summed in float32.
     y = torch.empty(n_slots, hidden, dtype=torch.bfloat16, device=dev)
-    _down_kernel[(hidden // dn["BLOCK_N"], nblocks)](
+    _moe_down_kernel[(hidden // dn["BLOCK_N"], nblocks)](
         h, w2.view(torch.int32), w2_scale, w2_scale_2, sorted_slot, block_expert, routing_w, y,
         HIDDEN=hidden, INTER=inter, BLOCK_M=bm, BLOCK_N=dn["BLOCK_N"], BLOCK_K=dn["BLOCK_K"], FUSE_K=dn["FUSE_K"],
         ASM=asm, INTERPRET=_INTERPRET, LAYOUT=layout, num_warps=dn["num_warps"], num_stages=dn["num_stages"], **_reg_cap(dn),
@@ -672,7 +672,7 @@ def moe_experts_nvfp4_triton(
 
     out = torch.empty(num_tokens, hidden, dtype=torch.float32, device=dev)
     block = min(1024, triton.next_power_of_2(hidden))
-    _sum_kernel[(num_tokens, triton.cdiv(hidden, block))](
+    _moe_sum_kernel[(num_tokens, triton.cdiv(hidden, block))](
         y, ids, out, first_expert, num_local, HIDDEN=hidden, TOP_K=top_k, BLOCK=block, num_warps=4
     )
     return out
