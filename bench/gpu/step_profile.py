@@ -12,7 +12,7 @@ KV contents are whatever the pool holds (zeros): timing, not output, is the poin
     python bench/gpu/step_profile.py --model-path DIR [--load-format random] --tp 4 \\
         --decode 64x1400,512x1400 --prefill 16x1024 --extend 256x33x1024 --out OUT/prof [-- worker flags]
 
-Worker flags after -- change what runs, e.g. `-- --dense-prefill` (dense prompt attention) or
+Worker flags after -- change what runs, e.g. `-- --dense-prefill=off` (sparse prompt attention only) or
 `-- --warmup-tokens=16384` (the serving warm-up first; the first-call column then shows no compile).
 
 Writes OUT/profile.json and OUT/profile.md; prints the markdown table last. On CPU (gloo) it runs

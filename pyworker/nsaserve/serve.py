@@ -83,6 +83,7 @@ def worker_command(args, rank: int, runtime_dir: str | None, dist_init: str | No
         f"--attention-backend={args.attention_backend}",
         f"--page-size={args.page_size}",
         f"--moe-backend={args.moe_backend}",
+        f"--dense-prefill={args.dense_prefill}",
         f"--mem-fraction-static={args.mem_fraction_static}",
         f"--seed={args.random_seed}",
     ]

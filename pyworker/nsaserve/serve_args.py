@@ -26,6 +26,13 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     )
     m.add_argument("--context-length", type=int, default=None, help="prompt plus completion tokens at most (default: the model's own limit)")
     m.add_argument("--attention-backend", choices=["auto", "torch", "triton"], default="auto", help="sparse MLA and lightning-indexer kernels; auto = triton on CUDA for bf16/fp16 models, else torch")
+    m.add_argument(
+        "--dense-prefill",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="dense (MHA-form) attention for prompt steps whose contexts all fit the indexer's top-k, where sparse "
+        "attention would select every position anyway; auto = on for CUDA devices, off on CPU",
+    )
     m.add_argument("--model-executor", choices=["model", "null"], default="model", help="'null' returns deterministic tokens without running a model: only for measuring the router")
 
     r = p.add_argument_group("parallelism and devices")

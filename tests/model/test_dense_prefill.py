@@ -7,7 +7,7 @@ import pytest
 import torch
 from model_helpers import VOCAB, Session, hf_prefill_logits, make_checkpoint, rel_err
 
-from nsaserve.model.dense_prefill import DENSE_MIN_QUERIES, wants_dense
+from nsaserve.model.dense_prefill import DENSE_MIN_QUERIES, dense_prefill_on, wants_dense
 from nsaserve.model.runner import ModelRunner
 
 
@@ -20,6 +20,26 @@ def test_the_choice_needs_contexts_within_the_top_k_and_enough_new_tokens():
     assert wants_dense([0, 1000], [2000], index_topk=2048)  # a long chunk after a cached half
     assert not wants_dense([0, 1, 2], [1500, 1500], index_topk=2048)  # decode-like rows
     assert not wants_dense([0], [], index_topk=2048)
+
+
+def test_the_switch_is_on_for_cuda_under_auto_and_reaches_every_worker():
+    from nsaserve.cli import build_parser
+    from nsaserve.serve import worker_command
+    from nsaserve.worker.main import parse_args
+
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    assert dense_prefill_on("auto", cuda) and not dense_prefill_on("auto", cpu)
+    assert dense_prefill_on("on", cpu) and not dense_prefill_on("off", cuda)
+    with pytest.raises(ValueError, match="auto, on or off"):
+        dense_prefill_on("yes", cuda)
+
+    def worker_flag(*flags):
+        args = build_parser().parse_args(["serve", "--model-path=m", "--tp=2", *flags])
+        return {parse_args(worker_command(args, r, "/ipc", None, "m", "cuda")[3:]).dense_prefill for r in (0, 1)}
+
+    assert worker_flag() == {"auto"}
+    assert worker_flag("--dense-prefill=off") == {"off"}
+    assert worker_flag("--dense-prefill=on") == {"on"}
 
 
 def runner(path: str, kv: str, dense: bool) -> ModelRunner:

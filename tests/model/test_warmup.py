@@ -33,6 +33,9 @@ def test_steps_cover_the_buckets_inside_the_pool():
     # The same batches with a top-k list length (context + 1) that is not a multiple of 16.
     odd = [p for name, p in by_kind(steps, "decode") if name.endswith(f"at {ODD_CONTEXT}")]
     assert [p.num_reqs for p in odd] == [1, 2, 4, 8, 16, 32, 64, 100] and (ODD_CONTEXT + 1) % 16
+    # Whole prompts (nothing cached) up to the step's limit, within the top-k.
+    whole = [p for name, p in steps if name.startswith("whole prompt")]
+    assert [p.num_tokens for p in whole] == [128, 256, 512, 1000] and not any(p.cached_lens.any() for p in whole)
     chunks = [p for name, p in steps if " chunks of 32 after " in name]
     assert len(chunks) == 1 and chunks[0].num_reqs == 31 and (chunks[0].cached_lens + 32 > 2048).all()
     # The pool holds 12,800 tokens: one decode past the top-k kernel's single chunk fits.

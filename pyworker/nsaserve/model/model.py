@@ -118,7 +118,7 @@ class CausalLM(nn.Module):
         self.resolve_kernels = os.environ.get(HOST_PATH_ENV, "resolved") != "lookup"
         self._kernels: Kernels | None = None
         # Dense attention for prompt steps whose contexts fit the top-k (model/dense_prefill.py);
-        # off until measured on GPUs (the worker's --dense-prefill turns it on).
+        # the worker turns it on for CUDA devices (--dense-prefill auto).
         self.dense_prefill = False
 
     def kernels(self) -> Kernels:

@@ -52,7 +52,7 @@ class ModelRunner:
         MLPs, experts and lm_head stay split as without it.
 
         dense_prefill: dense attention for prompt steps whose contexts all fit the top-k
-        (model/dense_prefill.py); off by default until measured on GPUs."""
+        (model/dense_prefill.py); the worker's --dense-prefill decides it (dense_prefill_on)."""
         check_kv_cache_dtype(kv_cache_dtype)
         self.device = torch.device(device)
         self.config = load_config(model_path)

@@ -70,12 +70,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="on CUDA, before the hello: warm-up steps (worker/warmup.py) up to this many prompt tokens; 0: none",
     )
     p.add_argument("--warmup-batch", type=int, default=256, help="largest decode batch of the warm-up")
-    p.add_argument(
-        "--dense-prefill",
-        action="store_true",
-        help="dense attention for prompt steps whose contexts all fit the top-k (model/dense_prefill.py); "
-        "for measuring it against the sparse kernels (bench/gpu/step_profile.py passes worker flags)",
-    )
+    dense_help = "dense attention for prompt steps within the top-k (model/dense_prefill.py); auto = on for CUDA"
+    p.add_argument("--dense-prefill", choices=("auto", "on", "off"), default="auto", help=dense_help)
     p.add_argument(
         "--enable-dp-attention",
         action="store_true",

@@ -9,6 +9,7 @@ import time
 import numpy as np
 import torch
 
+from ..model.dense_prefill import dense_prefill_on
 from ..protocol.messages import Plan, PromptLogprobs, StepResult
 from .batch import prompt_logprob_rows, sample_rows
 from .sampler import SamplingBatch, prompt_logprobs, sample
@@ -63,7 +64,7 @@ class ModelExecutor:
             tp_size=args.tp_size,
             load_format=getattr(args, "load_format", "safetensors"),
             dp_attention=getattr(args, "enable_dp_attention", False),
-            dense_prefill=getattr(args, "dense_prefill", False),
+            dense_prefill=dense_prefill_on(getattr(args, "dense_prefill", "auto"), device),
         )
         moe_backend = getattr(args, "moe_backend", "auto")
         if moe_backend == "auto":  # the Triton expert kernels read NVFP4 stacks only

@@ -14,6 +14,8 @@ instead of 40-600 ms. The warm-up runs one step per bucket a server can meet:
 - prompt chunks of several requests after cached prefixes (a radix-cache hit's step);
 - decode batches of 1, 2, 4, ... requests up to the most that run at once, past the top-k (the
   decode path of every kernel, eagerly: CUDA graphs cover only their own batch sizes);
+- whole prompts of 128, 256, ... tokens up to the top-k (the dense prompt path, or the unscored
+  selection where it is off);
 - one decode over a context longer than the top-k kernel's single chunk;
 - each of the prompt and decode paths once more with a top-k list whose length is not a multiple
   of 16 (the sparse MLA kernel specialises its index row stride on that), one of them a whole
@@ -42,6 +44,8 @@ SMALLEST_PROMPT = 16
 # and a decode context, each giving a top-k list length that is not a multiple of 16.
 ODD_PROMPT = 264
 ODD_CONTEXT = 999
+# Whole prompts (no cached prefix) from this size up to the top-k.
+WHOLE_PROMPT_FROM = 128
 
 
 @dataclass
@@ -98,6 +102,11 @@ def warmup_steps(shape: WarmupShape, num_pages: int, page_size: int, vocab_size:
         steps.append((f"prompt of {n} after {cached}", plan(len(steps), [(ids(n), cached)])))
     if min(shape.max_tokens, usable) >= ODD_PROMPT:
         steps.append((f"prompt of {ODD_PROMPT} after 0", plan(len(steps), [(ids(ODD_PROMPT), 0)])))
+    # Whole prompts within the top-k, by size bucket: their contexts fit it, so they take the
+    # dense prompt path where it is on (model/dense_prefill.py) and the unscored selection
+    # otherwise; the dense path's first call of a size cost ~60 ms more on the H200 without this.
+    for n in _powers_of_two(WHOLE_PROMPT_FROM, min(shape.max_tokens, usable, shape.index_topk)):
+        steps.append((f"whole prompt of {n}", plan(len(steps), [(ids(n), 0)])))
     # A radix-cache hit's step: several requests' chunks after cached prefixes (past the top-k).
     new, cached = 32, min(2 * shape.index_topk - 32, usable - 32)
     if cached > 0:
