@@ -7,6 +7,7 @@ import pytest
 import torch
 from model_helpers import VOCAB, Session, hf_prefill_logits, make_checkpoint, rel_err
 
+from nsaserve.model import dense_prefill as dp
 from nsaserve.model.dense_prefill import DENSE_MIN_QUERIES, dense_prefill_on, wants_dense
 from nsaserve.model.runner import ModelRunner
 
@@ -40,6 +41,21 @@ def test_the_switch_is_on_for_cuda_under_auto_and_reaches_every_worker():
     assert worker_flag() == {"auto"}
     assert worker_flag("--dense-prefill=off") == {"off"}
     assert worker_flag("--dense-prefill=on") == {"on"}
+
+
+def test_contexts_are_expanded_in_bounded_groups_of_consecutive_requests(monkeypatch):
+    monkeypatch.setattr(dp, "GROUP_CONTEXT_TOKENS", 100)
+    # (new tokens, context) per request: a request with nothing new splits the run of contexts.
+    reqs = [(30, 40), (20, 50), (5, 30), (0, 10), (60, 60), (1, 150), (7, 20)]
+    qs = [0]
+    for q, _ in reqs:
+        qs.append(qs[-1] + q)
+    groups = dp._groups(qs, [n for _, n in reqs])
+    assert [[(q1 - q0, n) for q0, q1, _, n in g] for g in groups] == [
+        [(30, 40), (20, 50)], [(5, 30)], [(60, 60)], [(1, 150)], [(7, 20)]
+    ]
+    starts = [start for g in groups for _, _, start, _ in g]
+    assert starts == [0, 40, 90, 130, 190, 340]
 
 
 def runner(path: str, kv: str, dense: bool) -> ModelRunner:
