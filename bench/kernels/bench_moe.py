@@ -103,6 +103,10 @@ def kernel_breakdown(call, reps: int = 5) -> dict:
         return {"breakdown_error": f"{type(e).__name__}: {str(e)[:120]}"}
 
 
+# From this batch on a sweep tries the prompt-sized blocks (64 and more rows per expert).
+PREFILL_BATCH = 2048
+
+
 def configs(batch: int, sweep: bool):
     """(name, config, block_m, asm, relayout): the checkpoint layout and the re-laid-out weights
     (relayout_nvfp4, the model's default) with the default blocks, or the alternatives a sweep
@@ -120,6 +124,17 @@ def configs(batch: int, sweep: bool):
         # 170 registers without a cap (2 programs per SM), 153 with it (3).
         c = {"gate_up": {"SPLIT_K": 3, "maxnreg": 168}}
         yield "relayout gate_up split-K 3 maxnreg 168", c, None, True, True
+        return
+    if batch >= PREFILL_BATCH:
+        # Prompt-sized batches (>= 64 rows per expert): larger token blocks and 8 warps. At 128 token
+        # rows two stages fit the 227 KB of shared memory, and 4 warps spill (ptxas: 255 registers
+        # and a 384-byte stack for the down kernel), so 8.
+        w8s2 = {"num_warps": 8, "num_stages": 2}
+        yield "relayout block_m 128 gate_up 64 down 128 w8 s2", {"gate_up": w8s2, "down": w8s2}, 128, True, True
+        c = {"gate_up": {**w8s2, "BLOCK_N": 128}, "down": w8s2}
+        yield "relayout block_m 128 gate_up 128 down 128 w8 s2", c, 128, True, True
+        c = {"gate_up": {"BLOCK_N": 128, "num_warps": 8, "num_stages": 3}, "down": {"num_warps": 8}}
+        yield "relayout block_m 64 gate_up 128 w8 s3, down w8", c, 64, True, True
         return
     for bn, bk, warps, stages in ((64, 256, 4, 4), (64, 128, 4, 4), (128, 256, 8, 3)):
         c = {"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps, "num_stages": stages}
@@ -151,7 +166,7 @@ def run_batch(batch, stacks, gen, copy_bps, sweep, with_torch, rows, save):
             save()
             continue
         rows.append({
-            "batch": batch, "variant": name, "block_m": block_m or tm.pick_block_m(batch * TOP_K, EXPERTS),
+            "batch": batch, "variant": name, "block_m": block_m or (tm.prompt_preset(batch * TOP_K, EXPERTS) or (tm.pick_block_m(batch * TOP_K, EXPERTS),))[0],
             "experts": experts, "MB": nbytes / 1e6, "us": us, "TBps": nbytes / us / 1e6,
             "copy_frac": floor_us / us, "target_us": TARGET_US.get(batch),
         })  # fmt: skip

@@ -107,6 +107,27 @@ def test_tiny_matches_reference(num_tokens, skew, block_m, asm):
     assert rel_err(out, ref) < TOL
 
 
+@pytest.mark.parametrize("num_tokens,block_m", [(200, 64), (1600, 128)])
+def test_tiny_prompt_presets_match_reference(num_tokens, block_m):
+    """Prompt-sized steps (>= 64 and >= 512 rows per expert) take PROMPT_PRESETS' blocks when no
+    config is given, and match the reference in both layouts."""
+    gen = torch.Generator(DEV).manual_seed(num_tokens)
+    e, h, i, k = TINY["num_experts"], TINY["hidden"], TINY["inter"], TINY["top_k"]
+    assert tm.prompt_preset(num_tokens * k, e)[0] == block_m
+    w13, w2 = random_stacks(e, h, i, gen, DEV)
+    x = torch.randn(num_tokens, h, generator=gen, device=DEV).to(torch.bfloat16)
+    ids, weights = route(num_tokens, e, k, torch.Generator().manual_seed(num_tokens))
+    ref = reference(x, ids, weights, w13, w2, 0)
+    assert rel_err(tm.moe_experts_nvfp4_triton(x, ids, weights, *w13, *w2, 0), ref) < TOL
+    assert rel_err(tm.moe_experts_nvfp4_triton(x, ids, weights, *relaid(w13), *relaid(w2), 0, relayout=True), ref) < TOL
+
+
+def test_prompt_presets_start_at_64_rows_per_expert():
+    assert tm.prompt_preset(63 * 256, 256) is None  # decode-sized: the defaults and pick_block_m
+    assert tm.prompt_preset(64 * 256, 256)[0] == 64 and tm.prompt_preset(511 * 256, 256)[0] == 64
+    assert tm.prompt_preset(512 * 256, 256)[0] == 128
+
+
 @pytest.mark.parametrize("relayout", [False, True])
 @pytest.mark.parametrize("first_expert", [0, 6, 12])
 def test_tiny_expert_parallel_share(first_expert, relayout):
@@ -264,7 +285,7 @@ def glm5_relaid(glm5_stacks):
 
 
 @pytest.mark.skipif(not CUDA, reason="GLM-5 shapes need CUDA")
-@pytest.mark.parametrize("num_tokens", [1, 64, 256])
+@pytest.mark.parametrize("num_tokens", [1, 64, 256, 2048])  # 2048: the 64-row prompt preset
 def test_glm5_shapes_match_reference(glm5_stacks, glm5_relaid, num_tokens):
     """Checkpoint layout and re-laid-out weights (relayout=True) against one reference."""
     w13, w2 = glm5_stacks

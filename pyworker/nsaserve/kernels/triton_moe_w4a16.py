@@ -560,6 +560,27 @@ def pick_block_m(num_slots: int, num_local: int) -> int:
     return 64
 
 
+# Prompt-sized steps (many rows per expert): the MMA work dominates, so larger token blocks, wider
+# gate/up tiles and 8 warps. (rows per expert from, tokens per block, config.) Measured on the H200
+# at GLM-5 shapes (bench/results/2026-12-01-triton-moe-prefill.md), whole routed-expert path:
+# 2048 tokens (64 rows per expert) 5887-6043 us with the defaults (32-row blocks) -> 4997 us;
+# 16384 tokens (512 per expert) 31363 us -> 27678 us (28554 us with the 64-row preset). At 128 rows
+# two stages fit the shared memory and 4 warps spill (ptxas), hence 8.
+PROMPT_PRESETS = (
+    (512, 128, {"gate_up": {"BLOCK_N": 128, "num_warps": 8, "num_stages": 2}, "down": {"num_warps": 8, "num_stages": 2}}),
+    (64, 64, {"gate_up": {"BLOCK_N": 128, "num_warps": 8, "num_stages": 3}, "down": {"num_warps": 8}}),
+)
+
+
+def prompt_preset(num_slots: int, num_local: int) -> tuple[int, dict] | None:
+    """(tokens per block, config) for a prompt-sized step, or None (the defaults and pick_block_m)."""
+    per_expert = num_slots / max(1, num_local)
+    for least, block_m, config in PROMPT_PRESETS:
+        if per_expert >= least:
+            return block_m, config
+    return None
+
+
 def max_blocks(num_slots: int, num_local: int, block_m: int) -> int:
     """Most BLOCK_M blocks any routing of num_slots slots over num_local experts can need."""
     return triton.cdiv(num_slots, block_m) + min(num_local, num_slots)
@@ -600,6 +621,9 @@ def moe_experts_nvfp4_triton(
     inter = two_inter // 2
     if w2.shape != (num_local, hidden, inter // 2):
         raise ValueError(f"w2 shape {tuple(w2.shape)} does not match w13 {tuple(w13.shape)} and hidden {hidden}")
+    n_slots = num_tokens * top_k
+    if block_m is None and config is None:
+        block_m, config = prompt_preset(n_slots, num_local) or (None, None)
     cfg = {k: {**v, **(config or {}).get(k, {})} for k, v in DEFAULT_CONFIG.items()}
     # K blocks of at least 128: each of the 8 partial dots of a block needs K >= 16.
     gu = {
@@ -623,7 +647,6 @@ def moe_experts_nvfp4_triton(
     if relayout and (w13_scale.dtype != torch.uint8 or w2_scale.dtype != torch.uint8):
         raise ValueError("relayout=True takes relayout_nvfp4's uint8 scales")
     layout = 1 if relayout else 0
-    n_slots = num_tokens * top_k
     if n_slots == 0:
         return torch.zeros(num_tokens, hidden, dtype=torch.float32, device=x.device)
     bm = block_m or pick_block_m(n_slots, num_local)
