@@ -106,6 +106,13 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         help="on GPUs, serve without first running one synthetic step of each shape bucket (prompt sizes, decode "
         "batch sizes) to compile the kernels; the first requests of each new size then wait for those compiles",
     )
+    w.add_argument(
+        "--enable-worker-pipeline",
+        action="store_true",
+        help="each worker launches step N+1 on the GPU before step N's tokens are back (the next plan's "
+        "references to them resolved on the device), hiding the host work between steps; not with "
+        "--enable-dp-attention (ignored there). Not yet measured on GPUs, so off by default",
+    )
     w.add_argument("--heartbeat-timeout", type=float, default=5.0, help="a worker silent this long is declared dead")
     w.add_argument(
         "--restart-workers",

@@ -3,7 +3,7 @@ greedy outputs (text and finish reason) with the next step planned while one run
 default) as with `--disable-overlap-schedule`, across the boundaries overlap has to get right:
 max_tokens of 1 and 2 (a request ends while a step with it is already planned), stop strings
 (the client side aborts a request that is in flight), stop tokens and penalties (which wait for
-their pending token)."""
+their pending token); and with --enable-worker-pipeline."""
 
 from __future__ import annotations
 
@@ -64,7 +64,10 @@ def serve_all(*flags: str) -> list[tuple[int, str, str]]:
     try:
         bodies = requests()
         with concurrent.futures.ThreadPoolExecutor(len(bodies)) as pool:
-            return list(pool.map(lambda b: complete(server.base_url, b), bodies))
+            outputs = list(pool.map(lambda b: complete(server.base_url, b), bodies))
+        # Logged by rank 0 before its first step, so there by now.
+        assert ("steps pipelined" in server.output) == ("--enable-worker-pipeline" in flags), server.output
+        return outputs
     finally:
         assert server.stop() == 0
 
@@ -74,5 +77,8 @@ def test_greedy_outputs_are_the_same_with_overlap_on_and_off():
     off = serve_all("--disable-overlap-schedule")
     assert all(code == 200 for code, _, _ in on), on
     assert on == off
+    # Workers that launch the next step before the previous one's tokens are back (the references
+    # resolved on the device, broadcast from rank 0 over the process group): the same again.
+    assert serve_all("--enable-worker-pipeline") == on
     reasons = {reason for _, _, reason in on}
     assert {"stop", "length"} <= reasons, reasons

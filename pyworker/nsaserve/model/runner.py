@@ -137,12 +137,15 @@ class ModelRunner:
         return self.model(batch, self.pool)
 
     @torch.no_grad()
-    def forward_plan(self, plan: Plan) -> torch.Tensor:
+    def forward_plan(self, plan: Plan, patch=None) -> torch.Tensor:
         """One validated plan -> the logits of its logit rows, in plan order, on every rank. Under
         data-parallel attention the plan is the combined one (global page ids and slots); this rank
-        runs attention on its own requests and every collective of the step."""
+        runs attention on its own requests and every collective of the step. patch: input tokens
+        already on the device (worker/batch.InputPatch; not under data-parallel attention)."""
         if not self.dp_attention:
-            return self.forward(build_forward_batch(plan, self.device))
+            return self.forward(build_forward_batch(plan, self.device, patch))
+        if patch is not None:
+            raise ValueError("device input patches are not supported under data-parallel attention")
         if plan.page_size != self.page_size:
             raise ValueError(f"plan page_size {plan.page_size} != pool page_size {self.page_size}")
         dp = DPStep.from_plan(plan, self.tp, self.num_pages, self.device)

@@ -111,11 +111,27 @@ def stage_plan(plan: Plan, device: torch.device) -> StagedPlan:
     return StagedPlan(plan, tensors, int(kv_start[-1]), host)
 
 
-def build_forward_batch(plan: Plan, device: torch.device) -> ForwardBatch:
+@dataclass
+class InputPatch:
+    """Input tokens that are on the device, not in the plan: the previous step's samples, for
+    requests whose input the plan left at -1 (overlap references, worker/pipeline.py)."""
+
+    token_index: np.ndarray  # int64 [R], indices into the plan's input_ids
+    tokens: torch.Tensor  # int64 [R], on the step's device
+
+    def apply(self, input_ids: torch.Tensor) -> None:
+        """In stream order, after input_ids' host-to-device copy: no host synchronisation."""
+        index = torch.from_numpy(self.token_index).to(input_ids.device, non_blocking=True)
+        input_ids.index_copy_(0, index, self.tokens.to(input_ids.dtype))
+
+
+def build_forward_batch(plan: Plan, device: torch.device, patch: InputPatch | None = None) -> ForwardBatch:
     """Stages the plan, then expands the page table into per-position slots on the device
     (O(total context), so it never runs on the host's critical path on a GPU)."""
     st = stage_plan(plan, device)
     t = st.tensors
+    if patch is not None:
+        patch.apply(t["input_ids"])
     return ForwardBatch(
         mode=plan.mode,
         num_reqs=plan.num_reqs,

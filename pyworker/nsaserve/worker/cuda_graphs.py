@@ -278,9 +278,14 @@ class DecodeGraphs:
             src = np.minimum(start[:, None] + col[None, :], max(len(plan.page_table) - 1, 0))
             page_table[:n] = np.where(take, plan.page_table[src] if len(plan.page_table) else 0, self.scratch_page)
 
-    def run(self, plan: Plan) -> torch.Tensor:
-        """Logits float32 [num_reqs, vocab] of a plan that fits, in plan order (a fresh tensor)."""
+    def run(self, plan: Plan, patch=None) -> torch.Tensor:
+        """Logits float32 [num_reqs, vocab] of a plan that fits, in plan order (a fresh tensor).
+        patch: input tokens already on the device (worker/batch.InputPatch); a decode plan's token
+        i is request i, which the static layout keeps at input_ids[i] (not under data-parallel
+        attention, whose layout groups requests by rank)."""
         ranks = self._ranks(plan)
+        if patch is not None and ranks is not None:
+            raise ValueError("device input patches are not supported under data-parallel attention")
         g = self._pick(plan, ranks)
         k = self.turn
         self.turn ^= 1
@@ -295,6 +300,8 @@ class DecodeGraphs:
             order = torch.from_numpy(index).to(self.runner.device, non_blocking=True)
         self._pack(self.staging[k][: g.words].numpy(), g, mine)
         self.static[: g.words].copy_(self.staging[k][: g.words], non_blocking=True)
+        if patch is not None:
+            patch.apply(self.static[: g.bs])  # input_ids are the layout's first bs words
         if g.graph is None:  # not captured: the same static batch, eagerly
             out = self._forward(g)
         else:

@@ -19,6 +19,7 @@ from ..protocol.arrays import ProtocolError
 from ..protocol.messages import Fatal, Heartbeat, Hello, StepResult, plan_from_msg, unpack
 from ..protocol.validate import validate_plan
 from .executor import NullExecutor, StepExecutor
+from .pipeline import DeviceRefs, LaunchedStep, wait_for_plan_or_done
 from .prev_step import PrevStep
 from .transport import Endpoints, WorkerSockets
 
@@ -72,6 +73,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup-batch", type=int, default=256, help="largest decode batch of the warm-up")
     dense_help = "dense attention for prompt steps within the top-k (model/dense_prefill.py); auto = on for CUDA"
     p.add_argument("--dense-prefill", choices=("auto", "on", "off"), default="auto", help=dense_help)
+    p.add_argument(
+        "--worker-pipeline",
+        action="store_true",
+        help="launch step N+1 before step N's tokens are back (worker/pipeline.py); not under --enable-dp-attention",
+    )
     p.add_argument(
         "--enable-dp-attention",
         action="store_true",
@@ -163,6 +169,85 @@ def run_plan(
     return result, plan.step
 
 
+def launch_plan(data: bytes, executor, is_rank0: bool, refs: DeviceRefs) -> tuple[str, object, list, int]:
+    """The pipelined counterpart of run_plan: one received message -> ("shutdown", None, [], -1),
+    ("result", StepResult, [], step) when nothing was launched (an unreadable or empty plan, or a
+    launch that failed), or ("launched", LaunchedStep, validation errors, step)."""
+    try:
+        msg = unpack(data)
+        if msg["kind"] == "shutdown":
+            return "shutdown", None, [], -1
+        full = plan_from_msg(msg)
+        runnable, errors = validate_plan(full, executor.num_pages, executor.vocab_size, getattr(executor, "dp_size", 1))
+        runnable, patch, bad_refs = refs.resolve(full, runnable)
+        errors += bad_refs
+    except (ProtocolError, KeyError, ValueError, TypeError) as e:
+        _log(f"dropped an unreadable plan: {e}")
+        refs.forget()
+        return "result", StepResult(step=0), [], 0
+    if not runnable.num_reqs:
+        refs.record(full, runnable, None)
+        return "result", StepResult(step=full.step, errors=errors), [], full.step
+    try:
+        step = executor.launch(runnable, is_rank0, patch)
+    except Exception as e:  # a failing step fails its requests, not the worker
+        if collective_failed(e):
+            raise GroupBroken(f"{type(e).__name__}: {e}".splitlines()[0]) from e
+        _log(f"step {full.step} failed: {type(e).__name__}: {e}")
+        refs.record(full, runnable, None)
+        failed = [(int(r), f"worker error: {type(e).__name__}: {e}") for r in runnable.req_ids]
+        return "result", StepResult(step=full.step, errors=errors + failed), [], full.step
+    refs.record(full, runnable, step)
+    return "launched", step, errors, full.step
+
+
+def finish_step(executor, step: LaunchedStep, errors: list) -> StepResult:
+    """A launched step's result, its validation errors first."""
+    try:
+        result = executor.finish(step)
+    except Exception as e:
+        if collective_failed(e):
+            raise GroupBroken(f"{type(e).__name__}: {e}".splitlines()[0]) from e
+        _log(f"step {step.plan.step} failed: {type(e).__name__}: {e}")
+        failed = [(int(r), f"worker error: {type(e).__name__}: {e}") for r in step.plan.req_ids]
+        result = StepResult(step=step.plan.step, errors=failed)
+    result.step = step.plan.step
+    result.errors = errors + result.errors
+    return result
+
+
+def serve_pipelined(recv, plan_waiting, send, executor, is_rank0: bool, progress: list[int]) -> None:
+    """The step loop of --worker-pipeline (worker/pipeline.py): step N+1 is launched before step
+    N's result is built and sent, whenever N+1's plan arrives while N is still running. Results
+    go out in step order. Raises GroupBroken as run_plan does."""
+    refs = DeviceRefs(is_rank0, executor.device)
+    pending: tuple[LaunchedStep, list] | None = None
+    if is_rank0:
+        _log("steps pipelined: each launched before the previous one's result is sent")
+
+    def out(result: StepResult) -> None:
+        progress[0] = max(progress[0], result.step)
+        if is_rank0:
+            send(result.encode())
+
+    while True:
+        if pending is not None and not wait_for_plan_or_done(plan_waiting, pending[0]):
+            out(finish_step(executor, *pending))  # no plan before N was done: the router waits for N
+            pending = None
+        kind, what, errors, _ = launch_plan(recv(), executor, is_rank0, refs)
+        if pending is not None:
+            out(finish_step(executor, *pending))
+            pending = None
+        if kind == "shutdown":
+            return
+        if kind == "result":
+            out(what)
+        elif what.can_wait:
+            pending = (what, errors)
+        else:
+            out(finish_step(executor, what, errors))
+
+
 def _log(message: str) -> None:
     print(f"[nsaserve worker] {message}", file=sys.stderr, flush=True)
 
@@ -231,8 +316,11 @@ def main(argv: list[str] | None = None) -> int:
     beat.start()
     is_rank0 = args.rank == 0
     prev = PrevStep(is_rank0)
+    pipelined = args.worker_pipeline and hasattr(executor, "launch") and getattr(executor, "dp_size", 1) == 1
     try:
-        while True:
+        if pipelined:
+            serve_pipelined(sockets.recv_plan, sockets.plan_waiting, sockets.send, executor, is_rank0, progress)
+        while not pipelined:
             result, step = run_plan(sockets.recv_plan(), executor, is_rank0, prev)
             if result is None:
                 break

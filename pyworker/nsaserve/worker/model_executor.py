@@ -11,9 +11,10 @@ import torch
 
 from ..model.dense_prefill import dense_prefill_on
 from ..protocol.messages import Plan, PromptLogprobs, StepResult
-from .batch import prompt_logprob_rows, sample_rows
+from .batch import InputPatch, prompt_logprob_rows, sample_rows
+from .pipeline import LaunchedStep, tokens_by_row
 from .sampler import SamplingBatch, prompt_logprobs, sample
-from .sampling_results import prompt_entries, sampled_entries
+from .sampling_results import prompt_entries, sampled_entries, token_entries
 from .step_log import StepLog
 
 
@@ -40,6 +41,7 @@ class ModelExecutor:
         # Data-parallel attention: the router's page ids span dp_size pools of num_pages (validation).
         self.dp_size = getattr(runner, "dp_size", 1)
         self.step_log = StepLog.from_env(runner.config.index_topk)  # benchmarks only
+        self._last_finish = 0.0  # perf_counter() at the last finish()
 
     @classmethod
     def from_args(cls, args) -> ModelExecutor:
@@ -86,6 +88,12 @@ class ModelExecutor:
         return executor
 
     def run(self, plan: Plan, is_rank0: bool) -> StepResult:
+        return self.finish(self.launch(plan, is_rank0))
+
+    def launch(self, plan: Plan, is_rank0: bool, patch: InputPatch | None = None) -> LaunchedStep:
+        """Queues the step's device work (forward, sampling and, for a tokens-only step, the copy
+        of its tokens to pinned host memory) without waiting for it. patch: input tokens already
+        on the device (the previous step's samples, worker/pipeline.py)."""
         t0 = time.perf_counter()
         # The sampling parameters go to the device before the forward is queued: their
         # host-to-device copies wait for the stream, so built after it they held the host until
@@ -94,22 +102,49 @@ class ModelExecutor:
         sb = SamplingBatch.from_plan(plan, self.device) if n_sample else None
         graph = self.graphs is not None and self.graphs.fits(plan)
         if graph:
-            logits = self.graphs.run(plan)  # a decode step: one row per request, all sampling
+            logits = self.graphs.run(plan, patch)  # a decode step: one row per request, all sampling
         else:
-            logits = self.runner.forward_plan(plan)
-        # rows: sampling rows, then prompt-logprob rows
-        result = StepResult(step=plan.step)
+            logits = self.runner.forward_plan(plan, patch)
+        prompt_rows = list(prompt_logprob_rows(plan)) if is_rank0 else []
+        step = LaunchedStep(plan=plan, is_rank0=is_rank0, t0=t0, graph=graph, sb=sb, prompt_rows=prompt_rows)
         if not is_rank0:
-            return result
+            return step
+        step.logits = logits
         if n_sample:
-            result.sampled = sampled_entries(plan, sb, sample(logits[:n_sample], sb))
-        row = n_sample
-        for i, token_rows in prompt_logprob_rows(plan):
-            result.prompt_logprobs.append(self._prompt_logprobs(plan, i, logits[row : row + len(token_rows)]))
+            step.sampled = sample(logits[:n_sample], sb)
+            step.row_tokens = tokens_by_row(plan, step.sampled.tokens)
+            if self.device.type == "cuda" and not (sb.top_logprobs >= 0).any() and not prompt_rows:
+                # Tokens only: one copy to pinned memory, waited for in finish(), not here.
+                step.tokens_host = torch.empty(n_sample, dtype=torch.int64, pin_memory=True)
+                step.tokens_host.copy_(step.sampled.tokens, non_blocking=True)
+                step.copied = torch.cuda.Event()
+                step.copied.record()
+        return step
+
+    def finish(self, step: LaunchedStep) -> StepResult:
+        """Waits for a launched step's results and builds what rank 0 sends."""
+        plan = step.plan
+        result = StepResult(step=plan.step)
+        if not step.is_rank0:
+            return result
+        if step.sampled is not None:
+            if step.copied is not None:
+                step.copied.synchronize()
+                result.sampled = token_entries(plan, step.tokens_host.numpy())
+            else:
+                result.sampled = sampled_entries(plan, step.sb, step.sampled)
+        row = step.sb.num_rows if step.sb is not None else 0
+        for i, token_rows in step.prompt_rows:
+            result.prompt_logprobs.append(self._prompt_logprobs(plan, i, step.logits[row : row + len(token_rows)]))
             row += len(token_rows)
-        result.forward_ms = (time.perf_counter() - t0) * 1e3
+        step.logits = None  # the logits' memory goes back to the allocator now
+        # From the step's launch, or from the previous step's result when the step was launched
+        # before it (pipelined: it was queued behind that step on the device).
+        now = time.perf_counter()
+        result.forward_ms = (now - max(step.t0, self._last_finish)) * 1e3
+        self._last_finish = now
         if self.step_log is not None:
-            self.step_log.record(plan, result.forward_ms, graph)
+            self.step_log.record(plan, result.forward_ms, step.graph)
         return result
 
     def _prompt_logprobs(self, plan: Plan, i: int, rows: torch.Tensor) -> PromptLogprobs:

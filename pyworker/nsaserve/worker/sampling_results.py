@@ -33,6 +33,12 @@ def sampled_entries(plan: Plan, sb: SamplingBatch, out: SampleOutput) -> list[tu
     return entries
 
 
+def token_entries(plan: Plan, tokens: np.ndarray) -> list[tuple[int, int, None]]:
+    """(request id, token, None) per sampling row, from the sampled tokens already on the host."""
+    req_ids = plan.req_ids[np.flatnonzero(plan.sample)]
+    return [(int(r), int(t), None) for r, t in zip(req_ids.tolist(), tokens.tolist())]
+
+
 def prompt_entries(logprobs: torch.Tensor, top_ids: torch.Tensor, top_logprobs: torch.Tensor) -> list[TokenLogprobs]:
     """`prompt_logprobs`'s tensors as one `TokenLogprobs` per prompt token, for `PromptLogprobs.entries`."""
     lp = logprobs.cpu().numpy()

@@ -5,7 +5,8 @@ A line: {"step": the plan's step number, "t": unix time at the end of the step, 
 "reqs": requests, "tokens": tokens run, "ctx": sum of the requests' context lengths after the
 step, "sel": sum of min(context, index_topk), "idx": the contexts the indexer scored (ctx, or 0
 when no context exceeds index_topk: whole contexts are then selected unscored), "ms": the worker's step time (batch build, forward,
-sampling; the sampled tokens reach the host, so the GPU work is included), "graph": whether the
+sampling; the sampled tokens reach the host, so the GPU work is included; under --worker-pipeline,
+from the previous step's result when the step was launched before it), "graph": whether the
 forward replayed a decode CUDA graph}.
 
 idx and sel are what a decode step's memory roofline needs (the indexer reads every cached key

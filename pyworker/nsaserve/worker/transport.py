@@ -46,6 +46,10 @@ class WorkerSockets:
     def recv_plan(self) -> bytes:
         return self.plans.recv(copy=True)
 
+    def plan_waiting(self) -> bool:
+        """Whether recv_plan would return at once."""
+        return bool(self.plans.poll(0))
+
     def close(self) -> None:
         self.events.close()
         self.plans.close()
