@@ -12,7 +12,7 @@ import torch
 from ..model.dense_prefill import dense_prefill_on
 from ..protocol.messages import Plan, PromptLogprobs, StepResult
 from .batch import InputPatch, prompt_logprob_rows, sample_rows
-from .pipeline import LaunchedStep, tokens_by_row
+from .pipeline import LaunchedStep
 from .sampler import SamplingBatch, prompt_logprobs, sample
 from .sampling_results import prompt_entries, sampled_entries, token_entries
 from .step_log import StepLog
@@ -112,7 +112,6 @@ class ModelExecutor:
         step.logits = logits
         if n_sample:
             step.sampled = sample(logits[:n_sample], sb)
-            step.row_tokens = tokens_by_row(plan, step.sampled.tokens)
             if self.device.type == "cuda" and not (sb.top_logprobs >= 0).any() and not prompt_rows:
                 # Tokens only: one copy to pinned memory, waited for in finish(), not here.
                 step.tokens_host = torch.empty(n_sample, dtype=torch.int64, pin_memory=True)

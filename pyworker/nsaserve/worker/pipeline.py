@@ -48,7 +48,6 @@ class LaunchedStep:
     prompt_rows: list = field(default_factory=list)  # prompt-logprob rows (batch.prompt_logprob_rows)
     logits: torch.Tensor | None = None
     sampled: object | None = None  # SampleOutput
-    row_tokens: torch.Tensor | None = None  # int64 [num_reqs] on the device; -1 where nothing sampled
     tokens_host: torch.Tensor | None = None  # pinned copy of the sampled tokens (tokens-only steps)
     copied: object | None = None  # torch.cuda.Event after that copy
 
@@ -102,7 +101,8 @@ class DeviceRefs:
         index = {int(r): i for i, r in enumerate(runnable.req_ids)}
         run_row = np.array([index.get(int(r), -1) for r in full.req_ids], dtype=np.int64)
         samples = runnable.sample.astype(bool) if step is not None else np.zeros(runnable.num_reqs, dtype=bool)
-        tokens = step.row_tokens if step is not None else None
+        sampled = step.sampled if step is not None else None
+        tokens = tokens_by_row(runnable, sampled.tokens) if sampled is not None else None
         self.last = _Previous(full.step, np.asarray(full.req_ids), run_row, samples, tokens)
 
     def _tokens(self, last: _Previous) -> torch.Tensor:
