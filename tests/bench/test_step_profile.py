@@ -43,3 +43,4 @@ def test_profiles_decode_and_prefill_at_tp2_on_cpu(tmp_path):
         assert len(s["eager_ms"]) == 1 and s["eager_profile"]["kernels_total_ms"] > 0
         assert sum(s["eager_profile"]["families_ms"].values()) > 0
     assert "| decode 4x40 | eager |" in (out / "profile.md").read_text()
+    assert doc["scenarios"][0]["pipelined_ms"] > 0 and "pipelined_ms" not in doc["scenarios"][1]
