@@ -98,8 +98,11 @@ class DeviceRefs:
 
     def record(self, full: Plan, runnable: Plan, step: LaunchedStep | None) -> None:
         """After a launch (step None: it failed, so nothing of it may be referenced)."""
-        index = {int(r): i for i, r in enumerate(runnable.req_ids)}
-        run_row = np.array([index.get(int(r), -1) for r in full.req_ids], dtype=np.int64)
+        if runnable.num_reqs == full.num_reqs:  # nothing dropped (validation keeps the order)
+            run_row = np.arange(full.num_reqs, dtype=np.int64)
+        else:
+            index = {int(r): i for i, r in enumerate(runnable.req_ids)}
+            run_row = np.array([index.get(int(r), -1) for r in full.req_ids], dtype=np.int64)
         samples = runnable.sample.astype(bool) if step is not None else np.zeros(runnable.num_reqs, dtype=bool)
         sampled = step.sampled if step is not None else None
         tokens = tokens_by_row(runnable, sampled.tokens) if sampled is not None else None
