@@ -106,10 +106,14 @@ class ModelExecutor:
         else:
             logits = self.runner.forward_plan(plan, patch)
         prompt_rows = list(prompt_logprob_rows(plan)) if is_rank0 else []
-        step = LaunchedStep(plan=plan, is_rank0=is_rank0, t0=t0, graph=graph, sb=sb, prompt_rows=prompt_rows)
+        step = LaunchedStep(
+            plan=plan, is_rank0=is_rank0, t0=t0, graph=graph, sb=sb, prompt_rows=prompt_rows, on_cpu=self.device.type == "cpu"
+        )
         if not is_rank0:
             return step
-        step.logits = logits
+        # [rows, vocab] float32: kept past the launch only for prompt logprobs (a pipelined step's
+        # logits would otherwise live beside the next step's).
+        step.logits = logits if prompt_rows else None
         if n_sample:
             step.sampled = sample(logits[:n_sample], sb)
             if self.device.type == "cuda" and not (sb.top_logprobs >= 0).any() and not prompt_rows:
@@ -136,7 +140,7 @@ class ModelExecutor:
         for i, token_rows in step.prompt_rows:
             result.prompt_logprobs.append(self._prompt_logprobs(plan, i, step.logits[row : row + len(token_rows)]))
             row += len(token_rows)
-        step.logits = None  # the logits' memory goes back to the allocator now
+        step.logits = None
         # From the step's launch, or from the previous step's result when the step was launched
         # before it (pipelined: it was queued behind that step on the device).
         now = time.perf_counter()

@@ -46,7 +46,8 @@ class LaunchedStep:
     graph: bool
     sb: object | None  # SamplingBatch of rank 0's sampling rows
     prompt_rows: list = field(default_factory=list)  # prompt-logprob rows (batch.prompt_logprob_rows)
-    logits: torch.Tensor | None = None
+    on_cpu: bool = False  # the step ran on the CPU: launch() returned after all of its work
+    logits: torch.Tensor | None = None  # kept only for prompt logprobs
     sampled: object | None = None  # SampleOutput
     tokens_host: torch.Tensor | None = None  # pinned copy of the sampled tokens (tokens-only steps)
     copied: object | None = None  # torch.cuda.Event after that copy
@@ -57,11 +58,7 @@ class LaunchedStep:
         anything, and a tokens-only step's wait is one event (a step with logprobs copies several
         tensors back, which would wait for the next step's work too). On the CPU every launch has
         already run, so any step can."""
-        return not self.is_rank0 or self.copied is not None or self.plan_on_cpu
-
-    @property
-    def plan_on_cpu(self) -> bool:
-        return self.logits is None or self.logits.device.type == "cpu"
+        return not self.is_rank0 or self.copied is not None or self.on_cpu
 
     def done(self) -> bool:
         return self.copied is None or self.copied.query()
