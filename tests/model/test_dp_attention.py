@@ -110,7 +110,7 @@ def run_scenario(runner, executor=None):
     else:
         captured = []
         forward_plan = executor.runner.forward_plan
-        executor.runner.forward_plan = lambda p: captured.append(forward_plan(p)) or captured[-1]
+        executor.runner.forward_plan = lambda p, *rest: captured.append(forward_plan(p, *rest)) or captured[-1]
         result, _ = run_plan(encode_plan(plan), executor, executor.runner.tp.rank == 0, PrevStep(False))
         executor.runner.forward_plan = forward_plan
         errors = result.errors
