@@ -183,7 +183,24 @@ impl Metrics {
 
     // --- Called by the engine loop. ---
 
+    /// The engine's scheduler gauges and its request counts since its last report, as one
+    /// update: /metrics reads both under the same lock, so a scrape that sees the engine drained
+    /// (no request running, waiting or holding a page) also sees every request that left it.
+    pub fn publish_engine(&self, g: SchedulerGauges, delta: RequestCounts) {
+        let mut c = self.engine_requests.lock();
+        c.submitted += delta.submitted;
+        c.finished += delta.finished;
+        c.aborted += delta.aborted;
+        c.failed += delta.failed;
+        self.store_gauges(g);
+    }
+
     pub fn set_scheduler_gauges(&self, g: SchedulerGauges) {
+        let _engine = self.engine_requests.lock();
+        self.store_gauges(g);
+    }
+
+    fn store_gauges(&self, g: SchedulerGauges) {
         self.waiting.store(g.waiting, Ordering::Relaxed);
         self.running.store(g.running, Ordering::Relaxed);
         self.kv_pages_used.store(g.kv_pages_used, Ordering::Relaxed);
@@ -284,7 +301,19 @@ impl Metrics {
                 escape_label(parser)
             );
         }
-        let engine = *self.engine_requests.lock();
+        // The engine's counts and gauges as one snapshot (see publish_engine).
+        let (engine, gauge_values) = {
+            let c = self.engine_requests.lock();
+            let load = |a: &AtomicU64| a.load(Ordering::Relaxed);
+            let values = [
+                load(&self.waiting),
+                load(&self.running),
+                load(&self.kv_pages_used),
+                load(&self.kv_pages_free),
+                load(&self.kv_pages_total),
+            ];
+            (*c, values)
+        };
         let _ = writeln!(
             out,
             "# HELP nsaserve_engine_requests_submitted_total Generations the engine accepted (one per choice).\n\
@@ -337,34 +366,19 @@ impl Metrics {
             (
                 "nsaserve_requests_waiting",
                 "Requests waiting to be scheduled.",
-                &self.waiting,
             ),
-            (
-                "nsaserve_requests_running",
-                "Requests being generated.",
-                &self.running,
-            ),
-            (
-                "nsaserve_kv_pages_used",
-                "KV cache pages in use.",
-                &self.kv_pages_used,
-            ),
+            ("nsaserve_requests_running", "Requests being generated."),
+            ("nsaserve_kv_pages_used", "KV cache pages in use."),
             (
                 "nsaserve_kv_pages_free",
                 "KV cache pages free, counting those only the prefix cache holds (reclaimable).",
-                &self.kv_pages_free,
             ),
-            (
-                "nsaserve_kv_pages_total",
-                "KV cache pages in the pool.",
-                &self.kv_pages_total,
-            ),
+            ("nsaserve_kv_pages_total", "KV cache pages in the pool."),
         ];
-        for (name, help, value) in gauges {
+        for ((name, help), value) in gauges.into_iter().zip(gauge_values) {
             let _ = writeln!(
                 out,
-                "# HELP {name} {help}\n# TYPE {name} gauge\n{name} {}",
-                value.load(Ordering::Relaxed)
+                "# HELP {name} {help}\n# TYPE {name} gauge\n{name} {value}"
             );
         }
         for h in [
@@ -451,5 +465,59 @@ mod tests {
         assert!(text.contains("nsaserve_time_per_output_token_seconds_bucket{le=\"0.1\"} 1\n"));
         assert!(text.contains("nsaserve_time_per_output_token_seconds_bucket{le=\"0.08\"} 0\n"));
         assert!(text.contains("nsaserve_generation_tokens_total 11\n"));
+    }
+
+    fn value(text: &str, name: &str) -> u64 {
+        let line = text
+            .lines()
+            .find(|l| l.starts_with(name) && l[name.len()..].starts_with(' '))
+            .unwrap_or_else(|| panic!("{name} missing"));
+        line[name.len() + 1..].parse().unwrap()
+    }
+
+    /// A scrape never sees the engine drained (nothing running) without every request that left
+    /// it: the engine publishes gauges and counts as one update, and /metrics reads them as one.
+    #[test]
+    fn a_scrape_sees_gauges_and_request_counts_of_the_same_update() {
+        let m = std::sync::Arc::new(Metrics::new());
+        let writer = {
+            let m = m.clone();
+            std::thread::spawn(move || {
+                for _ in 0..20_000 {
+                    // One request in, running; then out, drained.
+                    let gauges = |running| SchedulerGauges {
+                        running,
+                        kv_pages_total: 8,
+                        kv_pages_free: 8 - running,
+                        kv_pages_used: running,
+                        waiting: 0,
+                    };
+                    let submitted = RequestCounts {
+                        submitted: 1,
+                        ..Default::default()
+                    };
+                    m.publish_engine(gauges(1), submitted);
+                    let finished = RequestCounts {
+                        finished: 1,
+                        ..Default::default()
+                    };
+                    m.publish_engine(gauges(0), finished);
+                }
+            })
+        };
+        let mut drained_scrapes = 0;
+        while !writer.is_finished() {
+            let text = m.render();
+            let running = value(&text, "nsaserve_requests_running");
+            let submitted = value(&text, "nsaserve_engine_requests_submitted_total");
+            let finished = value(
+                &text,
+                "nsaserve_engine_requests_ended_total{outcome=\"finished\"}",
+            );
+            assert_eq!(submitted, finished + running, "{text}");
+            drained_scrapes += (running == 0) as u32;
+        }
+        writer.join().unwrap();
+        assert!(drained_scrapes > 0);
     }
 }

@@ -40,13 +40,6 @@ impl Shared {
 
     pub fn set_scheduler_stats(&self, stats: &SchedulerStats) {
         self.waiting.store(stats.waiting, Ordering::Relaxed);
-        self.metrics.set_scheduler_gauges(SchedulerGauges {
-            waiting: stats.waiting as u64,
-            running: stats.running as u64,
-            kv_pages_used: stats.pages_in_use as u64,
-            kv_pages_free: (stats.pages_free + stats.pages_cached) as u64,
-            kv_pages_total: stats.pages_total as u64,
-        });
         let before = self
             .prefix_hits_published
             .swap(stats.prefix_hit_tokens_total, Ordering::Relaxed);
@@ -56,12 +49,22 @@ impl Shared {
         }
         let mut published = self.requests_published.lock();
         let (now, before) = (stats.requests, *published);
-        self.metrics.add_engine_requests(RequestCounts {
-            submitted: now.submitted - before.submitted,
-            finished: now.finished - before.finished,
-            aborted: now.aborted - before.aborted,
-            failed: now.failed - before.failed,
-        });
+        // Gauges and counts in one update, so that no scrape sees the one without the other.
+        self.metrics.publish_engine(
+            SchedulerGauges {
+                waiting: stats.waiting as u64,
+                running: stats.running as u64,
+                kv_pages_used: stats.pages_in_use as u64,
+                kv_pages_free: (stats.pages_free + stats.pages_cached) as u64,
+                kv_pages_total: stats.pages_total as u64,
+            },
+            RequestCounts {
+                submitted: now.submitted - before.submitted,
+                finished: now.finished - before.finished,
+                aborted: now.aborted - before.aborted,
+                failed: now.failed - before.failed,
+            },
+        );
         *published = now;
     }
 
