@@ -64,7 +64,10 @@ def test_dense_moe_matches_per_expert_moe():
     w2 = torch.randn(local, hidden, inter, generator=g)
     want = moe_experts_torch(x, ids, w, w13, w2, first)
     got = moe_experts_dense_torch(x, ids, w, w13, w2, first)
-    assert torch.allclose(got, want, rtol=1e-5, atol=1e-5), seed
+    # float32 sums in another order: an output that cancels to near 0 from terms of ~100 is off
+    # by ~1e-5 (seed 601627336), so the absolute tolerance follows the outputs' scale.
+    atol = 2e-6 * float(want.abs().max())
+    assert torch.allclose(got, want, rtol=1e-5, atol=atol), seed
 
 
 def test_graph_safe_table_names_registered_backends():
