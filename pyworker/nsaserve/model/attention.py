@@ -64,6 +64,8 @@ class Indexer(nn.Module):
             # As DeepSeek's reference does before fp8-quantising the keys: same scores, smaller error.
             k = hadamard_rotate(k)
         pool.write_index_k(layer, batch.out_slots, k, get_backend("index_key_store", backends["index_key_store"]))
+        if meta.dense:
+            return None  # dense attention selects nothing: only the keys are needed (for later steps)
         if meta.whole_contexts and self.skip_scoring_when_all_fit:
             # No row of the step sees more than top-k keys, so each selects its whole causal
             # context whatever the scores: only the keys are needed (for later, longer steps).
@@ -152,7 +154,7 @@ class MLAttention(nn.Module):
 
         if self.indexer is not None:
             topk_slots = self.indexer(x, qr, self.layer, batch, meta, pool, kernels)
-        elif prev_topk_slots is None:
+        elif prev_topk_slots is None and not meta.dense:
             raise RuntimeError(f"layer {self.layer} shares top-k but no earlier layer computed one")
         else:
             topk_slots = prev_topk_slots
