@@ -19,9 +19,9 @@ def sampled_entries(plan: Plan, sb: SamplingBatch, out: SampleOutput) -> list[tu
     A request that asked for n top logprobs gets the first n of the K columns.
     """
     tokens = out.tokens.cpu().numpy()
-    req_ids = plan.req_ids[sb.req_index]
     if not (sb.top_logprobs >= 0).any():  # no row asked for logprobs: one copy back, not four
-        return [(int(r), int(t), None) for r, t in zip(req_ids.tolist(), tokens.tolist())]
+        return token_entries(plan, tokens)
+    req_ids = plan.req_ids[sb.req_index]
     lp = out.logprobs.cpu().numpy()
     ids = out.top_ids.cpu().numpy()
     vals = out.top_logprobs.cpu().numpy()
