@@ -31,9 +31,8 @@ import numpy as np
 import torch
 
 from ..protocol.messages import Plan
-from ..protocol.validate import select
 from .batch import InputPatch
-from .prev_step import group_size
+from .prev_step import drop_bad_refs, group_size, same_request_rows
 
 
 @dataclass
@@ -131,22 +130,11 @@ class DeviceRefs:
         ok = np.zeros(len(refs), dtype=bool)
         run_rows = np.zeros(len(refs), dtype=np.int64)
         if usable:
-            rows = runnable.input_prev_row[refs].astype(np.int64)
-            in_range = rows < len(last.req_ids)
-            r = np.where(in_range, rows, 0)
-            run_rows = np.where(in_range, last.run_row[r], -1) if len(last.req_ids) else np.full(len(refs), -1)
-            same = in_range & (last.req_ids[r] == runnable.req_ids[refs]) if len(last.req_ids) else in_range
-            ok = same & (run_rows >= 0)
+            r, same = same_request_rows(last.req_ids, runnable, refs)
+            run_rows = np.where(same, last.run_row[r], -1) if len(last.req_ids) else np.full(len(refs), -1)
+            ok = run_rows >= 0
             ok[ok] = last.samples[run_rows[ok]]
-        errors = [
-            (int(runnable.req_ids[i]), "invalid plan: input_prev_row names no token the previous step sampled for it")
-            for i in refs[~ok]
-        ]
-        plan = runnable
-        if not ok.all():
-            keep = np.ones(runnable.num_reqs, dtype=bool)
-            keep[refs[~ok]] = False
-            plan = select(runnable, keep)
+        plan, errors = drop_bad_refs(runnable, refs, ok)
         if not ok.any():
             return plan, None, errors
         # The kept references keep their order through select: the k-th reference of `plan`.

@@ -98,29 +98,38 @@ class PrevStep:
         refs = np.flatnonzero(runnable.input_prev_row >= 0)
         if len(refs) == 0:
             return runnable, []
-        rows = runnable.input_prev_row[refs].astype(np.int64)
         ok = np.zeros(len(refs), dtype=bool)
         filled = np.full(len(refs), -1, dtype=np.int64)
         if tokens is not None:
-            last = self.last
-            in_range = rows < len(tokens)
-            r = np.where(in_range, rows, 0)
-            filled = np.where(in_range, tokens[r] if len(tokens) else -1, -1)
-            same = in_range & (last.req_ids[r] == runnable.req_ids[refs]) if len(tokens) else in_range
+            r, same = same_request_rows(self.last.req_ids, runnable, refs)
+            filled = np.where(same, tokens[r] if len(tokens) else -1, -1)
             ok = same & (filled >= 0)
         input_ids = np.array(runnable.input_ids, dtype=np.int32)
         input_ids[runnable.query_start[refs[ok]]] = filled[ok]
-        plan = replace(runnable, input_ids=input_ids)
-        if ok.all():
-            return plan, []
-        bad = refs[~ok]
-        errors = [
-            (int(runnable.req_ids[i]), "invalid plan: input_prev_row names no token the previous step sampled for it")
-            for i in bad
-        ]
-        keep = np.ones(runnable.num_reqs, dtype=bool)
-        keep[bad] = False
-        return select(plan, keep), errors
+        return drop_bad_refs(replace(runnable, input_ids=input_ids), refs, ok)
+
+
+REF_ERROR = "invalid plan: input_prev_row names no token the previous step sampled for it"
+
+
+def same_request_rows(last_req_ids: np.ndarray, plan: Plan, refs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """For `plan`'s referencing rows `refs`: the previous step's rows they name (0 where out of
+    range), and whether each names an existing row of the same request."""
+    rows = plan.input_prev_row[refs].astype(np.int64)
+    in_range = rows < len(last_req_ids)
+    r = np.where(in_range, rows, 0)
+    same = in_range & (last_req_ids[r] == plan.req_ids[refs]) if len(last_req_ids) else in_range
+    return r, same
+
+
+def drop_bad_refs(plan: Plan, refs: np.ndarray, ok: np.ndarray) -> tuple[Plan, list[tuple[int, str]]]:
+    """`plan` without the requests of its references that are not ok, and their errors."""
+    if ok.all():
+        return plan, []
+    bad = refs[~ok]
+    keep = np.ones(plan.num_reqs, dtype=bool)
+    keep[bad] = False
+    return select(plan, keep), [(int(plan.req_ids[i]), REF_ERROR) for i in bad]
 
 
 __all__ = ["PrevStep", "SampledRows", "sampled_rows", "broadcast_tokens"]
