@@ -16,7 +16,7 @@ import sys
 import threading
 
 from ..protocol.arrays import ProtocolError
-from ..protocol.messages import Fatal, Heartbeat, Hello, StepResult, plan_from_msg, unpack
+from ..protocol.messages import Fatal, Heartbeat, Hello, Plan, StepResult, plan_from_msg, unpack
 from ..protocol.validate import validate_plan
 from .executor import NullExecutor, StepExecutor
 from .pipeline import DeviceRefs, LaunchedStep, wait_for_plan_or_done
@@ -130,6 +130,38 @@ def model_vocab_size(model_path: str | None) -> int:
     return 32000
 
 
+# What reading a received plan may raise: the step's requests then fail, not the worker.
+PLAN_ERRORS = (ProtocolError, KeyError, ValueError, TypeError)
+
+
+def receive_plan(data: bytes, executor) -> tuple[Plan, Plan, list[tuple[int, str]]] | None:
+    """A received message -> None for a shutdown, else (the plan as received, its runnable part,
+    the errors of the requests validation dropped). Raises PLAN_ERRORS for a plan it cannot read."""
+    msg = unpack(data)
+    if msg["kind"] == "shutdown":
+        return None
+    full = plan_from_msg(msg)
+    # dp_size > 1 (data-parallel attention): page ids span that many pools of num_pages.
+    runnable, errors = validate_plan(full, executor.num_pages, executor.vocab_size, getattr(executor, "dp_size", 1))
+    return full, runnable, errors
+
+
+def unreadable(e: Exception) -> StepResult:
+    """The answer to a plan that could not be read: the router fails every request of the step it
+    has in flight (it knows them; we could not read them)."""
+    _log(f"dropped an unreadable plan: {e}")
+    return StepResult(step=0)
+
+
+def failed_step(e: Exception, step: int, req_ids) -> list[tuple[int, str]]:
+    """The errors of a step whose execution raised: each of its requests fails, the worker goes
+    on. A broken collective instead raises GroupBroken (the whole group has to go)."""
+    if collective_failed(e):
+        raise GroupBroken(f"{type(e).__name__}: {e}".splitlines()[0]) from e
+    _log(f"step {step} failed: {type(e).__name__}: {e}")
+    return [(int(r), f"worker error: {type(e).__name__}: {e}") for r in req_ids]
+
+
 def run_plan(
     data: bytes, executor: StepExecutor, is_rank0: bool, prev: PrevStep | None = None
 ) -> tuple[StepResult | None, int]:
@@ -141,28 +173,19 @@ def run_plan(
     """
     prev = prev if prev is not None else PrevStep(is_rank0)
     try:
-        msg = unpack(data)
-        if msg["kind"] == "shutdown":
+        received = receive_plan(data, executor)
+        if received is None:
             return None, -1
-        plan = plan_from_msg(msg)
-        # dp_size > 1 (data-parallel attention): page ids span that many pools of num_pages.
-        dp_size = getattr(executor, "dp_size", 1)
-        runnable, errors = validate_plan(plan, executor.num_pages, executor.vocab_size, dp_size)
+        plan, runnable, errors = received
         runnable, bad_refs = prev.resolve(plan, runnable)
-        errors += bad_refs
-    except (ProtocolError, KeyError, ValueError, TypeError) as e:
-        # Unreadable plan: answer anyway, and the router fails every request of the step it has
-        # in flight (it knows them; we could not read them).
-        _log(f"dropped an unreadable plan: {e}")
+    except PLAN_ERRORS as e:
         prev.forget()
-        return StepResult(step=0), 0
+        return unreadable(e), 0
+    errors += bad_refs
     try:
         result = executor.run(runnable, is_rank0) if runnable.num_reqs else StepResult(step=plan.step)
     except Exception as e:  # a failing step fails its requests, not the worker
-        if collective_failed(e):
-            raise GroupBroken(f"{type(e).__name__}: {e}".splitlines()[0]) from e
-        _log(f"step {plan.step} failed: {type(e).__name__}: {e}")
-        result = StepResult(step=plan.step, errors=[(int(r), f"worker error: {type(e).__name__}: {e}") for r in runnable.req_ids])
+        result = StepResult(step=plan.step, errors=failed_step(e, plan.step, runnable.req_ids))
     result.step = plan.step
     result.errors = errors + result.errors
     prev.record(plan, result)
@@ -174,28 +197,23 @@ def launch_plan(data: bytes, executor, is_rank0: bool, refs: DeviceRefs) -> tupl
     ("result", StepResult, [], step) when nothing was launched (an unreadable or empty plan, or a
     launch that failed), or ("launched", LaunchedStep, validation errors, step)."""
     try:
-        msg = unpack(data)
-        if msg["kind"] == "shutdown":
+        received = receive_plan(data, executor)
+        if received is None:
             return "shutdown", None, [], -1
-        full = plan_from_msg(msg)
-        runnable, errors = validate_plan(full, executor.num_pages, executor.vocab_size, getattr(executor, "dp_size", 1))
+        full, runnable, errors = received
         runnable, patch, bad_refs = refs.resolve(full, runnable)
-        errors += bad_refs
-    except (ProtocolError, KeyError, ValueError, TypeError) as e:
-        _log(f"dropped an unreadable plan: {e}")
+    except PLAN_ERRORS as e:
         refs.forget()
-        return "result", StepResult(step=0), [], 0
+        return "result", unreadable(e), [], 0
+    errors += bad_refs
     if not runnable.num_reqs:
         refs.record(full, runnable, None)
         return "result", StepResult(step=full.step, errors=errors), [], full.step
     try:
         step = executor.launch(runnable, is_rank0, patch)
     except Exception as e:  # a failing step fails its requests, not the worker
-        if collective_failed(e):
-            raise GroupBroken(f"{type(e).__name__}: {e}".splitlines()[0]) from e
-        _log(f"step {full.step} failed: {type(e).__name__}: {e}")
         refs.record(full, runnable, None)
-        failed = [(int(r), f"worker error: {type(e).__name__}: {e}") for r in runnable.req_ids]
+        failed = failed_step(e, full.step, runnable.req_ids)
         return "result", StepResult(step=full.step, errors=errors + failed), [], full.step
     refs.record(full, runnable, step)
     return "launched", step, errors, full.step
@@ -206,11 +224,7 @@ def finish_step(executor, step: LaunchedStep, errors: list) -> StepResult:
     try:
         result = executor.finish(step)
     except Exception as e:
-        if collective_failed(e):
-            raise GroupBroken(f"{type(e).__name__}: {e}".splitlines()[0]) from e
-        _log(f"step {step.plan.step} failed: {type(e).__name__}: {e}")
-        failed = [(int(r), f"worker error: {type(e).__name__}: {e}") for r in step.plan.req_ids]
-        result = StepResult(step=step.plan.step, errors=failed)
+        result = StepResult(step=step.plan.step, errors=failed_step(e, step.plan.step, step.plan.req_ids))
     result.step = step.plan.step
     result.errors = errors + result.errors
     return result
