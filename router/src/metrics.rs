@@ -209,15 +209,6 @@ impl Metrics {
             .store(g.kv_pages_total, Ordering::Relaxed);
     }
 
-    /// Adds the engine's request counts since its last report.
-    pub fn add_engine_requests(&self, delta: RequestCounts) {
-        let mut c = self.engine_requests.lock();
-        c.submitted += delta.submitted;
-        c.finished += delta.finished;
-        c.aborted += delta.aborted;
-        c.failed += delta.failed;
-    }
-
     /// The worker group was restarted after a failure and serves again.
     pub fn add_worker_restart(&self) {
         self.worker_restarts.fetch_add(1, Ordering::Relaxed);
@@ -411,24 +402,30 @@ mod tests {
         m.observe_request("/v1/completions", 200);
         m.observe_request("/v1/completions", 200);
         m.observe_request("/v1/chat/completions", 400);
-        m.set_scheduler_gauges(SchedulerGauges {
+        let gauges = SchedulerGauges {
             waiting: 3,
             running: 2,
             kv_pages_used: 10,
             kv_pages_free: 90,
             kv_pages_total: 100,
-        });
-        m.add_engine_requests(RequestCounts {
-            submitted: 5,
-            finished: 2,
-            aborted: 1,
-            failed: 0,
-        });
-        m.add_engine_requests(RequestCounts {
-            submitted: 1,
-            failed: 2,
-            ..Default::default()
-        });
+        };
+        m.publish_engine(
+            gauges,
+            RequestCounts {
+                submitted: 5,
+                finished: 2,
+                aborted: 1,
+                failed: 0,
+            },
+        );
+        m.publish_engine(
+            gauges,
+            RequestCounts {
+                submitted: 1,
+                failed: 2,
+                ..Default::default()
+            },
+        );
         m.add_worker_restart();
         m.observe_batch_size(3);
         m.observe_batch_size(100);
