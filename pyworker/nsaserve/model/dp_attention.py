@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from ..protocol.messages import Plan
 from ..protocol.validate import request_ranks, select
+from ..worker.host_to_device import upload
 from .parallel import TPGroup
 
 
@@ -135,7 +136,7 @@ class DPStep:
             local_plan=local_plan(plan, ranks, group.rank, num_pages),
             tokens=tokens,
             logit_rows=rows,
-            logit_order=torch.from_numpy(order).to(device, non_blocking=True),
+            logit_order=upload(order, device),
         )
 
     @property

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from ..protocol.messages import Plan
+from .host_to_device import upload
 
 NUMPY_OF = {torch.int64: np.int64, torch.int32: np.int32}
 
@@ -91,8 +92,7 @@ def stage_plan(plan: Plan, device: torch.device) -> StagedPlan:
     logits_index = np.concatenate(rows) if rows else np.zeros(0, dtype=np.int64)
 
     def dev(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
-        # np.array copies: plan arrays are read-only views of the received message.
-        return torch.from_numpy(np.array(a, dtype=NUMPY_OF[dtype])).to(device=device, non_blocking=True)
+        return upload(a, device, NUMPY_OF[dtype])
 
     tensors = {
         "input_ids": dev(plan.input_ids, torch.int64),
@@ -121,7 +121,7 @@ class InputPatch:
 
     def apply(self, input_ids: torch.Tensor) -> None:
         """In stream order, after input_ids' host-to-device copy: no host synchronisation."""
-        index = torch.from_numpy(self.token_index).to(input_ids.device, non_blocking=True)
+        index = upload(self.token_index, input_ids.device)
         input_ids.index_copy_(0, index, self.tokens.to(input_ids.dtype))
 
 

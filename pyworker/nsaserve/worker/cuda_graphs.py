@@ -43,6 +43,7 @@ from ..model.dp_attention import DPStep, before_in_rank, local_plan
 from ..protocol.messages import Plan
 from ..protocol.validate import request_ranks
 from .batch import ForwardBatch
+from .host_to_device import upload
 
 # Context buckets start here (or at the model's max context if smaller) and double up to it. A
 # graph's indexer scores and top-k run over its whole bucket, so short contexts want small ones.
@@ -297,7 +298,7 @@ class DecodeGraphs:
             # rank(i) * bs + (its index among its rank's requests).
             mine = local_plan(plan, ranks, self.runner.tp.rank, self.runner.num_pages)
             index = ranks * g.bs + before_in_rank(ranks, np.ones(len(ranks), dtype=np.int64), self.dp)
-            order = torch.from_numpy(index).to(self.runner.device, non_blocking=True)
+            order = upload(index, self.runner.device)
         self._pack(self.staging[k][: g.words].numpy(), g, mine)
         self.static[: g.words].copy_(self.staging[k][: g.words], non_blocking=True)
         if patch is not None:

@@ -32,6 +32,7 @@ import torch
 
 from ..protocol.messages import Plan
 from .batch import InputPatch
+from .host_to_device import upload
 from .prev_step import drop_bad_refs, group_size, same_request_rows
 
 
@@ -65,7 +66,7 @@ class LaunchedStep:
 
 def tokens_by_row(plan: Plan, tokens: torch.Tensor) -> torch.Tensor:
     """The sampled tokens (one per sampling row, in plan order) at their requests' rows, -1 elsewhere."""
-    rows = torch.from_numpy(np.flatnonzero(plan.sample).astype(np.int64)).to(tokens.device, non_blocking=True)
+    rows = upload(np.flatnonzero(plan.sample), tokens.device, np.int64)
     out = torch.full((plan.num_reqs,), -1, dtype=torch.int64, device=tokens.device)
     return out.index_copy_(0, rows, tokens.to(torch.int64))
 
@@ -139,7 +140,7 @@ class DeviceRefs:
             return plan, None, errors
         # The kept references keep their order through select: the k-th reference of `plan`.
         token_index = plan.query_start[np.flatnonzero(plan.input_prev_row >= 0)].astype(np.int64)
-        take = torch.from_numpy(run_rows[ok]).to(tokens.device, non_blocking=True)
+        take = upload(run_rows[ok], tokens.device)
         return plan, InputPatch(token_index, tokens.index_select(0, take)), errors
 
 

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from ..protocol.messages import Plan
+from .host_to_device import upload
 from .sampling_noise import row_seeds
 
 # Below this temperature a request is sampled greedily: dividing logits by a smaller number
@@ -133,8 +134,7 @@ class SamplingBatch:
 
 
 def _to_device(a: np.ndarray, device) -> torch.Tensor:
-    # np.array copies: plan arrays are read-only views of the message, which torch refuses to wrap.
-    return torch.from_numpy(np.array(a)).to(device)
+    return upload(a, device)
 
 
 def _expand_history(history: np.ndarray, start, length, prompt_len, total: int, device):
