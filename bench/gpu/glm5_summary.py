@@ -61,6 +61,9 @@ def summary_table(doc: dict) -> str:
         c = p["compare"]
         lines.append(f"vs transformers ({c['moe_layers']} MoE layers, batch {c['batch']}): ours {f(c['ours']['output_throughput'])} / "
                      f"theirs {f(c['transformers']['output_throughput'])} out tok/s = {c['ratio_output_throughput']:.1f}x")  # fmt: skip
+        for variant, v in c.get("variants", {}).items():
+            lines.append(f"vs transformers with {variant}: ours {f(v['output_throughput'])} out tok/s = "
+                         f"{v['ratio_output_throughput']:.1f}x")  # fmt: skip
     for name, t in doc.get("targets", {}).items():
         lines.append(
             f"target {name}: " + ", ".join(f"{k}={f(v, 2) if isinstance(v, float) else v}" for k, v in t.items())

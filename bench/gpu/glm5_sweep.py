@@ -20,6 +20,7 @@ import argparse
 import datetime
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -83,6 +84,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--compare-batch", type=int, default=32)
     p.add_argument("--compare-input-len", type=int, default=1024)
     p.add_argument("--compare-output-len", type=int, default=64)
+    p.add_argument("--compare-repeats", type=int, default=1, help="bench runs per server of ours; the median "
+                   "output tok/s is compared (repeats after the first draw new prompts of the same lengths: the "
+                   "same ones would hit the radix cache)")
+    p.add_argument("--compare-variant", action="append", default=[], help="serve flags (one string, split like a "
+                   "shell) for a further server of ours in the compare phase, measured the same way against the "
+                   "same transformers run, e.g. --compare-variant=--enable-worker-pipeline (repeatable)")
     p.add_argument("--seed", type=int, default=1)
     return p.parse_args(argv)
 
@@ -180,7 +187,7 @@ def ensure_checkpoint(run: Run) -> str:
     return path
 
 
-def start_server(run: Run, model_path: str, tag: str, max_running: int) -> Server:
+def start_server(run: Run, model_path: str, tag: str, max_running: int, extra: list[str] = ()) -> Server:
     a = run.args
     flags = ["--device", a.device, "--kv-cache-dtype", a.kv_cache_dtype, "--max-running-requests", str(max_running)]
     if a.tp > 1:
@@ -191,7 +198,7 @@ def start_server(run: Run, model_path: str, tag: str, max_running: int) -> Serve
                         ("--moe-backend", a.moe_backend)):  # fmt: skip
         if value:
             flags += [flag, value]
-    return Server(model_path, run.work, tag, flags + a.serve_arg, run.log_file, run.left)
+    return Server(model_path, run.work, tag, flags + a.serve_arg + list(extra), run.log_file, run.left)
 
 
 def bench(run: Run, server: Server, name: str, flags: list[str], model_path: str, seed: int | None = None) -> dict | None:
@@ -346,16 +353,16 @@ def phase_compare(run: Run, model_path: str) -> None:
     # A full batch of warm-up requests first, not measured: first-use kernel compilation at these
     # shapes (transformers gets a warm-up generate too).
     flags += ["--warmup-requests", str(a.compare_batch)]
-    server = start_server(run, view, "compare", a.compare_batch)
-    try:
-        server.wait_ready()
-        # The base seed: transformers gets the same prompts (compare_prompts), on a fresh server.
-        doc = bench(run, server, "compare-ours", flags, view, seed=a.seed)
-    finally:
-        server.stop()
-    if doc is None:
+    for variant in [""] + a.compare_variant:
+        summary = compare_ours(run, view, flags, variant)
+        if summary is None:
+            break
+        if variant:
+            entry.setdefault("variants", {})[variant] = summary
+        else:
+            entry["ours"] = summary
+    if "ours" not in entry:
         return
-    entry["ours"] = doc["runs"][0]["summary"]
     if run.left() < 60:
         run.doc["skipped"].append("transformers: no time left")
         return
@@ -375,6 +382,36 @@ def phase_compare(run: Run, model_path: str) -> None:
     ours, theirs = entry["ours"]["output_throughput"], entry["transformers"]["output_throughput"]
     entry["ratio_output_throughput"] = ours / theirs
     run.say(f"compare: ours {ours:.1f} out tok/s, transformers {theirs:.1f} -> {ours / theirs:.1f}x")
+    for variant, summary in entry.get("variants", {}).items():
+        summary["ratio_output_throughput"] = summary["output_throughput"] / theirs
+        run.say(f"compare: ours with {variant} {summary['output_throughput']:.1f} out tok/s "
+                f"-> {summary['ratio_output_throughput']:.1f}x")  # fmt: skip
+
+
+def compare_ours(run: Run, view: str, flags: list[str], variant: str) -> dict | None:
+    """The compare workload on a fresh server of ours with `variant`'s extra serve flags, run
+    --compare-repeats times: the summary of the median run by output tok/s (all runs' output
+    tok/s under "repeats_output_throughput"), or None when no run finished."""
+    a = run.args
+    tag = "compare" + ("-" + "".join(c if c.isalnum() else "-" for c in variant).strip("-") if variant else "")
+    server = start_server(run, view, tag, a.compare_batch, shlex.split(variant))
+    runs = []
+    try:
+        server.wait_ready()
+        for k in range(a.compare_repeats):
+            # The first run has the base seed: transformers gets its prompts (compare_prompts).
+            doc = bench(run, server, f"{tag}-ours-{k}", flags, view, seed=a.seed + 7919 * k)
+            if doc is None:
+                break
+            runs.append(doc["runs"][0]["summary"])
+    finally:
+        server.stop()
+    if not runs:
+        return None
+    by_rate = sorted(runs, key=lambda r: r["output_throughput"])
+    median = dict(by_rate[(len(by_rate) - 1) // 2])
+    median["repeats_output_throughput"] = [r["output_throughput"] for r in runs]
+    return median
 
 
 def main(argv=None) -> int:

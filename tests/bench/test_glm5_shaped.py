@@ -207,6 +207,29 @@ def test_sweep_driver_serves_and_benches_on_cpu(ckpt, tmp_path):
     assert "| 5 | 10 | 10 | 0 |" in report(doc, "title")
 
 
+@pytest.mark.skipif(importlib.util.find_spec("nsaserve._router") is None, reason="router extension not built")
+def test_compare_phase_with_repeats_and_a_variant_on_cpu(ckpt, tmp_path):
+    """The compare phase end to end on CPU: our server twice (as is, then with a variant's flags),
+    each benched twice with the median kept, against one transformers run on the same prompts."""
+    pytest.importorskip("transformers")
+    out = tmp_path / "out"
+    cmd = [sys.executable, str(GPU_BENCH / "glm5_sweep.py"), "--out", str(out), "--device", "cpu", "--model-path", ckpt,
+           "--phases", "compare", "--compare-moe-layers", "1", "--compare-batch", "3", "--compare-input-len", "24",
+           "--compare-output-len", "3", "--compare-repeats", "2", "--compare-variant=--enable-worker-pipeline",
+           "--prefill-probes", "0", "--budget-s", "120", "--serve-arg=--max-total-tokens=4096"]  # fmt: skip
+    proc, doc = run_sweep(cmd, out)
+    c = doc["phases"]["compare"]
+    theirs = c["transformers"]["output_throughput"]
+    for s in (c["ours"], c["variants"]["--enable-worker-pipeline"]):
+        assert (s["completed"], s["failed"]) == (3, 0) and len(s["repeats_output_throughput"]) == 2
+        assert s["output_throughput"] in s["repeats_output_throughput"]
+    v = c["variants"]["--enable-worker-pipeline"]
+    assert v["ratio_output_throughput"] == pytest.approx(v["output_throughput"] / theirs)
+    assert "with --enable-worker-pipeline" in proc.stdout
+    served = (out / "log.txt").read_text()
+    assert "--enable-worker-pipeline" in served
+
+
 def test_background_shard_writer_matches_the_reference_writer(tmp_path):
     """The generator's threaded raw-safetensors writer against checkpoint_io's save_file one."""
     from nsaserve.kernels.quant.checkpoint_io import CheckpointReader, ShardedWriter
