@@ -96,7 +96,7 @@ def worker_command(args, rank: int, runtime_dir: str | None, dist_init: str | No
         cmd.append("--disable-cuda-graph")
     if args.enable_dp_attention:
         cmd.append("--enable-dp-attention")
-    if args.enable_worker_pipeline:
+    if not args.disable_worker_pipeline:
         cmd.append("--worker-pipeline")
     if not args.skip_server_warmup:
         # The largest steps the router will plan: prompt tokens per step, requests at once.

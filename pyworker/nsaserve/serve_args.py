@@ -107,11 +107,11 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         "batch sizes) to compile the kernels; the first requests of each new size then wait for those compiles",
     )
     w.add_argument(
-        "--enable-worker-pipeline",
+        "--disable-worker-pipeline",
         action="store_true",
-        help="each worker launches step N+1 on the GPU before step N's tokens are back (the next plan's "
-        "references to them resolved on the device), hiding the host work between steps; not with "
-        "--enable-dp-attention (ignored there). Not yet measured on GPUs, so off by default",
+        help="each worker finishes step N (its tokens back on the host) before launching step N+1; by default "
+        "it launches N+1 first (the next plan's references to N's tokens resolved on the device), hiding the "
+        "host work between steps. The pipeline is not used with --enable-dp-attention",
     )
     w.add_argument("--heartbeat-timeout", type=float, default=5.0, help="a worker silent this long is declared dead")
     w.add_argument(

@@ -17,6 +17,7 @@ from model_helpers import make_checkpoint
 from nsaserve.model.runner import ModelRunner
 from nsaserve.protocol.builder import RequestSpec, SamplingSpec, build_plan
 from nsaserve.protocol.messages import SHUTDOWN, encode_plan
+from nsaserve.worker.batch import InputPatch
 from nsaserve.worker.main import run_plan, serve_pipelined
 from nsaserve.worker.model_executor import ModelExecutor
 from nsaserve.worker.pipeline import DeviceRefs
@@ -103,8 +104,8 @@ def sequential(executor) -> list:
 class CountingExecutor:
     """The executor with a log of launch / finish calls."""
 
-    def __init__(self, inner):
-        self.inner, self.calls = inner, []
+    def __init__(self, inner, quick=lambda plan: True):
+        self.inner, self.calls, self.quick = inner, [], quick
 
     def __getattr__(self, name):
         return getattr(self.inner, name)
@@ -117,11 +118,15 @@ class CountingExecutor:
         self.calls.append(("finish", step.plan.step))
         return self.inner.finish(step)
 
+    def launch_is_quick(self, plan):
+        return self.quick(plan)  # default: every step launched ahead (a CPU launch is not quick)
 
-def pipelined(executor, plans_first: bool) -> tuple[list, list]:
+
+def pipelined(executor, plans_first: bool, quick=lambda plan: True) -> tuple[list, list]:
     """plans_first: every plan is waiting from the start (a router far ahead); else the next plan
-    comes only after the previous result (a router without overlap)."""
-    counting = CountingExecutor(executor)
+    comes only after the previous result (a router without overlap). quick: which plans launch
+    ahead of finishing the previous step."""
+    counting = CountingExecutor(executor, quick)
     queue = deque(plans() + [SHUTDOWN])
     given = deque() if plans_first else deque([queue.popleft()])
     sent = []
@@ -158,6 +163,47 @@ def test_pipelined_loop_sends_what_the_sequential_loop_sends(executor):
             assert calls[:4] == [("launch", 1), ("launch", 2), ("finish", 1), ("launch", 3)]
         else:  # no plan waiting: each step is finished before the next arrives
             assert calls[:4] == [("launch", 1), ("finish", 1), ("launch", 2), ("finish", 2)]
+
+
+def test_a_slow_launch_waits_for_the_previous_step_to_finish(executor):
+    """A step whose launch is not quick (here: any step with a prompt; in serving, any step on the
+    CPU, where a launch runs the step) is launched only after the step before it is finished and
+    sent; the others still go ahead."""
+    want = sequential(executor)
+    got, calls = pipelined(executor, True, quick=lambda plan: bool((np.diff(plan.query_start) == 1).all()))
+    assert got == want
+    assert calls[:4] == [("launch", 1), ("launch", 2), ("finish", 1), ("launch", 3)]
+    at = calls.index(("launch", 5))  # step 5: a prompt joins
+    assert calls[at - 1] == ("finish", 4) and ("finish", 5) in calls[at + 1 :]
+
+
+def test_a_decode_launch_does_not_wait_for_the_device(executor):
+    """The pipeline's premise: launching step N+1 queues it behind step N without waiting for N's
+    kernels. A spinning kernel is queued first; it must still be running when launch returns (a
+    host-to-device copy from pageable memory, an .item() or a blocking copy would have waited for
+    it), with a device input patch and every sampling stage that builds device tensors."""
+    if executor.device.type != "cuda":
+        pytest.skip("on the CPU a launch runs the step")
+    executor.run(build_plan(1, PAGE, [RequestSpec(1, [5, 6, 7], 0, pages(1)), RequestSpec(2, [9, 8], 0, pages(2))]), True)
+    random_row = SamplingSpec(temperature=0.7, top_p=0.9, top_k=5, min_p=0.01, repetition_penalty=1.1, seed=7)
+    decode = build_plan(2, PAGE, [RequestSpec(1, [-1], 3, pages(1), input_prev_row=0, sampling=random_row),
+                                  RequestSpec(2, [4], 2, pages(2), sampling=SamplingSpec(temperature=0.0))])  # fmt: skip
+    patch = InputPatch(np.array([0]), torch.tensor([8], device=executor.device))
+    executor.finish(executor.launch(decode, True, patch))  # first-call work (allocations) aside
+    replays = executor.graphs.replays
+    torch.cuda.synchronize()
+    torch.cuda._sleep(2_000_000_000)  # about a second of spinning at H200 clocks
+    busy = torch.cuda.Event()
+    busy.record()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step = executor.launch(decode, True, patch)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    still_busy = not busy.query()
+    result = executor.finish(step)
+    assert still_busy, "launch waited for the kernels queued before it"
+    assert executor.graphs.replays == replays + 1 and len(result.sampled) == 2
 
 
 def test_references_fetch_rank0_tokens_on_other_ranks():
@@ -207,7 +253,7 @@ def test_serve_passes_the_switch_to_every_worker():
         args = build_parser().parse_args(["serve", "--model-path=m", "--tp=2", *extra])
         return {parse_args(worker_command(args, r, "/ipc", None, "m", "cuda")[3:]).worker_pipeline for r in (0, 1)}
 
-    assert flags() == {False} and flags("--enable-worker-pipeline") == {True}
+    assert flags() == {True} and flags("--disable-worker-pipeline") == {False}
 
 
 def test_a_step_failing_at_finish_fails_its_requests_alone():

@@ -3,7 +3,8 @@ greedy outputs (text and finish reason) with the next step planned while one run
 default) as with `--disable-overlap-schedule`, across the boundaries overlap has to get right:
 max_tokens of 1 and 2 (a request ends while a step with it is already planned), stop strings
 (the client side aborts a request that is in flight), stop tokens and penalties (which wait for
-their pending token); and with --enable-worker-pipeline."""
+their pending token); and with --disable-worker-pipeline (workers finishing each step before
+launching the next, as against the default pipeline)."""
 
 from __future__ import annotations
 
@@ -66,7 +67,7 @@ def serve_all(*flags: str) -> list[tuple[int, str, str]]:
         with concurrent.futures.ThreadPoolExecutor(len(bodies)) as pool:
             outputs = list(pool.map(lambda b: complete(server.base_url, b), bodies))
         # Logged by rank 0 before its first step, so there by now.
-        assert ("steps pipelined" in server.output) == ("--enable-worker-pipeline" in flags), server.output
+        assert ("steps pipelined" in server.output) == ("--disable-worker-pipeline" not in flags), server.output
         return outputs
     finally:
         assert server.stop() == 0
@@ -77,8 +78,9 @@ def test_greedy_outputs_are_the_same_with_overlap_on_and_off():
     off = serve_all("--disable-overlap-schedule")
     assert all(code == 200 for code, _, _ in on), on
     assert on == off
-    # Workers that launch the next step before the previous one's tokens are back (the references
-    # resolved on the device, broadcast from rank 0 over the process group): the same again.
-    assert serve_all("--enable-worker-pipeline") == on
+    # By default workers launch the next step before the previous one's tokens are back (the
+    # references resolved on the device, broadcast from rank 0 over the process group); each step
+    # finished first, host-side references: the same again.
+    assert serve_all("--disable-worker-pipeline") == on
     reasons = {reason for _, _, reason in on}
     assert {"stop", "length"} <= reasons, reasons

@@ -192,10 +192,13 @@ def run_plan(
     return result, plan.step
 
 
-def launch_plan(data: bytes, executor, is_rank0: bool, refs: DeviceRefs) -> tuple[str, object, list, int]:
+def launch_plan(
+    data: bytes, executor, is_rank0: bool, refs: DeviceRefs, before_launch=None
+) -> tuple[str, object, list, int]:
     """The pipelined counterpart of run_plan: one received message -> ("shutdown", None, [], -1),
     ("result", StepResult, [], step) when nothing was launched (an unreadable or empty plan, or a
-    launch that failed), or ("launched", LaunchedStep, validation errors, step)."""
+    launch that failed), or ("launched", LaunchedStep, validation errors, step).
+    before_launch(plan): called with the plan about to be launched, before its launch."""
     try:
         received = receive_plan(data, executor)
         if received is None:
@@ -209,6 +212,8 @@ def launch_plan(data: bytes, executor, is_rank0: bool, refs: DeviceRefs) -> tupl
     if not runnable.num_reqs:
         refs.record(full, runnable, None)
         return "result", StepResult(step=full.step, errors=errors), [], full.step
+    if before_launch is not None:
+        before_launch(runnable)
     try:
         step = executor.launch(runnable, is_rank0, patch)
     except Exception as e:  # a failing step fails its requests, not the worker
@@ -232,10 +237,12 @@ def finish_step(executor, step: LaunchedStep, errors: list) -> StepResult:
 
 def serve_pipelined(recv, plan_waiting, send, executor, is_rank0: bool, progress: list[int]) -> None:
     """The step loop of --worker-pipeline (worker/pipeline.py): step N+1 is launched before step
-    N's result is built and sent, whenever N+1's plan arrives while N is still running. Results
-    go out in step order. Raises GroupBroken as run_plan does."""
+    N's result is built and sent, whenever N+1's plan arrives while N is still running and N+1's
+    launch is quick (executor.launch_is_quick). Results go out in step order. Raises GroupBroken
+    as run_plan does."""
     refs = DeviceRefs(is_rank0, executor.device)
     pending: tuple[LaunchedStep, list] | None = None
+    quick = getattr(executor, "launch_is_quick", lambda plan: True)
     if is_rank0:
         _log("steps pipelined: each launched before the previous one's result is sent")
 
@@ -244,11 +251,19 @@ def serve_pipelined(recv, plan_waiting, send, executor, is_rank0: bool, progress
         if is_rank0:
             send(result.encode())
 
+    def finish_first_unless_quick(plan) -> None:
+        # A slow launch (on the CPU, one that runs the whole step) would hold N's tokens back
+        # for its whole length, and with them the router's next plan.
+        nonlocal pending
+        if pending is not None and not quick(plan):
+            out(finish_step(executor, *pending))
+            pending = None
+
     while True:
         if pending is not None and not wait_for_plan_or_done(plan_waiting, pending[0]):
             out(finish_step(executor, *pending))  # no plan before N was done: the router waits for N
             pending = None
-        kind, what, errors, _ = launch_plan(recv(), executor, is_rank0, refs)
+        kind, what, errors, _ = launch_plan(recv(), executor, is_rank0, refs, finish_first_unless_quick)
         if pending is not None:
             out(finish_step(executor, *pending))
             pending = None
