@@ -199,4 +199,30 @@ def decode_step_report(steps: list[dict], roofline: DecodeRoofline, bandwidth: f
         "roofline_ms_median": roof,
         "ratio_median": median([r[0] / r[1] for r in rows]),
         "bytes_at_median_gb": {k: round(v / 1e9, 3) for k, v in mid[2].items()},
+        "prompt_steps": prompt_step_report(mixed),
+    }
+
+
+def prompt_step_report(mixed: list[dict]) -> dict:
+    """The level's prefill and mixed steps, split by what the step log says about them: dense or
+    sparse attention, and whether the caching allocator had to allocate device memory (or flush
+    its cache and retry) during the step. A mean well above the median with few slow steps points
+    at one-off costs; the split says whether they come with allocations. Lines of older step logs
+    (without those fields) count as sparse, allocation-free steps."""
+
+    def stats(rows):
+        ms = sorted(s["ms"] for s in rows)
+        if not ms:
+            return {"steps": 0}
+        return {"steps": len(ms), "ms_median": ms[len(ms) // 2], "ms_mean": round(sum(ms) / len(ms), 3),
+                "ms_max": ms[-1], "tokens_total": sum(s["tokens"] for s in rows)}  # fmt: skip
+
+    allocating = [s for s in mixed if s.get("mallocs", 0) or s.get("retries", 0)]
+    return {
+        "all": stats(mixed),
+        "dense": stats([s for s in mixed if s.get("dense")]),
+        "sparse": stats([s for s in mixed if not s.get("dense")]),
+        "with_device_allocations": stats(allocating),
+        "without_device_allocations": stats([s for s in mixed if not (s.get("mallocs", 0) or s.get("retries", 0))]),
+        "allocator_retries": sum(s.get("retries", 0) for s in mixed),
     }

@@ -308,6 +308,11 @@ def phase_serving(run: Run, model_path: str, roofline: DecodeRoofline, bandwidth
                             f"{d['graph_steps']} of {d['full_steps'] or d['decode_steps']} replayed graphs; "
                             f"{d['prefill_or_mixed_steps']} prefill/mixed steps, median {d['prefill_or_mixed_ms_median']} ms "
                             f"for {d['prefill_or_mixed_tokens_median']} tokens; {d['between_steps_ms_median']} ms between steps")  # fmt: skip
+                    ps = d["prompt_steps"]
+                    run.say(f"level {level} prompt steps (ms mean / median / max): "
+                            + "; ".join(f"{k} {v['steps']}" + (f" ({v['ms_mean']} / {v['ms_median']} / {v['ms_max']})" if v["steps"] else "")
+                                        for k, v in ps.items() if isinstance(v, dict))
+                            + f"; allocator retries {ps['allocator_retries']}")  # fmt: skip
         if "shared" in phases:
             flags = ["--dataset-name", "shared-prefix", "--num-prompts", str(a.shared_conversations),
                      "--max-concurrency", str(a.shared_concurrency), "--gsp-system-prompt-len", str(a.shared_system_len),

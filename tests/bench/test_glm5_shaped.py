@@ -230,6 +230,22 @@ def test_compare_phase_with_repeats_and_a_variant_on_cpu(ckpt, tmp_path):
     assert "--enable-worker-pipeline" in served
 
 
+def test_prompt_steps_split_by_attention_form_and_allocations():
+    from glm5_roofline import prompt_step_report
+
+    steps = [
+        {"mode": "prefill", "tokens": 1000, "ms": 40.0, "dense": True, "mallocs": 2, "retries": 0},
+        {"mode": "prefill", "tokens": 1000, "ms": 20.0, "dense": True, "mallocs": 0, "retries": 0},
+        {"mode": "mixed", "tokens": 500, "ms": 90.0, "dense": False, "mallocs": 0, "retries": 1},
+        {"mode": "mixed", "tokens": 500, "ms": 30.0, "dense": False, "mallocs": 0, "retries": 0},
+    ]
+    r = prompt_step_report(steps)
+    assert r["dense"] == {"steps": 2, "ms_median": 40.0, "ms_mean": 30.0, "ms_max": 40.0, "tokens_total": 2000}
+    assert r["sparse"]["steps"] == 2 and r["sparse"]["ms_max"] == 90.0
+    assert r["with_device_allocations"]["steps"] == 2 and r["with_device_allocations"]["ms_mean"] == 65.0
+    assert r["without_device_allocations"]["ms_mean"] == 25.0 and r["allocator_retries"] == 1
+
+
 def test_background_shard_writer_matches_the_reference_writer(tmp_path):
     """The generator's threaded raw-safetensors writer against checkpoint_io's save_file one."""
     from nsaserve.kernels.quant.checkpoint_io import CheckpointReader, ShardedWriter
@@ -283,6 +299,9 @@ def test_decode_report_uses_full_decode_steps_and_targets_read_it(ckpt):
     assert r["roofline_ms_median"] == pytest.approx(roofline_ms)
     assert r["ratio_median"] == pytest.approx(4.0 / roofline_ms)
     assert decode_step_report(steps[:2], roof, bw, 256) == {"decode_steps": 0}
+    # Old step logs (no dense / allocator fields): sparse steps without allocations.
+    assert r["prompt_steps"]["all"] == r["prompt_steps"]["sparse"] == r["prompt_steps"]["without_device_allocations"]
+    assert r["prompt_steps"]["all"]["ms_mean"] == 700.0 and r["prompt_steps"]["dense"] == {"steps": 0}
     # Steps whose contexts all fit the top-k log idx 0: the indexer read no key, the bound drops.
     unscored = decode_step_report([{**s, "idx": 0} for s in steps], roof, bw, 256)
     no_index_ms = 1e3 * roof.step_bytes(256, 0, 256 * 32)["total"] / bw

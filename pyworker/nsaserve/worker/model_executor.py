@@ -40,7 +40,8 @@ class ModelExecutor:
         self.vocab_size = runner.vocab_size
         # Data-parallel attention: the router's page ids span dp_size pools of num_pages (validation).
         self.dp_size = getattr(runner, "dp_size", 1)
-        self.step_log = StepLog.from_env(runner.config.index_topk)  # benchmarks only
+        dense = bool(getattr(getattr(runner, "model", None), "dense_prefill", False))
+        self.step_log = StepLog.from_env(runner.config.index_topk, dense, device)  # benchmarks only
         self._last_finish = 0.0  # perf_counter() at the last finish()
 
     @classmethod

@@ -7,7 +7,10 @@ step, "sel": sum of min(context, index_topk), "idx": the contexts the indexer sc
 when no context exceeds index_topk: whole contexts are then selected unscored), "ms": the worker's step time (batch build, forward,
 sampling; the sampled tokens reach the host, so the GPU work is included; under --worker-pipeline,
 from the previous step's result when the step was launched before it), "graph": whether the
-forward replayed a decode CUDA graph}.
+forward replayed a decode CUDA graph, "dense": whether it attended densely (model/dense_prefill.py),
+and on CUDA "mallocs" / "retries": the caching allocator's device allocations and its
+flush-and-retry passes (a cudaFree of every cached block, a synchronisation) since the previous
+line, so that slow steps can be told apart from steps that grew the memory pool}.
 
 idx and sel are what a decode step's memory roofline needs (the indexer reads every cached key
 it scores, sparse attention reads `sel` latent rows); bench/gpu/glm5_roofline.py turns them into bytes.
@@ -21,18 +24,33 @@ import time
 
 import numpy as np
 
+from ..model.dense_prefill import wants_dense
+
 ENV = "NSASERVE_STEP_LOG"
 
 
 class StepLog:
-    def __init__(self, path: str, index_topk: int):
+    def __init__(self, path: str, index_topk: int, dense_prefill: bool = False, device=None):
+        """dense_prefill: the model's switch (the step log repeats its per-step choice); device:
+        a CUDA device's allocator counters go into every line."""
         self.index_topk = index_topk
+        self.dense_prefill = dense_prefill
+        self.device = device if device is not None and device.type == "cuda" else None
+        self._allocator = self._allocator_counts()
         self._file = open(path, "a", buffering=1)  # line-buffered: readable while the server runs
 
     @classmethod
-    def from_env(cls, index_topk: int) -> StepLog | None:
+    def from_env(cls, index_topk: int, dense_prefill: bool = False, device=None) -> StepLog | None:
         path = os.environ.get(ENV)
-        return cls(path, index_topk) if path else None
+        return cls(path, index_topk, dense_prefill, device) if path else None
+
+    def _allocator_counts(self) -> tuple[int, int]:
+        if self.device is None:
+            return (0, 0)
+        import torch
+
+        stats = torch.cuda.memory_stats(self.device)
+        return stats.get("num_device_alloc", 0), stats.get("num_alloc_retries", 0)
 
     def record(self, plan, step_ms: float, graph: bool = False) -> None:
         ctx = plan.cached_lens.astype(np.int64) + np.diff(plan.query_start.astype(np.int64))
@@ -48,4 +66,10 @@ class StepLog:
             "ms": round(step_ms, 3),
             "graph": graph,
         }
+        qs, seq = plan.query_start.astype(np.int64), ctx
+        line["dense"] = bool(self.dense_prefill and not graph and wants_dense(qs.tolist(), seq.tolist(), self.index_topk))
+        if self.device is not None:
+            now = self._allocator_counts()
+            line["mallocs"], line["retries"] = now[0] - self._allocator[0], now[1] - self._allocator[1]
+            self._allocator = now
         self._file.write(json.dumps(line) + "\n")
