@@ -89,7 +89,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "same ones would hit the radix cache)")
     p.add_argument("--compare-variant", action="append", default=[], help="serve flags (one string, split like a "
                    "shell) for a further server of ours in the compare phase, measured the same way against the "
-                   "same transformers run, e.g. --compare-variant=--enable-worker-pipeline (repeatable)")
+                   "same transformers run, e.g. --compare-variant=--disable-worker-pipeline (repeatable)")
     p.add_argument("--seed", type=int, default=1)
     return p.parse_args(argv)
 

@@ -215,19 +215,19 @@ def test_compare_phase_with_repeats_and_a_variant_on_cpu(ckpt, tmp_path):
     out = tmp_path / "out"
     cmd = [sys.executable, str(GPU_BENCH / "glm5_sweep.py"), "--out", str(out), "--device", "cpu", "--model-path", ckpt,
            "--phases", "compare", "--compare-moe-layers", "1", "--compare-batch", "3", "--compare-input-len", "24",
-           "--compare-output-len", "3", "--compare-repeats", "2", "--compare-variant=--enable-worker-pipeline",
+           "--compare-output-len", "3", "--compare-repeats", "2", "--compare-variant=--disable-worker-pipeline",
            "--prefill-probes", "0", "--budget-s", "120", "--serve-arg=--max-total-tokens=4096"]  # fmt: skip
     proc, doc = run_sweep(cmd, out)
     c = doc["phases"]["compare"]
     theirs = c["transformers"]["output_throughput"]
-    for s in (c["ours"], c["variants"]["--enable-worker-pipeline"]):
+    for s in (c["ours"], c["variants"]["--disable-worker-pipeline"]):
         assert (s["completed"], s["failed"]) == (3, 0) and len(s["repeats_output_throughput"]) == 2
         assert s["output_throughput"] in s["repeats_output_throughput"]
-    v = c["variants"]["--enable-worker-pipeline"]
+    v = c["variants"]["--disable-worker-pipeline"]
     assert v["ratio_output_throughput"] == pytest.approx(v["output_throughput"] / theirs)
-    assert "with --enable-worker-pipeline" in proc.stdout
+    assert "with --disable-worker-pipeline" in proc.stdout
     served = (out / "log.txt").read_text()
-    assert "--enable-worker-pipeline" in served
+    assert "--disable-worker-pipeline" in served
 
 
 def test_prompt_steps_split_by_attention_form_and_allocations():
