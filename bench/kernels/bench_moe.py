@@ -108,12 +108,14 @@ PREFILL_BATCH = 2048
 
 
 def configs(batch: int, sweep: bool):
-    """(name, config, block_m, asm, relayout): the checkpoint layout and the re-laid-out weights
-    (relayout_nvfp4, the model's default) with the default blocks, or the alternatives a sweep
-    tries (split-K gate/up where there are few tokens, block sizes otherwise)."""
+    """(name, config, block_m, asm, layout): the checkpoint layout (False), the re-laid-out weights
+    (True: relayout_nvfp4, the model's default) and those in tiles ("tiled": tile_nvfp4) with the
+    default blocks, or the alternatives a sweep tries (split-K gate/up where there are few tokens,
+    block sizes otherwise)."""
     if not sweep:
         yield "checkpoint layout", {}, None, True, False
         yield "relayout (default)", {}, None, True, True
+        yield "relayout tiled", {}, None, True, "tiled"
         return
     yield "checkpoint layout again", {}, None, True, False
     yield "relayout again", {}, None, True, True
@@ -155,7 +157,8 @@ def run_batch(batch, stacks, gen, copy_bps, sweep, with_torch, rows, save):
     floor_us = nbytes / copy_bps * 1e6
     first = len(rows)
     for name, config, block_m, asm, relayout in configs(batch, sweep):
-        run = functools.partial(tm.moe_experts_nvfp4_triton, block_m=block_m, config=config, asm=asm, relayout=relayout)
+        run = functools.partial(tm.moe_experts_nvfp4_triton, block_m=block_m, config=config, asm=asm,
+                                relayout=bool(relayout), tiled=relayout == "tiled")  # fmt: skip
         k13, k2 = stacks[relayout]
         calls = [functools.partial(run, x, ids, w, *k13, *k2, 0) for x, ids, w in sets]
         try:
@@ -203,7 +206,8 @@ def main() -> None:
     print(ceilings, flush=True)
     w13, w2 = make_stacks(gen)
     relaid = [(*tm.relayout_nvfp4(q.weight, q.weight_scale), q.weight_scale_2) for q in (w13, w2)]
-    stacks = {False: (w13, w2), True: tuple(relaid)}
+    tiled = tuple((*tm.tile_nvfp4(w, s), s2) for w, s, s2 in relaid)
+    stacks = {False: (w13, w2), True: tuple(relaid), "tiled": tiled}
     torch_batches = {int(b) for b in args.torch_batches.split(",") if b}
     sweep_batches = {int(b) for b in args.sweep.split(",") if b}
     rows = []

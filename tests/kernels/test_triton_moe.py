@@ -247,6 +247,51 @@ def test_tiny_split_k(asm, relayout):
     assert torch.equal(out, run(x, ids, weights, *k13, *k2, 0))
 
 
+@pytest.mark.parametrize("asm", ASM_MODES)
+@pytest.mark.parametrize("num_tokens,block_m", [(5, None), (40, 64)])
+def test_tiny_tiled_equals_relayout(asm, num_tokens, block_m):
+    """tiled=True reads the same words and scales from tile_nvfp4's tiles: the same results, bit for
+    bit, as relayout=True on the untiled stacks (and both near the reference)."""
+    gen = torch.Generator(DEV).manual_seed(8)
+    e, h, i, k = 6, 256, 256, 2  # the tiles are 256 inputs wide
+    w13, w2 = random_stacks(e, h, i, gen, DEV)
+    x = torch.randn(num_tokens, h, generator=gen, device=DEV).to(torch.bfloat16)
+    ids, weights = route(num_tokens, e, k, torch.Generator().manual_seed(8))
+    r13, r2 = relaid(w13), relaid(w2)
+    t13, t2 = ((*tm.tile_nvfp4(s[0], s[1]), s[2]) for s in (r13, r2))
+    cfg = {"gate_up": {"BLOCK_N": 32, "num_stages": 2}, "down": {"BLOCK_N": 64, "num_stages": 2}}
+    run = functools.partial(tm.moe_experts_nvfp4_triton, config=cfg, block_m=block_m, asm=asm, relayout=True)
+    tiled = run(x, ids, weights, *t13, *t2, 0, tiled=True)
+    assert torch.equal(tiled, run(x, ids, weights, *r13, *r2, 0))
+    assert rel_err(tiled, reference(x, ids, weights, w13, w2, 0)) < TOL
+
+
+def test_tile_round_trip_and_placement():
+    """tile_nvfp4 / untile_nvfp4 are inverse; row group g's tile t is rows 16g..16g+15, inputs
+    256t..256t+255, one contiguous run."""
+    gen = torch.Generator().manual_seed(2)
+    w = torch.randint(0, 256, (3, 32, 384), dtype=torch.uint8, generator=gen)  # 768 inputs: 3 tiles a row
+    s = torch.randint(0, 256, (3, 32, 48), dtype=torch.uint8, generator=gen)
+    tw, ts = tm.tile_nvfp4(w, s, groups_per_chunk=2)
+    assert tw.shape == w.shape and ts.shape == s.shape
+    bw, bs = tm.untile_nvfp4(tw, ts, groups_per_chunk=5)
+    assert torch.equal(bw, w) and torch.equal(bs, s)
+    flat_w, flat_s = tw.reshape(-1), ts.reshape(-1)
+    for expert, group, tile in ((0, 1, 2), (2, 0, 1)):
+        g = expert * 2 + group
+        run = flat_w[(g * 3 + tile) * 2048 :][:2048].view(16, 128)
+        assert torch.equal(run, w[expert, 16 * group : 16 * group + 16, 128 * tile : 128 * tile + 128])
+        runs = flat_s[(g * 3 + tile) * 256 :][:256].view(16, 16)
+        assert torch.equal(runs, s[expert, 16 * group : 16 * group + 16, 16 * tile : 16 * tile + 16])
+    with pytest.raises(ValueError, match="whole tiles"):
+        tm.tile_nvfp4(w[:, :24], s[:, :24])
+    w13 = (torch.zeros(3, 512, 128, dtype=torch.uint8), torch.zeros(3, 512, 16, dtype=torch.uint8), torch.ones(3, 2))
+    w2 = (torch.zeros(3, 256, 128, dtype=torch.uint8), torch.zeros(3, 256, 16, dtype=torch.uint8), torch.ones(3, 1))
+    x, ids = torch.zeros(1, 256, dtype=torch.bfloat16), torch.zeros(1, 1, dtype=torch.long)
+    with pytest.raises(ValueError, match="tiled=True takes re-laid-out"):
+        tm.moe_experts_nvfp4_triton(x, ids, torch.ones(1, 1), *w13, *w2, tiled=True)
+
+
 def test_tiny_expert_parallel_slice():
     """This rank owns experts [3, 6) of 9: other experts' slots contribute nothing, tokens with no
     local expert get exact zeros."""
@@ -284,10 +329,16 @@ def glm5_relaid(glm5_stacks):
     return tuple(relaid(s) for s in glm5_stacks)
 
 
+@pytest.fixture(scope="module")
+def glm5_tiled(glm5_relaid):
+    return tuple((*tm.tile_nvfp4(s[0], s[1]), s[2]) for s in glm5_relaid)
+
+
 @pytest.mark.skipif(not CUDA, reason="GLM-5 shapes need CUDA")
 @pytest.mark.parametrize("num_tokens", [1, 64, 256, 2048])  # 2048: the 64-row prompt preset
-def test_glm5_shapes_match_reference(glm5_stacks, glm5_relaid, num_tokens):
-    """Checkpoint layout and re-laid-out weights (relayout=True) against one reference."""
+def test_glm5_shapes_match_reference(glm5_stacks, glm5_relaid, glm5_tiled, num_tokens):
+    """Checkpoint layout and re-laid-out weights (relayout=True) against one reference; the tiled
+    layout gives the re-laid-out results bit for bit."""
     w13, w2 = glm5_stacks
     gen = torch.Generator().manual_seed(num_tokens)
     x = torch.randn(num_tokens, GLM5["hidden"], generator=gen).to("cuda", torch.bfloat16)
@@ -303,6 +354,8 @@ def test_glm5_shapes_match_reference(glm5_stacks, glm5_relaid, num_tokens):
         outs.append(out)
     # The same bf16 operand values in the same places: the two layouts agree to rounding.
     assert rel_err(outs[1], outs[0]) < 1e-3
+    tiled = tm.moe_experts_nvfp4_triton(x, ids, weights, *glm5_tiled[0], *glm5_tiled[1], 0, relayout=True, tiled=True)
+    assert torch.equal(tiled, outs[1])
 
 
 @pytest.mark.skipif(not CUDA, reason="CUDA graphs need CUDA")

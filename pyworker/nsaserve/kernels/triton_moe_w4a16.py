@@ -48,6 +48,12 @@ re-encoded bytes whose bf16x2 (scale · 2^119, scale · 2^119) is one integer mu
 checkpoint's e4m3 needs a conversion through f16 and f32). Same operand values, same MMAs.
 Measured 3-6% faster for the whole path at 1-1024 tokens (bench/results/2026-11-29-triton-moe-v3);
 the model's backend (moe_experts_triton) re-lays out its stacks on first use (RELAYOUT_STACKS).
+
+tiled=True (with relayout=True; weights from tile_nvfp4 after relayout_nvfp4): the same words and
+scales stored in tiles of 16 rows x 256 inputs, so that each 16 rows of a K block are one
+contiguous 2 KB read (plus 256 bytes of scales) rather than 16 reads of 128 bytes a row apart
+(3 KB apart for gate/up at GLM-5 shapes). Same operands, same MMAs, so the same results bit for
+bit; whether it is faster is for bench/kernels/bench_moe.py to say (not yet measured).
 """
 
 from __future__ import annotations
@@ -58,7 +64,15 @@ import torch
 import triton
 import triton.language as tl
 
-from .quant.nvfp4 import RELAYOUT_R_MAG, RELAYOUT_R_SIGN, relayout_nvfp4, unrelayout_nvfp4  # noqa: F401
+from .quant.nvfp4 import (  # noqa: F401
+    RELAYOUT_R_MAG,
+    RELAYOUT_R_SIGN,
+    TILE_K,
+    relayout_nvfp4,
+    tile_nvfp4,
+    unrelayout_nvfp4,
+    untile_nvfp4,
+)
 from .quant.precision import NVFP4
 from .triton_common import mma_operand
 
@@ -226,15 +240,25 @@ def _dequant_block(words, scale, ASM: tl.constexpr, INTERPRET: tl.constexpr):
 def _load_tile_v3(
     w_ptr, s_ptr, rows, i,
     KW: tl.constexpr, KS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ASM: tl.constexpr,
+    TILED: tl.constexpr = False,
 ):  # fmt: skip
     """K block i of re-laid-out rows (relayout_nvfp4): the code words (int32 [BLOCK_N, BLOCK_K / 8])
     and one scale per 16 inputs (= per 2 words, [BLOCK_N, BLOCK_K / 16]): on the inline-assembly
     path the bf16x2 bits of (scale * 2^119, scale * 2^119), one integer multiply-add from the
-    re-encoded byte u (bf16 bits u * 16 + 0x7600); else the scale in float32."""
+    re-encoded byte u (bf16 bits u * 16 + 0x7600); else the scale in float32.
+    TILED: the weights are in tile_nvfp4's tiles of 16 rows x 256 inputs (BLOCK_K must be 256):
+    block i of row r is word (r // 16 * tiles_per_row + i) * 512 + r % 16 * 32 + j."""
     W: tl.constexpr = BLOCK_K // 8
-    words = tl.load(w_ptr + rows[:, None] * KW + i * W + tl.arange(0, W)[None, :])
-    offs_s = i * (BLOCK_K // 16) + tl.arange(0, BLOCK_K // 16)
-    u = tl.load(s_ptr + rows[:, None] * KS + offs_s[None, :]).to(tl.int32)
+    if TILED:
+        tl.static_assert(BLOCK_K == 256, "the tiled layout's tiles are 256 inputs wide")
+        group = (rows // 16) * (KW // 32) + i  # the tile holding rows' block i
+        within = rows % 16
+        words = tl.load(w_ptr + (group * 512 + within * 32)[:, None] + tl.arange(0, W)[None, :])
+        u = tl.load(s_ptr + (group * 256 + within * 16)[:, None] + tl.arange(0, BLOCK_K // 16)[None, :]).to(tl.int32)
+    else:
+        words = tl.load(w_ptr + rows[:, None] * KW + i * W + tl.arange(0, W)[None, :])
+        offs_s = i * (BLOCK_K // 16) + tl.arange(0, BLOCK_K // 16)
+        u = tl.load(s_ptr + rows[:, None] * KS + offs_s[None, :]).to(tl.int32)
     if ASM:
         scale = u * 0x100010 + 0x76007600
     else:
@@ -413,9 +437,9 @@ def _moe_gate_up_kernel(
         i = k0 + it
         # x is permuted per K block so that input 8j + r sits at r * W + j (see _permute_row).
         xp = x_ptr + tok[None, :] * K + i * BLOCK_K
-        if LAYOUT == 1:
-            wg, sg = _load_tile_v3(w_ptr, s_ptr, rows_g, i, K // 8, K // 16, BLOCK_N, BLOCK_K, ASM)
-            wu, su = _load_tile_v3(w_ptr, s_ptr, rows_u, i, K // 8, K // 16, BLOCK_N, BLOCK_K, ASM)
+        if LAYOUT >= 1:  # 2: tiled
+            wg, sg = _load_tile_v3(w_ptr, s_ptr, rows_g, i, K // 8, K // 16, BLOCK_N, BLOCK_K, ASM, LAYOUT == 2)
+            wu, su = _load_tile_v3(w_ptr, s_ptr, rows_u, i, K // 8, K // 16, BLOCK_N, BLOCK_K, ASM, LAYOUT == 2)
             xt = mma_operand(tl.load(xp + offs_k[:, None], mask=valid[None, :], other=0.0), INTERPRET)
             acc_g = tl.dot(_dequant_block_v3(wg, sg, ASM, INTERPRET), xt, acc_g)
             acc_u = tl.dot(_dequant_block_v3(wu, su, ASM, INTERPRET), xt, acc_u)
@@ -494,8 +518,8 @@ def _moe_down_kernel(
     for i in range(INTER // BLOCK_K):
         # h rows were written in this kernel's K-block permutation by the gate/up kernel.
         hp = h_ptr + offs_m[None, :].to(tl.int64) * INTER + i * BLOCK_K
-        if LAYOUT == 1:
-            wt, st = _load_tile_v3(w_ptr, s_ptr, rows, i, INTER // 8, INTER // 16, BLOCK_N, BLOCK_K, ASM)
+        if LAYOUT >= 1:  # 2: tiled
+            wt, st = _load_tile_v3(w_ptr, s_ptr, rows, i, INTER // 8, INTER // 16, BLOCK_N, BLOCK_K, ASM, LAYOUT == 2)
             acc = tl.dot(
                 _dequant_block_v3(wt, st, ASM, INTERPRET), mma_operand(tl.load(hp + offs_k[:, None]), INTERPRET), acc
             )
@@ -612,9 +636,11 @@ def moe_experts_nvfp4_triton(
     config: dict | None = None,
     asm: bool | None = None,
     relayout: bool = False,
+    tiled: bool = False,
 ) -> torch.Tensor:
     """Sum over the token's chosen experts that live on this rank -> float32 [T, H]. relayout: the
-    weights and scales are in relayout_nvfp4's layout (uint8 scales), not the checkpoint's."""
+    weights and scales are in relayout_nvfp4's layout (uint8 scales), not the checkpoint's; tiled:
+    and then in tile_nvfp4's tiles (hidden and intermediate sizes multiples of 256, K blocks of 256)."""
     num_tokens, hidden = x.shape
     top_k = expert_ids.shape[1]
     num_local, two_inter, _ = w13.shape
@@ -646,7 +672,11 @@ def moe_experts_nvfp4_triton(
         asm = x.is_cuda and not _INTERPRET
     if relayout and (w13_scale.dtype != torch.uint8 or w2_scale.dtype != torch.uint8):
         raise ValueError("relayout=True takes relayout_nvfp4's uint8 scales")
-    layout = 1 if relayout else 0
+    if tiled and not relayout:
+        raise ValueError("tiled=True takes re-laid-out weights (relayout=True)")
+    if tiled and (gu["BLOCK_K"] != TILE_K or dn["BLOCK_K"] != TILE_K):
+        raise ValueError(f"the tiled layout needs K blocks of {TILE_K} (hidden {hidden}, intermediate {inter})")
+    layout = 2 if tiled else 1 if relayout else 0
     if n_slots == 0:
         return torch.zeros(num_tokens, hidden, dtype=torch.float32, device=x.device)
     bm = block_m or pick_block_m(n_slots, num_local)

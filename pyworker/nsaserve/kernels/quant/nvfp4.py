@@ -220,3 +220,42 @@ def unrelayout_nvfp4(weight: torch.Tensor, scale: torch.Tensor):
     packed = (codes[..., 0] | (codes[..., 1] << 4)).to(torch.uint8)
     back = _SCALE_BACK.to(scale.device)[scale.reshape(-1).long()].view(torch.float8_e4m3fn)
     return packed.reshape(weight.shape), back.reshape(scale.shape)
+
+
+# Tiles of the tiled layout (tile_nvfp4): rows x inputs, each tile's codes one contiguous 2 KB run
+# (and its scales one 256-byte run), so that a kernel's K block of 16 rows is one burst of memory
+# instead of 16 runs of 128 bytes a whole row apart.
+TILE_ROWS = 16
+TILE_K = 256
+
+
+def _tiles(t: torch.Tensor, per_tile_row: int, inverse: bool, tiles_per_chunk: int) -> torch.Tensor:
+    """[..., R, n] (n bytes a row) with R % TILE_ROWS == 0 -> the same bytes with each group of
+    TILE_ROWS rows stored tile by tile along the row (per_tile_row bytes of a row per tile), or back."""
+    rows, n = t.shape[-2], t.shape[-1]
+    if rows % TILE_ROWS or n % per_tile_row:
+        raise ValueError(f"{tuple(t.shape)} is not whole tiles of {TILE_ROWS} rows x {per_tile_row} bytes")
+    groups = t.reshape(-1, TILE_ROWS, n // per_tile_row, per_tile_row)  # [G, rows, tiles, bytes]
+    if inverse:
+        groups = t.reshape(-1, n // per_tile_row, TILE_ROWS, per_tile_row)  # [G, tiles, rows, bytes]
+    out = torch.empty_like(t).reshape(-1, TILE_ROWS * n)
+    for g0 in range(0, groups.shape[0], tiles_per_chunk):
+        out[g0 : g0 + tiles_per_chunk] = groups[g0 : g0 + tiles_per_chunk].transpose(1, 2).reshape(-1, TILE_ROWS * n)
+    return out.reshape(t.shape)
+
+
+def tile_nvfp4(weight: torch.Tensor, scale: torch.Tensor, groups_per_chunk: int = 4096):
+    """relayout_nvfp4's output (uint8 [..., R, K/2] codes, uint8 [..., R, K/16] scales, R a multiple
+    of TILE_ROWS and K of TILE_K) -> the same bytes in tiles of TILE_ROWS rows x TILE_K inputs
+    (kernels' relayout=True, tiled=True): row group g's tile t holds its rows' inputs
+    t*TILE_K .. (t+1)*TILE_K, row after row; tiles of a group in K order, groups in row order.
+    Shapes are unchanged (a row index no longer names one row's bytes). New tensors."""
+    return (
+        _tiles(weight, TILE_K // 2, False, groups_per_chunk),
+        _tiles(scale, TILE_K // 16, False, groups_per_chunk),
+    )
+
+
+def untile_nvfp4(weight: torch.Tensor, scale: torch.Tensor, groups_per_chunk: int = 4096):
+    """tile_nvfp4's inverse."""
+    return _tiles(weight, TILE_K // 2, True, groups_per_chunk), _tiles(scale, TILE_K // 16, True, groups_per_chunk)
