@@ -229,18 +229,19 @@ TILE_ROWS = 16
 TILE_K = 256
 
 
-def _tiles(t: torch.Tensor, per_tile_row: int, inverse: bool, tiles_per_chunk: int) -> torch.Tensor:
+def _tiles(t: torch.Tensor, per_tile_row: int, inverse: bool, groups_per_chunk: int) -> torch.Tensor:
     """[..., R, n] (n bytes a row) with R % TILE_ROWS == 0 -> the same bytes with each group of
-    TILE_ROWS rows stored tile by tile along the row (per_tile_row bytes of a row per tile), or back."""
+    TILE_ROWS rows stored tile by tile along the row (per_tile_row bytes of a row per tile), or back.
+    A chunk of row groups at a time bounds the temporary copy."""
     rows, n = t.shape[-2], t.shape[-1]
     if rows % TILE_ROWS or n % per_tile_row:
         raise ValueError(f"{tuple(t.shape)} is not whole tiles of {TILE_ROWS} rows x {per_tile_row} bytes")
-    groups = t.reshape(-1, TILE_ROWS, n // per_tile_row, per_tile_row)  # [G, rows, tiles, bytes]
-    if inverse:
-        groups = t.reshape(-1, n // per_tile_row, TILE_ROWS, per_tile_row)  # [G, tiles, rows, bytes]
+    tiles = n // per_tile_row
+    # [groups, rows, tiles, bytes] -> [groups, tiles, rows, bytes], or back.
+    groups = t.reshape(-1, tiles, TILE_ROWS, per_tile_row) if inverse else t.reshape(-1, TILE_ROWS, tiles, per_tile_row)
     out = torch.empty_like(t).reshape(-1, TILE_ROWS * n)
-    for g0 in range(0, groups.shape[0], tiles_per_chunk):
-        out[g0 : g0 + tiles_per_chunk] = groups[g0 : g0 + tiles_per_chunk].transpose(1, 2).reshape(-1, TILE_ROWS * n)
+    for g0 in range(0, groups.shape[0], groups_per_chunk):
+        out[g0 : g0 + groups_per_chunk] = groups[g0 : g0 + groups_per_chunk].transpose(1, 2).reshape(-1, TILE_ROWS * n)
     return out.reshape(t.shape)
 
 
