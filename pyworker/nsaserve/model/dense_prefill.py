@@ -79,15 +79,14 @@ def _groups(query_start: list[int], seq_lens: list[int]) -> list[list[tuple[int,
 
 
 def dense_attention(
-    q_nope: torch.Tensor,  # [T, H, nope] model dtype
-    q_pe: torch.Tensor,  # [T, H, P] roped
+    q: torch.Tensor,  # [T, H, nope + P] model dtype, the rope part roped
     w_uk: torch.Tensor,  # [H, nope, R]
     w_uv: torch.Tensor,  # [H, v, R]
     latent_cache: torch.Tensor,  # one layer's latent cache (kernels/kv_cache_format)
     batch,  # ForwardBatch with host lists
     softmax_scale: float,
 ) -> torch.Tensor:
-    """-> o [T, H, v] in q_nope's dtype: each request's new tokens attend causally (bottom-right
+    """-> o [T, H, v] in q's dtype: each request's new tokens attend causally (bottom-right
     aligned: query j of a chunk after c cached tokens sees positions 0..c + j) over its context."""
     # Imported here, not with the model: importing torch.nn.attention.bias makes torch create its
     # compile cache directory under TMPDIR, which a server that never takes this path must not leave.
@@ -99,10 +98,11 @@ def dense_attention(
     # ahead; math is the fallback for shapes neither takes).
     backends = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
-    num_tokens, heads, _ = q_nope.shape
+    num_tokens, heads, _ = q.shape
     rank = w_uk.shape[2]
-    dtype = q_nope.dtype
-    o = q_nope.new_empty(num_tokens, heads, w_uv.shape[1])
+    dtype = q.dtype
+    o = q.new_empty(num_tokens, heads, w_uv.shape[1])
+    q_by_head = q.transpose(0, 1)  # [H, T, nope + P], a view
     qs, lens = batch.query_start_host, batch.seq_lens_host
     with sdpa_kernel(backends):
         for group in _groups(qs, lens):
@@ -118,9 +118,8 @@ def dense_attention(
             for q0, q1, start, length in group:
                 at = slice(start - kv0, start - kv0 + length)
                 k = torch.cat([k_nope_all[:, at], k_pe[at].unsqueeze(0).expand(heads, -1, -1)], dim=-1)
-                q = torch.cat([q_nope[q0:q1], q_pe[q0:q1].to(dtype)], dim=-1).transpose(0, 1)  # [H, t, nope + P]
                 out = F.scaled_dot_product_attention(
-                    q.unsqueeze(0), k.unsqueeze(0), v_all[:, at].unsqueeze(0),
+                    q_by_head[:, q0:q1].unsqueeze(0), k.unsqueeze(0), v_all[:, at].unsqueeze(0),
                     attn_mask=causal_lower_right(q1 - q0, length), scale=softmax_scale,
                 )  # fmt: skip
                 o[q0:q1] = out[0].transpose(0, 1)
