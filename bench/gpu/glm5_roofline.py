@@ -217,12 +217,14 @@ def prompt_step_report(mixed: list[dict]) -> dict:
         return {"steps": len(ms), "ms_median": ms[len(ms) // 2], "ms_mean": round(sum(ms) / len(ms), 3),
                 "ms_max": ms[-1], "tokens_total": sum(s["tokens"] for s in rows)}  # fmt: skip
 
-    allocating = [s for s in mixed if s.get("mallocs", 0) or s.get("retries", 0)]
+    def allocates(s) -> bool:
+        return bool(s.get("mallocs", 0) or s.get("retries", 0))
+
     return {
         "all": stats(mixed),
         "dense": stats([s for s in mixed if s.get("dense")]),
         "sparse": stats([s for s in mixed if not s.get("dense")]),
-        "with_device_allocations": stats(allocating),
-        "without_device_allocations": stats([s for s in mixed if not (s.get("mallocs", 0) or s.get("retries", 0))]),
+        "with_device_allocations": stats([s for s in mixed if allocates(s)]),
+        "without_device_allocations": stats([s for s in mixed if not allocates(s)]),
         "allocator_retries": sum(s.get("retries", 0) for s in mixed),
     }
