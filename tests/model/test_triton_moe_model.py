@@ -14,15 +14,17 @@ pytest.importorskip("triton")
 TOL = 2e-2
 
 
-@pytest.mark.parametrize("relayout", [False, True], ids=["checkpoint_layout", "relayout"])
-def test_triton_moe_backend_matches_torch(tmp_path, monkeypatch, relayout):
-    """relayout: the triton backend re-lays out the NVFP4 stacks in place on its first call; the
-    torch reference afterwards reads them back to the same logits."""
+@pytest.mark.parametrize("layout", ["checkpoint", "relayout", "tiled"])
+def test_triton_moe_backend_matches_torch(tmp_path, monkeypatch, layout):
+    """Choosing the triton backend puts the NVFP4 stacks in the layout in place, once; the torch
+    reference afterwards reads them back to the same logits."""
     from nsaserve.kernels import triton_moe_w4a16
 
-    monkeypatch.setattr(triton_moe_w4a16, "RELAYOUT_STACKS", relayout)
-    # hidden and moe_intermediate 128: the kernels' smallest K block (8 partial MMAs of K 16).
-    make_checkpoint("glm_moe_dsa", str(tmp_path / "float"), seed=9, hidden_size=128, moe_intermediate_size=128)
+    monkeypatch.setattr(triton_moe_w4a16, "STACK_LAYOUT", layout)
+    # hidden and moe_intermediate 128: the kernels' smallest K block (8 partial MMAs of K 16); the
+    # tiled layout needs whole tiles of 256 inputs.
+    size = 256 if layout == "tiled" else 128
+    make_checkpoint("glm_moe_dsa", str(tmp_path / "float"), seed=9, hidden_size=size, moe_intermediate_size=size)
     quantize_checkpoint(str(tmp_path / "float"), str(tmp_path / "q"), "nvfp4", "experts")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     runner = ModelRunner(str(tmp_path / "q"), device=device, dtype=None, num_pages=40, page_size=4, show_progress=False)
@@ -38,7 +40,8 @@ def test_triton_moe_backend_matches_torch(tmp_path, monkeypatch, relayout):
         prefill = session.step([(0, tokens)], all_logits=True)[0]
         decode = session.step([(0, [tokens[0]])])[0]
         logits[backend] = (prefill, decode)
-    assert runner.model.model.layers[1].mlp.w13.kernel_layout == relayout
+    assert runner.model.model.layers[1].mlp.w13.kernel_layout == layout
+    assert runner.model.model.layers[1].mlp.w2.kernel_layout == layout
     for ours, ref in zip(logits["triton"], logits["torch"]):
         assert torch.isfinite(ours).all()
         assert rel_err(ours, ref) < TOL

@@ -47,13 +47,14 @@ pairs) a merge of the sign bits, 15 instructions per 8 values instead of 17, and
 re-encoded bytes whose bf16x2 (scale · 2^119, scale · 2^119) is one integer multiply-add (the
 checkpoint's e4m3 needs a conversion through f16 and f32). Same operand values, same MMAs.
 Measured 3-6% faster for the whole path at 1-1024 tokens (bench/results/2026-11-29-triton-moe-v3);
-the model's backend (moe_experts_triton) re-lays out its stacks on first use (RELAYOUT_STACKS).
+the model's backend (moe_experts_triton) re-lays out its stacks once (STACK_LAYOUT).
 
 tiled=True (with relayout=True; weights from tile_nvfp4 after relayout_nvfp4): the same words and
 scales stored in tiles of 16 rows x 256 inputs, so that each 16 rows of a K block are one
 contiguous 2 KB read (plus 256 bytes of scales) rather than 16 reads of 128 bytes a row apart
 (3 KB apart for gate/up at GLM-5 shapes). Same operands, same MMAs, so the same results bit for
-bit; whether it is faster is for bench/kernels/bench_moe.py to say (not yet measured).
+bit; whether it is faster is for bench/kernels/bench_moe.py to say (not yet measured; the model
+takes it with NSASERVE_MOE_LAYOUT=tiled).
 """
 
 from __future__ import annotations
@@ -731,32 +732,48 @@ def moe_experts_nvfp4_triton(
     return out
 
 
-# Whether the model's backend re-lays out NVFP4 expert stacks for the kernels on first use (in place,
-# before any graph capture; the torch reference reads both layouts). Measured on the H200
-# (bench/results/2026-11-29-triton-moe-v3): 3-6% faster at batch 1-1024, gate/up 5-11%, down 4-5%.
-RELAYOUT_STACKS = os.environ.get("NSASERVE_MOE_RELAYOUT", "1") == "1"
+# The layout the model's backend puts its NVFP4 expert stacks in, once, before the first forward
+# (in place; the torch reference reads every layout): "relayout" (the default; measured on the H200,
+# bench/results/2026-11-29-triton-moe-v3: 3-6% faster than "checkpoint" at batch 1-1024, gate/up
+# 5-11%, down 4-5%), "tiled" (re-laid out, then in 16 x 256 tiles; not measured in the model yet, so
+# not the default; stacks that are not whole tiles get "relayout") or "checkpoint" (as loaded).
+STACK_LAYOUTS = ("checkpoint", "relayout", "tiled")
+STACK_LAYOUT = os.environ.get("NSASERVE_MOE_LAYOUT", "relayout")
+if STACK_LAYOUT not in STACK_LAYOUTS:
+    raise ValueError(f"NSASERVE_MOE_LAYOUT={STACK_LAYOUT!r}: expected one of {', '.join(STACK_LAYOUTS)}")
+
+
+def stacks_to_kernel_layout(w13, w2, layout: str | None = None) -> None:
+    """Put one MoE layer's NVFP4 ExpertStacks in the layout (default STACK_LAYOUT) the kernels read.
+    Tiled only where both stacks are whole tiles (the kernels take one layout for both)."""
+    layout = layout or STACK_LAYOUT
+    if layout == "checkpoint":
+        return
+    if layout == "tiled" and not (w13.can_tile() and w2.can_tile()):
+        layout = "relayout"
+    w13.to_kernel_layout(layout)
+    w2.to_kernel_layout(layout)
 
 
 def moe_experts_triton(x, expert_ids, expert_weights, w13, w2, first_expert: int) -> torch.Tensor:
     """The registry's ("moe_experts", "triton") backend: like moe_experts_torch, but w13 / w2 are
-    the model's NVFP4 ExpertStacks (model/expert_stack.py), read in their quantised layout (re-laid
-    out on the first call where RELAYOUT_STACKS is set)."""
+    the model's NVFP4 ExpertStacks (model/expert_stack.py), read in their quantised layout (put in
+    STACK_LAYOUT on the first call, when the runner has not done so at load)."""
     if w13.precision != NVFP4 or w2.precision != NVFP4:
         raise ValueError(f"the triton MoE backend runs NVFP4 experts, got {w13.precision}/{w2.precision}")
-    if RELAYOUT_STACKS:
-        w13.to_kernel_layout()
-        w2.to_kernel_layout()
+    stacks_to_kernel_layout(w13, w2)
     if w13.kernel_layout != w2.kernel_layout:
-        raise ValueError("w13 and w2 are in different layouts")
-    relayout = w13.kernel_layout
+        raise ValueError(f"w13 and w2 are in different layouts ({w13.kernel_layout}, {w2.kernel_layout})")
+    layout = w13.kernel_layout
+    relayout = layout != "checkpoint"
     s13, s2 = (
-        (w13.weight_scale, w2.weight_scale)
-        if not relayout
-        else (w13.weight_scale.view(torch.uint8), w2.weight_scale.view(torch.uint8))
+        (w13.weight_scale.view(torch.uint8), w2.weight_scale.view(torch.uint8))
+        if relayout
+        else (w13.weight_scale, w2.weight_scale)
     )
     return moe_experts_nvfp4_triton(
         x, expert_ids, expert_weights,
         w13.weight, s13, w13.weight_scale_2,
         w2.weight, s2, w2.weight_scale_2,
-        first_expert, relayout=relayout,
+        first_expert, relayout=relayout, tiled=layout == "tiled",
     )  # fmt: skip

@@ -17,7 +17,8 @@ MoE calls it for the experts that received tokens, a bounded number at a time.
 
 NVFP4 stacks can be re-laid out in place for the W4A16 MoE kernel (to_kernel_layout, see
 quant.nvfp4.relayout_nvfp4: the same bytes, codes in another order within each 16-input group and
-scales re-encoded); dense() reads either layout, so the torch reference stays exact.
+scales re-encoded; "tiled" then also stores each 16 rows x 256 inputs contiguously,
+quant.nvfp4.tile_nvfp4); dense() reads every layout, so the torch reference stays exact.
 """
 
 from __future__ import annotations
@@ -27,12 +28,25 @@ from torch import nn
 
 from ..kernels.quant import BF16, FP8_BLOCK, NVFP4, dequantize_fp8_block, dequantize_nvfp4, module_tensors
 from ..kernels.quant.fp8_block import FP8_BLOCK as FP8_BLOCK_SIZE
-from ..kernels.quant.nvfp4 import NVFP4_GROUP_SIZE, relayout_nvfp4, unrelayout_nvfp4
+from ..kernels.quant.nvfp4 import (
+    NVFP4_GROUP_SIZE,
+    TILE_K,
+    TILE_ROWS,
+    relayout_nvfp4,
+    tile_nvfp4,
+    unrelayout_nvfp4,
+    untile_nvfp4,
+)
 from .linear import empty_param
 
 
 def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
+
+
+# Layouts of an NVFP4 stack's bytes (kernel_layout): as on disk, re-laid out for the W4A16 kernel,
+# or re-laid out and then tiled.
+CHECKPOINT, RELAYOUT, TILED = "checkpoint", "relayout", "tiled"
 
 
 class ExpertStack(nn.Module):
@@ -43,7 +57,7 @@ class ExpertStack(nn.Module):
         super().__init__()
         self.precision, self.parts, self.rows, self.in_features = precision, parts, rows, in_features
         self.dtype = dtype
-        self.kernel_layout = False  # NVFP4 codes and scales re-laid out for the MoE kernel
+        self.kernel_layout = CHECKPOINT  # or RELAYOUT / TILED: NVFP4 bytes re-laid out for the MoE kernel
         out = len(parts) * rows
         if precision == BF16:
             self.weight = empty_param([num_local, out, in_features], dtype, device)
@@ -83,27 +97,44 @@ class ExpertStack(nn.Module):
         """Names that may be present on disk for one expert and are read past (NVFP4 input_scale)."""
         return [f"{expert_prefix}{part}.{s}" for part in self.parts for s in module_tensors(self.precision)[1]]
 
+    def can_tile(self) -> bool:
+        """Whether the stack is whole tiles of TILE_ROWS rows (in every part) x TILE_K inputs."""
+        return self.precision == NVFP4 and self.rows % TILE_ROWS == 0 and self.in_features % TILE_K == 0
+
     @torch.no_grad()
-    def to_kernel_layout(self) -> None:
-        """Re-lay out NVFP4 codes and block scales in place, a few experts at a time (no second
-        copy of the stack); nothing to do for other precisions or when done already. Not inside a
-        CUDA graph capture (the capture would replay it)."""
-        if self.precision != NVFP4 or self.kernel_layout:
+    def to_kernel_layout(self, layout: str = RELAYOUT) -> None:
+        """Re-lay out NVFP4 codes and block scales in place (layout RELAYOUT or TILED), a few experts
+        at a time (no second copy of the stack); nothing to do for other precisions or when the
+        stack has left the checkpoint layout already. Not inside a CUDA graph capture (the capture
+        would replay it)."""
+        if layout not in (RELAYOUT, TILED):
+            raise ValueError(f"unknown kernel layout {layout!r}")
+        if self.precision != NVFP4 or self.kernel_layout != CHECKPOINT:
             return
+        if layout == TILED and not self.can_tile():
+            raise ValueError(f"{self.rows} rows x {self.in_features} inputs are not whole {TILE_ROWS} x {TILE_K} tiles")
         if self.weight.is_cuda and torch.cuda.is_current_stream_capturing():
             raise RuntimeError("re-lay out the NVFP4 experts before capturing a CUDA graph")
         n = self.weight.shape[0]
         step = max(1, 32768 // self.weight.shape[1])  # about 32K rows a call (fewer, larger launches)
         for e in range(0, n, step):
             w, s = relayout_nvfp4(self.weight[e : e + step], self.weight_scale[e : e + step])
+            if layout == TILED:
+                w, s = tile_nvfp4(w, s)
             self.weight[e : e + step].copy_(w)
             self.weight_scale[e : e + step].view(torch.uint8).copy_(s)
-        self.kernel_layout = True
+        self.kernel_layout = layout
 
     def nvfp4_checkpoint_layout(self, local_ids, rows) -> tuple[torch.Tensor, torch.Tensor]:
-        """Codes and block scales of the listed experts' rows in the checkpoint layout."""
+        """Codes and block scales of the listed experts' rows in the checkpoint layout (rows: one
+        part's, which in the tiled layout are whole tile rows since can_tile held)."""
         w, s = self.weight[local_ids, rows], self.weight_scale[local_ids, rows]
-        return unrelayout_nvfp4(w, s.view(torch.uint8)) if self.kernel_layout else (w, s)
+        if self.kernel_layout == CHECKPOINT:
+            return w, s
+        s = s.view(torch.uint8)
+        if self.kernel_layout == TILED:
+            w, s = untile_nvfp4(w, s)
+        return unrelayout_nvfp4(w, s)
 
     def dense(self, local_ids: torch.Tensor) -> torch.Tensor:
         """Weights of the listed local experts, dequantised: [len(local_ids), P*R, in] in self.dtype."""

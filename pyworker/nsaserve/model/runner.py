@@ -119,14 +119,12 @@ class ModelRunner:
     def _experts_to_kernel_layout(self) -> None:
         """The Triton MoE reads NVFP4 stacks re-laid out for it: done here, once, at load, so that
         no forward pays (or synchronises for) it and no CUDA graph capture meets it."""
-        from ..kernels.triton_moe_w4a16 import RELAYOUT_STACKS
+        from ..kernels.triton_moe_w4a16 import stacks_to_kernel_layout
 
-        if not RELAYOUT_STACKS:
-            return
         for layer in self.model.model.layers:
-            for stack in (getattr(layer.mlp, "w13", None), getattr(layer.mlp, "w2", None)):
-                if stack is not None and hasattr(stack, "to_kernel_layout"):
-                    stack.to_kernel_layout()
+            w13, w2 = getattr(layer.mlp, "w13", None), getattr(layer.mlp, "w2", None)
+            if w13 is not None and w2 is not None and hasattr(w13, "to_kernel_layout"):
+                stacks_to_kernel_layout(w13, w2)
 
     @torch.no_grad()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
