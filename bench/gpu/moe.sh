@@ -2,7 +2,8 @@
 # Triton NVFP4 MoE on one CUDA GPU: its CUDA tests (GLM-5 shapes in both weight layouts, CUDA-graph
 # replay, every code and scale through the re-laid-out path), then bench/kernels/bench_moe.py: the
 # checkpoint layout, the re-laid-out one (the default) and the re-laid-out one in tiles side by side
-# at every batch, then a sweep at batch 1 (split-K gate/up, the down blocks). Writes $OUT/moe/{log.txt,results.json}; about 110 s.
+# at every batch, then a sweep at batch 1 (split-K gate/up, the down blocks), then the align step
+# alone both ways (one launch, chunked) from 256 to 16384 tokens. Writes $OUT/moe/{log.txt,results.json}; about 125 s.
 # Usage (from the repository root, nsaserve importable): OUT=dir bash bench/gpu/moe.sh
 set -uo pipefail
 out="${OUT:?set OUT}/moe"
@@ -18,10 +19,11 @@ t=tests/kernels/test_triton_moe.py
   # Every code and scale through the re-laid-out inline assembly; split-K gate/up; the model's
   # triton backend re-laying out its stacks in place against the torch reference.
   timeout 26 python3 -m pytest -q -p no:cacheprovider "$t" tests/model/test_triton_moe_model.py \
-    -k "relayout or split_k or tiled" 2>&1 | tail -4
+    -k "relayout or split_k or tiled or align or layout" 2>&1 | tail -4
   echo "relayout/split-K/model tests exit: ${PIPESTATUS[0]}"
-  PYTHONPATH="$PYTHONPATH:bench/kernels" timeout 60 python3 bench/kernels/bench_moe.py --out "$tmp" \
-    --batches 1,64,256,1024 --sweep 1 --torch-batches "" --partial "$out/results.json" 2>&1
+  PYTHONPATH="$PYTHONPATH:bench/kernels" timeout 75 python3 bench/kernels/bench_moe.py --out "$tmp" \
+    --batches 1,64,256,1024 --sweep 1 --torch-batches "" --align 256,512,1024,2048,16384 \
+    --partial "$out/results.json" 2>&1
   echo "bench exit: $?"
 } > "$log" 2>&1
 cp "$tmp"/*.json "$out/results.json" 2>/dev/null

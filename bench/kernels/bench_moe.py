@@ -1,7 +1,7 @@
 """Triton NVFP4 W4A16 MoE (routed experts of one layer) at GLM-5 shapes on one GPU.
 
     PYTHONPATH=pyworker python bench/kernels/bench_moe.py [--out bench/results] [--batches 1,64,256,1024]
-        [--sweep 1,256] [--partial PATH]
+        [--sweep 1,256] [--align 256,512,1024,2048,16384] [--partial PATH]
 
 Hidden 6144, 256 experts (all on this GPU), top-8, intermediate 2048, random NVFP4 weights and
 uniform random routing. Times are CUDA-graph replays of moe_experts_nvfp4_triton (align, gate/up +
@@ -10,7 +10,8 @@ the layer must read: every expert that received a token, 21.23 MB each (codes, b
 globals), plus the activations and the output, over the copy bandwidth measured in the same run
 (bytes read + written by a 2 GiB copy). torch_us is the model's torch path (dequantise the
 experts with tokens, then per-expert bf16 matmuls) called eagerly. --sweep also times other block
-configurations at the listed batches.
+configurations at the listed batches; --align times the layout step alone, the one-launch align
+against the chunked one.
 Targets: batch 1 <= 50 us, batch 64 <= 1.4 ms, batch 256 <= 1.6 ms, >= 80% of copy bandwidth.
 """
 
@@ -78,7 +79,16 @@ def torch_path_us(x, ids, weights, w13, w2) -> float:
     return e0.elapsed_time(e1) / 3 * 1e3
 
 
-KERNELS = ("_moe_align_kernel", "_moe_gate_up_kernel", "_moe_down_kernel", "_moe_sum_kernel")
+# Profiler names -> breakdown column; the chunked align's three kernels add up into align_us.
+KERNELS = {
+    "_moe_align_kernel": "align_us",
+    "_moe_align_count_kernel": "align_us",
+    "_moe_align_runs_kernel": "align_us",
+    "_moe_align_place_kernel": "align_us",
+    "_moe_gate_up_kernel": "gate_up_us",
+    "_moe_down_kernel": "down_us",
+    "_moe_sum_kernel": "sum_us",
+}
 
 
 def kernel_breakdown(call, reps: int = 5) -> dict:
@@ -94,10 +104,10 @@ def kernel_breakdown(call, reps: int = 5) -> dict:
             torch.cuda.synchronize()
         out = {}
         for evt in prof.key_averages():
-            for k in KERNELS:
-                if k in evt.key:
+            for k, col in KERNELS.items():
+                if k in evt.key:  # no name is part of another
                     total = getattr(evt, "device_time_total", None) or getattr(evt, "cuda_time_total", 0.0)
-                    out[k.strip("_").replace("_kernel", "_us")] = total / reps
+                    out[col] = out.get(col, 0.0) + total / reps
         return out
     except Exception as e:  # the breakdown is extra information; never fail the benchmark over it
         return {"breakdown_error": f"{type(e).__name__}: {str(e)[:120]}"}
@@ -191,12 +201,37 @@ def run_batch(batch, stacks, gen, copy_bps, sweep, with_torch, rows, save):
         save()
 
 
+def run_align(batches, gen, rows, save):
+    """The layout step alone at each batch: the one-launch align (O(experts x slots)) against the
+    chunked one (O(slots + experts x chunks)); tm.ALIGN_CHUNKED_FROM picks between them."""
+    for batch in batches:
+        sets = []
+        for _ in range(ROUTINGS):
+            ids, _ = routing(batch, gen)
+            sets.append((torch.randn(batch, HIDDEN, generator=gen, device="cuda").to(torch.bfloat16), ids))
+        preset = tm.prompt_preset(batch * TOP_K, EXPERTS)
+        block_m = preset[0] if preset else tm.pick_block_m(batch * TOP_K, EXPERTS)
+        nblocks = tm.max_blocks(batch * TOP_K, EXPERTS, block_m)
+        for name, chunked in (("align one launch", False), ("align chunked", True)):
+            calls = [functools.partial(tm._align, x, ids, 0, EXPERTS, block_m, nblocks, 256, chunked) for x, ids in sets]
+            try:
+                us = graph_time_us(calls)
+            except Exception as e:
+                rows.append({"batch": batch, "variant": name, "error": f"{type(e).__name__}: {str(e)[:200]}"})
+            else:
+                rows.append({"batch": batch, "variant": name, "block_m": block_m, "align_us": us,
+                             "default": chunked == (batch * TOP_K >= tm.ALIGN_CHUNKED_FROM)})  # fmt: skip
+            print(rows[-1], flush=True)
+            save()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--batches", default="1,64,256,1024")
     ap.add_argument("--sweep", default="", help="batches that also time other block configurations")
     ap.add_argument("--torch-batches", default="1,64,256", help="batches that also time the torch path")
+    ap.add_argument("--align", default="", help="batches that time the align step alone, both ways")
     ap.add_argument(
         "--partial", default=None, help="JSON file rewritten after each batch (kept if the run is cut short)"
     )
@@ -226,6 +261,7 @@ def main() -> None:
     for batch, sweep in cases:
         with_torch = batch in torch_batches and not sweep
         run_batch(batch, stacks, gen, ceilings["copy_TBps"] * 1e12, sweep, with_torch, rows, save)
+    run_align([int(b) for b in args.align.split(",") if b], gen, rows, save)
     cols = [
         "batch",
         "variant",
@@ -255,6 +291,9 @@ def main() -> None:
     print(f"copy {ceilings['copy_TBps']:.2f} TB/s, bf16 matmul {ceilings['bf16_TFLOPs']:.0f} TFLOP/s")
     if any("us" in r for r in rows):
         print_table([r for r in rows if "us" in r], cols)
+    if any(r["variant"].startswith("align ") and "align_us" in r for r in rows):
+        print_table([r for r in rows if r["variant"].startswith("align ") and "align_us" in r],
+                    ["batch", "variant", "block_m", "align_us", "default"])  # fmt: skip
 
 
 if __name__ == "__main__":

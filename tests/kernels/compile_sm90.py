@@ -116,6 +116,28 @@ def moe_cases():
             HIDDEN=6144, BLOCK_K=256, INTERPRET=False,
         )  # fmt: skip
         yield f"moe align block_m={block_m}", tw._moe_align_kernel, sig, consts, 4
+    # The chunked align for prompt-sized steps (an in-register sort of 1024 keys, an atomic count).
+    count_sig = {
+        "ids_ptr": "*i64", "chunk_count_ptr": "*i32", "chunk_before_ptr": "*i32", "total_ptr": "*i32", "x_ptr": "*bf16",
+        "xp_ptr": "*bf16", "n_slots": "i32", "first_expert": "i32", "num_local": "i32", "n_chunks": "i32",
+    }  # fmt: skip
+    chunk = dict(E_P2=512, SLOT_CHUNK=tw.ALIGN_SLOT_CHUNK)
+    yield "moe align count", tw._moe_align_count_kernel, count_sig, dict(**chunk, HIDDEN=6144, BLOCK_K=256), 4
+    runs_sig = {
+        "total_ptr": "*i32", "chunk_count_ptr": "*i32", "chunk_before_ptr": "*i32", "chunk_base_ptr": "*i32",
+        "sorted_slot_ptr": "*i32", "block_expert_ptr": "*i32", "n_chunks": "i32", "max_blocks": "i32",
+        "expert_block_chunks": "i32", "block_chunks": "i32", "chunk_blocks": "i32",
+    }  # fmt: skip
+    for block_m in (64, 128):
+        consts = dict(
+            E_P2=512, BLOCK_M=block_m, CHUNK=256, EXPERT_BLOCK_CHUNKS=0, BLOCK_CHUNKS=0, CHUNK_BLOCKS=0, INTERPRET=False
+        )
+        yield f"moe align runs block_m={block_m}", tw._moe_align_runs_kernel, runs_sig, consts, 4
+    place_sig = {
+        "ids_ptr": "*i64", "chunk_base_ptr": "*i32", "sorted_slot_ptr": "*i32", "n_slots": "i32",
+        "first_expert": "i32", "num_local": "i32",
+    }  # fmt: skip
+    yield "moe align place", tw._moe_align_place_kernel, place_sig, chunk, 4
 
 
 def main() -> int:

@@ -359,13 +359,13 @@ def test_glm5_shapes_match_reference(glm5_stacks, glm5_relaid, glm5_tiled, num_t
 
 
 @pytest.mark.skipif(not CUDA, reason="CUDA graphs need CUDA")
-@pytest.mark.parametrize("relayout", [False, True])
-def test_cuda_graph_replays_new_routing(request, glm5_stacks, relayout):
-    """Captured once for 16 tokens, replayed with other inputs and other routings."""
+@pytest.mark.parametrize("relayout,t", [(False, 16), (True, 16), (True, 600)])  # 600 x 8 slots: the chunked align
+def test_cuda_graph_replays_new_routing(request, glm5_stacks, relayout, t):
+    """Captured once for t tokens, replayed with other inputs and other routings."""
     w13, w2 = glm5_stacks
     k13, k2 = request.getfixturevalue("glm5_relaid") if relayout else glm5_stacks
     gen = torch.Generator().manual_seed(5)
-    t, h = 16, GLM5["hidden"]
+    h = GLM5["hidden"]
     x = torch.randn(t, h, generator=gen).to("cuda", torch.bfloat16)
     ids, weights = route(t, GLM5["num_experts"], GLM5["top_k"], gen, "cuda")
     run = functools.partial(tm.moe_experts_nvfp4_triton, relayout=relayout)
@@ -437,3 +437,48 @@ def test_align_layout():
             assert slots[row : row + run].tolist() == mine + [-1] * (run - len(mine))
             row += run
     assert row == sum(-(-int((local == x).sum()) // bm) * bm for x in range(e))
+
+
+@pytest.mark.parametrize(
+    "num_tokens,top_k,num_experts,first_expert,num_local,skew,slot_chunk",
+    [
+        (700, 4, 24, 8, 12, True, 1024),  # 2800 slots: two whole chunks and a partial one
+        (300, 8, 40, 0, 40, False, 64),  # every expert local, 38 chunks
+        (50, 2, 16, 4, 4, True, 16),  # few local slots: empty chunks and experts with no slot
+        (1, 8, 16, 0, 16, False, 1024),
+    ],
+)
+def test_chunked_align_equals_per_expert_align(
+    monkeypatch, num_tokens, top_k, num_experts, first_expert, num_local, skew, slot_chunk
+):
+    """The chunked align (three launches, for prompt-sized steps) lays out exactly what the
+    one-launch align does: the same blocks, the same slots in the same order, the same padding and
+    the same permuted activations."""
+    monkeypatch.setattr(tm, "ALIGN_SLOT_CHUNK", slot_chunk)
+    gen = torch.Generator().manual_seed(num_tokens + slot_chunk)
+    ids, _ = route(num_tokens, num_experts, top_k, gen, skew=skew)
+    x = torch.randn(num_tokens, 256, generator=gen).to(DEV)
+    for block_m in (16, 64):
+        nblocks = tm.max_blocks(ids.numel(), num_local, block_m)
+        one = tm._align(x, ids, first_expert, num_local, block_m, nblocks, 128, chunked=False)
+        chunked = tm._align(x, ids, first_expert, num_local, block_m, nblocks, 128, chunked=True)
+        blocks = one[1].cpu()
+        assert torch.equal(chunked[1].cpu(), blocks)
+        used = torch.nonzero(blocks >= 0).flatten()
+        rows = (used[:, None] * block_m + torch.arange(block_m)).flatten()
+        assert torch.equal(chunked[0].cpu()[rows], one[0].cpu()[rows])
+        assert torch.equal(chunked[2], one[2])
+        local = ((ids.flatten().cpu() >= first_expert) & (ids.flatten().cpu() < first_expert + num_local)).sum()
+        assert int((one[0].cpu()[rows] >= 0).sum()) == int(local)
+
+
+def test_chunked_align_whole_path_matches_reference(monkeypatch):
+    monkeypatch.setattr(tm, "ALIGN_CHUNKED_FROM", 1)
+    monkeypatch.setattr(tm, "ALIGN_SLOT_CHUNK", 32)
+    gen = torch.Generator().manual_seed(77)
+    e, h, i, k = TINY["num_experts"], TINY["hidden"], TINY["inter"], TINY["top_k"]
+    w13, w2 = quantized_stacks(e, h, i, gen)
+    x = torch.randn(45, h, generator=gen).to(DEV, torch.bfloat16)
+    ids, weights = route(45, e, k, gen, skew=True)
+    out = tm.moe_experts_nvfp4_triton(x, ids, weights, *w13, *w2, 0, config=TINY_CFG)
+    assert rel_err(out, reference(x, ids, weights, w13, w2, 0)) < TOL
