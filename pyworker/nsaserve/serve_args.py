@@ -111,7 +111,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="each worker finishes step N (its tokens back on the host) before launching step N+1; by default "
         "it launches N+1 first (the next plan's references to N's tokens resolved on the device), hiding the "
-        "host work between steps. The pipeline is not used with --enable-dp-attention",
+        "host work between steps",
     )
     w.add_argument("--heartbeat-timeout", type=float, default=5.0, help="a worker silent this long is declared dead")
     w.add_argument(

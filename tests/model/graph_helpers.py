@@ -4,11 +4,14 @@ logits of the plan's own batch over random decode batches."""
 
 import os
 import random
+from dataclasses import replace
 
+import numpy as np
 import torch
 from model_helpers import VOCAB, Session, rel_err
 
 from nsaserve.model.runner import ModelRunner
+from nsaserve.worker.batch import InputPatch
 
 
 def graph_runner(path, device, dtype=torch.float32, kv="auto", backends=(), **tp):
@@ -34,7 +37,9 @@ def compare_graph_to_eager(r, graphs, steps, exact, seed=None, dp_size=1):
     logits to rounding and the same argmax everywhere. bf16: matmuls over the padded batch may
     round differently from those over the real rows (another M), so logits agree to bf16
     precision and argmaxes nearly always. Returns the graphs' logits, concatenated.
-    dp_size > 1 (data-parallel attention): the requests alternate between the ranks."""
+    dp_size > 1 (data-parallel attention): the requests alternate between the ranks. Each step
+    runs once more with some input tokens left wrong in the plan and patched on the device (the
+    worker pipeline's references): graph and eager forward both give the same logits again."""
     assert graphs.bs_buckets == [1, 2, 4, 8] and graphs.len_buckets == [128]
     rng = random.Random(int.from_bytes(os.urandom(4), "little") if seed is None else seed)
     s = Session(r, seed=rng.randrange(100), dp_size=dp_size)
@@ -51,6 +56,12 @@ def compare_graph_to_eager(r, graphs, steps, exact, seed=None, dp_size=1):
         want = r.forward_plan(plan)
         assert got.shape == want.shape == (len(work), r.vocab_size)
         assert rel_err(got, want) < (1e-4 if exact else 3e-2), work
+        at = np.array(sorted(rng.sample(range(len(work)), max(1, len(work) // 2))), dtype=np.int64)
+        wrong = replace(plan, input_ids=plan.input_ids.copy())
+        wrong.input_ids[at] = (plan.input_ids[at] + 1) % VOCAB
+        patch = InputPatch(at, torch.from_numpy(plan.input_ids[at].astype(np.int64)).to(r.device))
+        assert torch.equal(graphs.run(wrong, patch), got), work
+        assert torch.equal(r.forward_plan(wrong, patch), want), work
         same += int((got.argmax(-1) == want.argmax(-1)).sum())
         rows += len(work)
         for rid, toks in work:

@@ -59,10 +59,11 @@ def pages(i: int) -> list[int]:
     return [8 * i + p for p in range(8)]
 
 
-def plans() -> list[bytes]:
+def plans(pages=pages) -> list[bytes]:
     """A prompt step, then decode steps whose inputs reference the previous step's rows (rows
     reordered every step), with a bad reference, a request asking for logprobs and a prompt
-    joining midway; each run writes the same pages, so the two loops start from equal caches."""
+    joining midway; each run writes the same pages, so the two loops start from equal caches.
+    pages(i): request i's pages."""
     prompts = {1: [5, 6, 7], 2: [9, 8], 3: [1, 2, 3, 4, 5]}
     out = [build_plan(1, PAGE, [RequestSpec(i, p, 0, pages(i)) for i, p in prompts.items()])]
     lens = {i: len(p) for i, p in prompts.items()}
@@ -96,9 +97,9 @@ def summary(data: bytes):
     return msg["step"], sorted(zip(ids, toks, lps)), sorted(tuple(e) for e in msg["errors"])
 
 
-def sequential(executor) -> list:
-    prev = PrevStep(is_rank0=True)
-    return [summary(run_plan(data, executor, True, prev)[0].encode()) for data in plans()]
+def sequential(executor, is_rank0=True, pages=pages) -> list:
+    prev = PrevStep(is_rank0=is_rank0)
+    return [summary(run_plan(data, executor, is_rank0, prev)[0].encode()) for data in plans(pages)]
 
 
 class CountingExecutor:
@@ -122,12 +123,12 @@ class CountingExecutor:
         return self.quick(plan)  # default: every step launched ahead (a CPU launch is not quick)
 
 
-def pipelined(executor, plans_first: bool, quick=lambda plan: True) -> tuple[list, list]:
+def pipelined(executor, plans_first: bool, quick=lambda plan: True, is_rank0=True, pages=pages) -> tuple[list, list]:
     """plans_first: every plan is waiting from the start (a router far ahead); else the next plan
     comes only after the previous result (a router without overlap). quick: which plans launch
-    ahead of finishing the previous step."""
+    ahead of finishing the previous step. A rank other than 0 sends nothing (its list stays empty)."""
     counting = CountingExecutor(executor, quick)
-    queue = deque(plans() + [SHUTDOWN])
+    queue = deque(plans(pages) + [SHUTDOWN])
     given = deque() if plans_first else deque([queue.popleft()])
     sent = []
 
@@ -145,7 +146,7 @@ def pipelined(executor, plans_first: bool, quick=lambda plan: True) -> tuple[lis
         if not plans_first and queue:
             given.append(queue.popleft())
 
-    serve_pipelined(recv, waiting, send, counting, True, [0])
+    serve_pipelined(recv, waiting, send, counting, is_rank0, [0])
     return sent, counting.calls
 
 

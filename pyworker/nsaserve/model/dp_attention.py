@@ -123,6 +123,7 @@ class DPStep:
     tokens: list[int]  # tokens of each rank this step
     logit_rows: list[int]  # logit rows of each rank this step
     logit_order: torch.Tensor  # int64 [S]: gathered row of each logit row of the combined plan, in plan order
+    mine: np.ndarray | None = None  # bool per request of the combined plan: on this rank (local_plan's)
 
     @classmethod
     def from_plan(cls, plan: Plan, group: TPGroup, num_pages: int, device: torch.device) -> DPStep:
@@ -137,6 +138,7 @@ class DPStep:
             tokens=tokens,
             logit_rows=rows,
             logit_order=upload(order, device),
+            mine=ranks == group.rank,
         )
 
     @property

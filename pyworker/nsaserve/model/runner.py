@@ -139,13 +139,15 @@ class ModelRunner:
         """One validated plan -> the logits of its logit rows, in plan order, on every rank. Under
         data-parallel attention the plan is the combined one (global page ids and slots); this rank
         runs attention on its own requests and every collective of the step. patch: input tokens
-        already on the device (worker/batch.InputPatch; not under data-parallel attention)."""
+        already on the device (worker/batch.InputPatch, indexing the plan's input_ids; under
+        data-parallel attention each rank applies the part of its own requests)."""
         if not self.dp_attention:
             return self.forward(build_forward_batch(plan, self.device, patch))
-        if patch is not None:
-            raise ValueError("device input patches are not supported under data-parallel attention")
         if plan.page_size != self.page_size:
             raise ValueError(f"plan page_size {plan.page_size} != pool page_size {self.page_size}")
         dp = DPStep.from_plan(plan, self.tp, self.num_pages, self.device)
-        batch = build_forward_batch(dp.local_plan, self.device) if dp.local_plan.num_reqs else None
+        batch = None
+        if dp.local_plan.num_reqs:
+            local_patch = patch.for_requests(plan, dp.mine) if patch is not None else None
+            batch = build_forward_batch(dp.local_plan, self.device, local_patch)
         return self.model(batch, self.pool, dp)

@@ -124,6 +124,20 @@ class InputPatch:
         index = upload(self.token_index, input_ids.device)
         input_ids.index_copy_(0, index, self.tokens.to(input_ids.dtype))
 
+    def for_requests(self, plan: Plan, keep: np.ndarray) -> InputPatch | None:
+        """The patch of select(plan, keep)'s input_ids, or None when it has nothing to patch
+        (data-parallel attention: each rank runs its own requests, in plan order, as a plan of
+        their own). A kept request's tokens sit at its start in the sub-plan plus their offset."""
+        qs = plan.query_start.astype(np.int64)
+        req = np.searchsorted(qs, self.token_index, side="right") - 1
+        mine = keep[req]
+        if not mine.any():
+            return None
+        kept_len = np.where(keep, np.diff(qs), 0)
+        sub_start = np.cumsum(kept_len) - kept_len
+        index = self.token_index[mine] - qs[req[mine]] + sub_start[req[mine]]
+        return InputPatch(index, self.tokens.index_select(0, upload(np.flatnonzero(mine), self.tokens.device)))
+
 
 def build_forward_batch(plan: Plan, device: torch.device, patch: InputPatch | None = None) -> ForwardBatch:
     """Stages the plan, then expands the page table into per-position slots on the device

@@ -282,11 +282,9 @@ class DecodeGraphs:
     def run(self, plan: Plan, patch=None) -> torch.Tensor:
         """Logits float32 [num_reqs, vocab] of a plan that fits, in plan order (a fresh tensor).
         patch: input tokens already on the device (worker/batch.InputPatch); a decode plan's token
-        i is request i, which the static layout keeps at input_ids[i] (not under data-parallel
-        attention, whose layout groups requests by rank)."""
+        i is request i, which the static layout keeps at input_ids[i] (under data-parallel
+        attention the layout holds this rank's requests, so the patch is cut to those)."""
         ranks = self._ranks(plan)
-        if patch is not None and ranks is not None:
-            raise ValueError("device input patches are not supported under data-parallel attention")
         g = self._pick(plan, ranks)
         k = self.turn
         self.turn ^= 1
@@ -299,6 +297,8 @@ class DecodeGraphs:
             mine = local_plan(plan, ranks, self.runner.tp.rank, self.runner.num_pages)
             index = ranks * g.bs + before_in_rank(ranks, np.ones(len(ranks), dtype=np.int64), self.dp)
             order = upload(index, self.runner.device)
+            if patch is not None:
+                patch = patch.for_requests(plan, ranks == self.runner.tp.rank)
         self._pack(self.staging[k][: g.words].numpy(), g, mine)
         self.static[: g.words].copy_(self.staging[k][: g.words], non_blocking=True)
         if patch is not None:

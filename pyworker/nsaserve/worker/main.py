@@ -76,7 +76,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--worker-pipeline",
         action="store_true",
-        help="launch step N+1 before step N's tokens are back (worker/pipeline.py); not under --enable-dp-attention",
+        help="launch step N+1 before step N's tokens are back (worker/pipeline.py)",
     )
     p.add_argument(
         "--enable-dp-attention",
@@ -345,7 +345,7 @@ def main(argv: list[str] | None = None) -> int:
     beat.start()
     is_rank0 = args.rank == 0
     prev = PrevStep(is_rank0)
-    pipelined = args.worker_pipeline and hasattr(executor, "launch") and getattr(executor, "dp_size", 1) == 1
+    pipelined = args.worker_pipeline and hasattr(executor, "launch")
     try:
         if pipelined:
             serve_pipelined(sockets.recv_plan, sockets.plan_waiting, sockets.send, executor, is_rank0, progress)

@@ -18,8 +18,8 @@ only the device has yet. Here they stay on the device:
 What the router sees is unchanged: one result per step, in order. A reference is checked on the
 host as before (it must name a row of the previous step that samples for the same request); a bad
 one fails its request alone. Steps that return logprobs are finished before the next launch (their
-copies back are several). Not used under data-parallel attention (its decode graphs reorder the
-requests by rank), nor by executors without launch/finish (the null executor).
+copies back are several). Under data-parallel attention each rank patches the inputs of its own
+requests (InputPatch.for_requests). Not used by executors without launch/finish (the null executor).
 """
 
 from __future__ import annotations
