@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Small-op kernels and CUDA-graph decode on one GPU: the CUDA tests, then the two benchmarks.
+# Small-op kernels (and the router logits) and CUDA-graph decode on one GPU: the CUDA tests, then the two benchmarks.
 # Usage (repository root, nsaserve importable): OUT=dir bash bench/gpu/fused.sh   (at most ~140 s)
 # Writes $OUT/fused/log.txt (test output, markdown tables) and $OUT/fused/results.json.
 set -uo pipefail
@@ -14,11 +14,12 @@ python3 -c 'import torch; print(torch.__version__, torch.cuda.get_device_name(0)
 timeout "$(within 45)" python3 -m pytest -q -p no:cacheprovider tests/model/test_cuda_graphs.py \
   tests/kernels/test_graph_safe_references.py > "$tmp/pytest.txt" 2>&1
 echo "pytest (graphs) exit $?" >> "$tmp/pytest.txt"
-timeout "$(within 35)" python3 -m pytest -q -p no:cacheprovider tests/kernels/test_triton_small_ops.py >> "$tmp/pytest.txt" 2>&1
+timeout "$(within 35)" python3 -m pytest -q -p no:cacheprovider tests/kernels/test_triton_small_ops.py \
+  tests/kernels/test_router_logits.py >> "$tmp/pytest.txt" 2>&1
 echo "pytest (small ops) exit $?" >> "$tmp/pytest.txt"
 cat "$tmp/pytest.txt" >> "$log"
 
-timeout "$(within 32)" python3 bench/kernels/bench_small_ops.py --out "$tmp" --tokens 1,64,4096 > "$tmp/small_ops.txt" 2>&1
+timeout "$(within 32)" python3 bench/kernels/bench_small_ops.py --out "$tmp" --tokens 1,64,4096,16384 > "$tmp/small_ops.txt" 2>&1
 echo "bench_small_ops exit $?" >> "$tmp/small_ops.txt"
 timeout "$(within 28)" python3 bench/kernels/bench_decode_graphs.py --out "$tmp" --batches 1,8,32,64 > "$tmp/graphs.txt" 2>&1
 echo "bench_decode_graphs exit $?" >> "$tmp/graphs.txt"

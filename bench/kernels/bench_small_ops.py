@@ -1,5 +1,6 @@
-"""Triton small ops (RMSNorm + residual, RoPE, KV-cache stores with FP8 quantisation) against
-their torch references, at GLM-5 shapes on one GPU.
+"""Triton small ops (RMSNorm + residual, RoPE, KV-cache stores with FP8 quantisation) and the MoE
+router's logits on the tensor cores ("bf16x3") against their torch references, at GLM-5 shapes on
+one GPU.
 
     PYTHONPATH=pyworker python bench/kernels/bench_small_ops.py [--out bench/results] [--tokens 1,64,1024,16384]
 
@@ -21,15 +22,18 @@ from bench_common import bf16_matmul_rate, copy_bandwidth, graph_time_us, print_
 from nsaserve.kernels import kv_cache_format as fmt
 from nsaserve.kernels.registry import get_backend
 from nsaserve.kernels.rope import rope_cos_sin
+from nsaserve.kernels.router_logits import split_bf16x3
 
 HIDDEN, Q_LORA, KV_LORA, ROPE, NOPE, HEADS, IDX_HEADS, IDX_DIM = 6144, 2048, 512, 64, 192, 64, 32, 128
+EXPERTS = 256
 PAGE = 64
 L2_BYTES = 60 << 20
 BF16 = torch.bfloat16
 
 
 def cases(n: int):
-    """(name, bytes moved, make_inputs() -> args, kind); inputs built fresh per rotated set."""
+    """(name, bytes moved, make_inputs() -> args, kind[, fast backend: default "triton"]); inputs
+    built fresh per rotated set."""
     pos = lambda: torch.randint(0, 100000, (n,), device="cuda")  # noqa: E731
     inv = 1e6 ** (-torch.arange(0, ROPE, 2, dtype=torch.float32, device="cuda") / ROPE)
     cs = lambda: rope_cos_sin(pos(), inv)  # noqa: E731
@@ -71,20 +75,28 @@ def cases(n: int):
         "index_key_store fp8 132 B", n * IDX_DIM * 2 + n * 8 + n * (IDX_DIM + 4),
         lambda: (index_fp8, slots(), rnd(n, IDX_DIM), PAGE), "index_key_store",
     )  # fmt: skip
+    # The router: x bf16 against the float32 weight (torch: a float32 GEMM) or its three bf16 parts.
+    router_w = torch.randn(EXPERTS, HIDDEN, device="cuda") * HIDDEN**-0.5
+    router_split = split_bf16x3(router_w)
+    yield (
+        "router logits 256 x 6144", n * HIDDEN * 2 + router_split.numel() * 2 + n * EXPERTS * 4,
+        lambda: (rnd(n, HIDDEN), router_w, router_split), "router_logits", "bf16x3",
+    )  # fmt: skip
 
 
 def measure(n: int, copy_bps: float) -> list[dict]:
     rows = []
-    for name, nbytes, make, kind in cases(n):
+    for name, nbytes, make, kind, *fast in cases(n):
+        fast = fast[0] if fast else "triton"
         sets = max(2, min(16, math.ceil(3 * L2_BYTES / max(1, nbytes))))
         inputs = [make() for _ in range(sets)]
-        row = {"op": name, "tokens": n, "bytes": nbytes}
-        for backend in ("torch", "triton"):
+        row = {"op": name, "tokens": n, "bytes": nbytes, "fast": fast}
+        for backend, col in (("torch", "torch_us"), (fast, "fast_us")):
             fn = get_backend(kind, backend)
-            row[f"{backend}_us"] = graph_time_us([lambda a=a, fn=fn: fn(*a) for a in inputs])
-        row["speedup"] = row["torch_us"] / row["triton_us"]
-        row["GBps"] = nbytes / (row["triton_us"] * 1e-6) / 1e9
-        row["of_copy"] = nbytes / (row["triton_us"] * 1e-6) / copy_bps
+            row[col] = graph_time_us([lambda a=a, fn=fn: fn(*a) for a in inputs])
+        row["speedup"] = row["torch_us"] / row["fast_us"]
+        row["GBps"] = nbytes / (row["fast_us"] * 1e-6) / 1e9
+        row["of_copy"] = nbytes / (row["fast_us"] * 1e-6) / copy_bps
         print(row, flush=True)  # partial results survive a timeout
         rows.append(row)
         del inputs
@@ -102,10 +114,12 @@ def main() -> None:
     rows = []
     for n in (int(t) for t in args.tokens.split(",")):
         rows += measure(n, copy_bps)
-    cols = ["op", "tokens", "torch_us", "triton_us", "speedup", "GBps", "of_copy"]
+    cols = ["op", "tokens", "torch_us", "fast", "fast_us", "speedup", "GBps", "of_copy"]
     notes = (
-        "Times: median of CUDA-graph replays, rotating input sets past L2. GBps = fewest bytes "
-        "(inputs once, outputs once) / Triton time; of_copy = that / copy bandwidth of this run."
+        "Times: median of CUDA-graph replays, rotating input sets past L2. fast: the backend timed "
+        "against torch's (Triton, or bf16x3 for the router logits). GBps = fewest bytes (inputs "
+        "once, outputs once) / the fast time; of_copy = that / copy bandwidth of this run (the "
+        "router logits at many tokens are bound by the matmul rate, not by bytes)."
     )
     ceilings = {"copy_TBps": copy_bps / 1e12, "bf16_TFLOPs": bf16_matmul_rate() / 1e12}
     stem = write_results(args.name, args.out, ceilings, rows, cols, notes)

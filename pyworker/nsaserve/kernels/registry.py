@@ -20,6 +20,7 @@ from collections.abc import Callable
 #                  backend takes the two ExpertStacks (model/expert_stack.py) and reads their
 #                  checkpoint layout itself.
 #   "rmsnorm", "rope", "kv_store", "index_key_store": the small per-layer ops  (small_ops.py)
+#   "router_logits": the MoE router's float32 logits  (router_logits.py; "bf16x3" on the tensor cores)
 #   "indexer_rows": the indexer with its per-row metadata on the device (a fixed per-request KV
 #                   layout, as CUDA graphs need): the backend of the same name as "indexer"'s
 #                   serves it  (indexer_rows.py). Every "indexer" backend also takes plan=, the
@@ -30,7 +31,7 @@ _BACKENDS: dict[tuple[str, str], Callable] = {}
 
 # Modules holding the built-in torch references; imported on first lookup so that importing the
 # registry alone stays cheap and free of cycles.
-_BUILTIN_MODULES = ("sparse_mla", "indexer", "moe", "small_ops", "indexer_rows", "moe_dense")
+_BUILTIN_MODULES = ("sparse_mla", "indexer", "moe", "small_ops", "indexer_rows", "moe_dense", "router_logits")
 _builtins_loaded = False
 
 # Triton backends: (kind, name) -> "module:function". Registered only where Triton is installed,
@@ -61,6 +62,7 @@ _GRAPH_SAFE = {
     ("moe_experts", "torch_dense"), ("moe_experts", "triton"),
     ("rmsnorm", "torch"), ("rmsnorm", "triton"), ("rope", "torch"), ("rope", "triton"),
     ("kv_store", "torch"), ("kv_store", "triton"), ("index_key_store", "torch"), ("index_key_store", "triton"),
+    ("router_logits", "torch"), ("router_logits", "bf16x3"),
 }  # fmt: skip
 
 
@@ -142,6 +144,8 @@ def available(kind: str) -> list[str]:
 # against the torch references: tests/kernels/test_triton_*.py, tests/model/test_triton_backend.py);
 # torch elsewhere. A float32 model keeps torch: the kernels feed the tensor cores bf16 operands.
 AUTO_TRITON_ON_CUDA = frozenset({"attention", "indexer", "rmsnorm", "rope", "kv_store", "index_key_store"})
+# Kinds whose "auto" backend on CUDA for 16-bit models is another non-torch one.
+AUTO_OTHER_ON_CUDA = {"router_logits": "bf16x3"}
 
 
 def resolve(kind: str, name: str, device_type: str, model_bits: int = 16) -> str:
@@ -151,4 +155,6 @@ def resolve(kind: str, name: str, device_type: str, model_bits: int = 16) -> str
         return name
     if device_type == "cuda" and model_bits <= 16 and kind in AUTO_TRITON_ON_CUDA and "triton" in available(kind):
         return "triton"
+    if device_type == "cuda" and model_bits <= 16 and kind in AUTO_OTHER_ON_CUDA:
+        return AUTO_OTHER_ON_CUDA[kind]
     return "torch"

@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..kernels.router_logits import split_bf16x3
 from .linear import Linear, empty_param, stacked_weight
 
 # Most bytes of dequantised expert weights a quantised MoE materialises at once; experts with tokens
@@ -56,6 +57,16 @@ class Router(nn.Module):
         # float32 like the reference: routing decisions are sensitive to rounding.
         self.weight = empty_param([cfg.n_routed_experts, cfg.hidden_size], torch.float32, device)
         self.e_score_correction_bias = empty_param([cfg.n_routed_experts], torch.float32, device)
+        self._split = None  # the weight's bf16 parts, for the "bf16x3" logits (built on first use)
+
+    def logits(self, x, kernels) -> torch.Tensor:
+        """float32 [T, E] router logits through the "router_logits" backend."""
+        split = None
+        if kernels["router_logits"] == "bf16x3":
+            if self._split is None:  # the first forward runs eagerly, before any graph capture
+                self._split = split_bf16x3(self.weight)
+            split = self._split
+        return kernels.router_logits(x, self.weight, split)
 
 
 class MoE(nn.Module):
@@ -131,7 +142,7 @@ class MoE(nn.Module):
         """This rank's share of the output (its routed experts + its slice of the shared ones),
         before the sum over ranks."""
         c = self.cfg
-        logits = F.linear(x.float(), self.gate.weight)
+        logits = self.gate.logits(x, kernels)
         weights, ids = kernels.moe_route(
             logits, self.gate.e_score_correction_bias, c.num_experts_per_tok, c.n_group, c.topk_group,
             c.norm_topk_prob, c.routed_scaling_factor,

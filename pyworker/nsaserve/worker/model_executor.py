@@ -76,7 +76,7 @@ class ModelExecutor:
             runner.set_backend(kind, moe_backend)
         for kind in ("attention", "indexer"):
             runner.set_backend(kind, getattr(args, "attention_backend", "auto"))
-        for kind in ("rmsnorm", "rope", "kv_store", "index_key_store"):  # small ops follow the device
+        for kind in ("rmsnorm", "rope", "kv_store", "index_key_store", "router_logits"):  # small ops follow the device
             runner.set_backend(kind, "auto")
         executor = cls(runner, device, decode_graphs(runner, args))
         if getattr(args, "warmup_tokens", 0) > 0 and device.type == "cuda":
