@@ -98,6 +98,18 @@ def hf_greedy(model, prompt: list[int], steps: int) -> tuple[list[int], list[tor
     return tokens, logits
 
 
+def prompts_then_decodes(runner, lengths: tuple[int, int], decodes: int, seed: int, offset: int) -> torch.Tensor:
+    """Float32 logits (on the CPU) of two random prompts of `lengths` (every position), then
+    `decodes` steps of both requests (tokens k and k + offset), stacked."""
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in lengths]
+    session = Session(runner, seed=1)
+    out = [torch.cat(session.step(list(enumerate(prompts)), all_logits=True)).float().cpu()]
+    for k in range(decodes):
+        out.append(torch.stack(session.step([(0, [k]), (1, [k + offset])])).float().cpu())
+    return torch.cat(out)
+
+
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max())
 

@@ -3,7 +3,7 @@ sized from free memory when num_pages is not given. Skipped without a GPU."""
 
 import pytest
 import torch
-from model_helpers import VOCAB, Session, make_checkpoint, rel_err
+from model_helpers import make_checkpoint, prompts_then_decodes, rel_err
 
 from nsaserve.model.kv_pool import bytes_per_slot
 from nsaserve.model.runner import ModelRunner
@@ -12,13 +12,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 
 
 def run(runner) -> torch.Tensor:
-    g = torch.Generator().manual_seed(2)
-    prompts = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (37, 11)]
-    session = Session(runner, seed=1)
-    out = [torch.cat(session.step(list(enumerate(prompts)), all_logits=True)).cpu()]
-    for k in range(12):
-        out.append(torch.stack(session.step([(0, [k]), (1, [k + 7])])).cpu())
-    return torch.cat(out)
+    return prompts_then_decodes(runner, (37, 11), decodes=12, seed=2, offset=7)
 
 
 @pytest.mark.parametrize("model_type", ["glm_moe_dsa", "deepseek_v32"])

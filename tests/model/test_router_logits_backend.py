@@ -3,19 +3,13 @@ through the float32 reference: a bf16 GLM-5 and DeepSeek-V3.2 give the same logi
 
 import pytest
 import torch
-from model_helpers import VOCAB, Session, make_checkpoint, rel_err
+from model_helpers import make_checkpoint, prompts_then_decodes, rel_err
 
 from nsaserve.model.runner import ModelRunner
 
 
 def run(runner) -> torch.Tensor:
-    g = torch.Generator().manual_seed(5)
-    prompts = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (13, 6)]
-    session = Session(runner, seed=1)
-    out = [torch.cat(session.step(list(enumerate(prompts)), all_logits=True)).float()]
-    for k in range(3):
-        out.append(torch.stack(session.step([(0, [k]), (1, [k + 3])])).float())
-    return torch.cat(out)
+    return prompts_then_decodes(runner, (13, 6), decodes=3, seed=5, offset=3)
 
 
 @pytest.mark.parametrize("model_type", ["glm_moe_dsa", "deepseek_v32"])

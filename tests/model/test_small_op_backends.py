@@ -6,7 +6,7 @@ import os
 
 import pytest
 import torch
-from model_helpers import VOCAB, Session, make_checkpoint, rel_err
+from model_helpers import make_checkpoint, prompts_then_decodes, rel_err
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -19,13 +19,7 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def run(runner) -> torch.Tensor:
-    g = torch.Generator().manual_seed(5)
-    prompts = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (13, 6)]
-    session = Session(runner, seed=1)
-    out = [torch.cat(session.step(list(enumerate(prompts)), all_logits=True)).float().cpu()]
-    for k in range(4):
-        out.append(torch.stack(session.step([(0, [k]), (1, [k + 3])])).float().cpu())
-    return torch.cat(out)
+    return prompts_then_decodes(runner, (13, 6), decodes=4, seed=5, offset=3)
 
 
 @pytest.mark.parametrize(
