@@ -33,6 +33,10 @@ def test_bf16x3_logits_as_accurate_as_float32_and_same_routing(tokens, experts, 
     ref = get_backend("router_logits", "torch")(x, w)
     got = get_backend("router_logits", "bf16x3")(x, w, split_bf16x3(w))
     assert got.dtype == torch.float32 and got.shape == (tokens, experts)
+    if DEV == "cuda":  # the bf16 GEMM with float32 output ran, not the float32 fallback
+        from nsaserve.kernels import router_logits
+
+        assert router_logits._MM_OUT_DTYPE
     err_ref = (ref.double() - exact).abs().max().item()
     err_got = (got.double() - exact).abs().max().item()
     assert err_got <= 2 * err_ref + 1e-7 * exact.abs().max().item(), (err_got, err_ref)

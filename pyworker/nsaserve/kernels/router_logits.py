@@ -19,6 +19,8 @@ None) -> float32 [T, E]. "bf16x3" needs split (the model's Router builds it on f
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.nn.functional as F
 
@@ -42,8 +44,19 @@ def router_logits_torch(x: torch.Tensor, weight: torch.Tensor, split: torch.Tens
     return F.linear(x.float(), weight)
 
 
-# torch.mm(bf16, bf16, out_dtype=float32): a CUDA operator of recent torch versions.
+# torch.mm(bf16, bf16, out_dtype=float32): a CUDA operator of recent torch versions. Set to False
+# (with a warning, once) if it fails on this machine: the float32 GEMM then serves.
 _MM_OUT_DTYPE = hasattr(torch.ops.aten.mm, "dtype")
+
+
+def _mm_float32_out(x: torch.Tensor, split: torch.Tensor) -> torch.Tensor | None:
+    global _MM_OUT_DTYPE
+    try:
+        return torch.mm(x, split.t(), out_dtype=torch.float32)
+    except (RuntimeError, NotImplementedError, TypeError) as e:
+        _MM_OUT_DTYPE = False
+        warnings.warn(f"router logits: torch.mm(out_dtype=float32) failed ({e}); using the float32 GEMM", stacklevel=2)
+        return None
 
 
 @register("router_logits", "bf16x3")
@@ -53,9 +66,9 @@ def router_logits_bf16x3(x: torch.Tensor, weight: torch.Tensor, split: torch.Ten
     experts = weight.shape[0]
     if not x.is_cuda:  # the same parts, multiplied in float32 (what the tests check off CUDA)
         y = F.linear(x.float(), split.float())
-    elif x.dtype == torch.bfloat16 and _MM_OUT_DTYPE:
-        y = torch.mm(x, split.t(), out_dtype=torch.float32)
-    else:  # fp16 activations (the parts are bf16) or no such operator: the float32 GEMM
-        return F.linear(x.float(), weight)
+    else:
+        y = _mm_float32_out(x, split) if x.dtype == torch.bfloat16 and _MM_OUT_DTYPE else None
+        if y is None:  # fp16 activations (the parts are bf16) or no such operator: the float32 GEMM
+            return F.linear(x.float(), weight)
     # (hi + mid) + lo: the large parts first, as their sum is what the low part refines.
     return (y[:, :experts] + y[:, experts : 2 * experts]) + y[:, 2 * experts :]
