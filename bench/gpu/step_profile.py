@@ -38,9 +38,10 @@ import torch
 
 FAMILIES = [
     ("nccl", r"nccl|all_reduce|allreduce|all_gather|allgather|reduce_scatter"),
-    ("moe_experts", r"moe|w4a16|expert"),
-    ("sparse_mla", r"sparse_mla|mla|flash"),
-    ("indexer", r"indexer|index_score|fold"),
+    # The profiler names Triton's MoE kernels without their "_moe" prefix (_gate_up_kernel, ...).
+    ("moe_experts", r"moe|w4a16|expert|^_gate_up_kernel|^_down_kernel|^_align\w*_kernel|^_sum_kernel"),
+    ("sparse_mla", r"sparse_mla|mla|flash|^_combine_kernel"),
+    ("indexer", r"indexer|index_score|fold|^_logits_kernel"),
     ("topk", r"topk|top_k|radix_select|bitonic"),
     ("gemm", r"gemm|nvjet|cutlass|xmma|sm90_|cublas|matmul|addmm|^aten::mm|linear"),
     ("norm_rope", r"norm|rope|rotary"),
@@ -223,6 +224,8 @@ def _rank(rank: int, a, port: int) -> None:
                 "torch": torch.__version__,
             },
             "backends": dict(executor.runner.model.backends),
+            # Kernel switches set by environment variables (the MoE stacks' layout among them).
+            "env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("NSASERVE_")},
             "graphs": graphs is not None,
             "scenarios": results,
         }
@@ -234,7 +237,7 @@ def _rank(rank: int, a, port: int) -> None:
 
 def markdown(doc: dict) -> str:
     lines = [f"# Step profile ({doc['machine']}, {doc['date']})", "", f"Command: `{doc['command']}`", "",
-             f"Backends: {doc['backends']}", ""]  # fmt: skip
+             f"Backends: {doc['backends']}", f"Environment: {doc.get('env') or 'none'}", ""]  # fmt: skip
     fams = [f for f, _ in FAMILIES] + ["other"]
     head = "| scenario | path | first call ms | step ms (median) | pipelined step ms | kernels ms | " + " | ".join(fams) + " |"
     lines += [head, "|" + "---|" * (6 + len(fams))]

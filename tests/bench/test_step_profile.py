@@ -19,6 +19,9 @@ def test_family_names():
 
     assert family("ncclDevKernel_AllReduce_Sum_bf16_RING_LL") == "nccl"
     assert family("_moe_gate_up_w4a16_kernel") == "moe_experts"
+    for name in ("_gate_up_kernel", "_down_kernel", "_align_kernel", "_align_count_kernel", "_sum_kernel"):
+        assert family(name) == "moe_experts", name  # as the profiler names the Triton MoE kernels
+    assert family("_combine_kernel") == "sparse_mla" and family("_logits_kernel") == "indexer"
     assert family("_sparse_mla_decode_kernel") == "sparse_mla"
     assert family("nvjet_tst_128x64_64x4_1x2_h_bz_coopA_NNT") == "gemm"
     assert family("_rmsnorm_residual_kernel") == "norm_rope"
