@@ -98,8 +98,8 @@ def dense_attention(
     # ahead; math is the fallback for shapes neither takes).
     backends = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
-    num_tokens, heads, _ = q.shape
-    rank = w_uk.shape[2]
+    num_tokens, heads, qk_dim = q.shape
+    nope, rank = w_uk.shape[1], w_uk.shape[2]
     dtype = q.dtype
     o = q.new_empty(num_tokens, heads, w_uv.shape[1])
     q_by_head = q.transpose(0, 1)  # [H, T, nope + P], a view
@@ -112,14 +112,17 @@ def dense_attention(
             # (steps of a new prompt length ran 10-35 ms slower the first time on the H200).
             c, k_pe = gather_latent(latent_cache, batch.kv_slots[kv0:kv1], rank)  # [N, R], [N, P] float32
             c = c.to(dtype)
-            k_nope_all = torch.matmul(c, w_uk.transpose(1, 2))
+            # The keys as attention reads them, [H, N, nope + P]: the expansion GEMM writes the nope
+            # part in place and the shared rope part is copied beside it, instead of concatenating
+            # both per request.
+            k_all = c.new_empty(heads, kv1 - kv0, qk_dim)
+            torch.bmm(c.expand(heads, -1, -1), w_uk.transpose(1, 2), out=k_all[..., :nope])
+            k_all[..., nope:] = k_pe.to(dtype)
             v_all = torch.matmul(c, w_uv.transpose(1, 2))
-            k_pe = k_pe.to(dtype)
             for q0, q1, start, length in group:
                 at = slice(start - kv0, start - kv0 + length)
-                k = torch.cat([k_nope_all[:, at], k_pe[at].unsqueeze(0).expand(heads, -1, -1)], dim=-1)
                 out = F.scaled_dot_product_attention(
-                    q_by_head[:, q0:q1].unsqueeze(0), k.unsqueeze(0), v_all[:, at].unsqueeze(0),
+                    q_by_head[:, q0:q1].unsqueeze(0), k_all[:, at].unsqueeze(0), v_all[:, at].unsqueeze(0),
                     attn_mask=causal_lower_right(q1 - q0, length), scale=softmax_scale,
                 )  # fmt: skip
                 o[q0:q1] = out[0].transpose(0, 1)
