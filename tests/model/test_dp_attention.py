@@ -15,10 +15,8 @@ from dataclasses import replace
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 from model_helpers import Session, make_checkpoint, rel_err
-from test_tensor_parallel import MODEL_TYPES, TP_VOCAB, free_port
+from test_tensor_parallel import MODEL_TYPES, TP_VOCAB, spawn_gloo
 
 from nsaserve.model.runner import ModelRunner
 from nsaserve.protocol.messages import encode_plan
@@ -127,25 +125,19 @@ def run_scenario(runner, executor=None):
     return out
 
 
-def _worker(rank, paths, port, result_dir):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=N)
-    try:
-        for i, path in enumerate(paths):
-            runner = ModelRunner(path, tp_rank=rank, tp_size=N, dp_attention=True, **runner_kw())
-            executor = ModelExecutor(runner, runner.device)
-            assert executor.dp_size == N and executor.num_pages == P and runner.pool.num_pages == P
-            torch.save(run_scenario(runner, executor), os.path.join(result_dir, f"{i}-rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
+def _worker(rank, paths, result_dir):
+    for i, path in enumerate(paths):
+        runner = ModelRunner(path, tp_rank=rank, tp_size=N, dp_attention=True, **runner_kw())
+        executor = ModelExecutor(runner, runner.device)
+        assert executor.dp_size == N and executor.num_pages == P and runner.pool.num_pages == P
+        torch.save(run_scenario(runner, executor), os.path.join(result_dir, f"{i}-rank{rank}.pt"))
 
 
 def test_dp_attention_equals_tp1_per_rank(tmp_path):
     paths = [str(tmp_path / t) for t in MODEL_TYPES]
     for t, path in zip(MODEL_TYPES, paths):
         make_checkpoint(t, path, seed=2, vocab_size=TP_VOCAB)
-    mp.spawn(_worker, args=(paths, free_port(), str(tmp_path)), nprocs=N, join=True)
+    spawn_gloo(_worker, N, paths, str(tmp_path))
     for i, path in enumerate(paths):
         want = run_scenario(ReferenceDP(path))
         got = [torch.load(tmp_path / f"{i}-rank{r}.pt") for r in range(N)]

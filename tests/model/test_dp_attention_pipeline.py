@@ -7,10 +7,8 @@ import os
 
 import numpy as np
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 from model_helpers import make_checkpoint
-from test_tensor_parallel import TP_VOCAB, free_port
+from test_tensor_parallel import TP_VOCAB, spawn_gloo
 from test_worker_pipeline import pipelined, sequential
 
 from nsaserve.model.runner import ModelRunner
@@ -39,26 +37,20 @@ def test_a_patch_cut_to_some_requests_lands_at_their_positions():
     assert ids.tolist() == [21, 8, 8, 41]
 
 
-def _worker(rank, path, port, result_dir):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=N)
-    try:
-        runner = ModelRunner(path, device=torch.device("cpu"), dtype=torch.float32, kv_cache_dtype="auto", num_pages=P,
-                             page_size=PAGE, show_progress=False, tp_rank=rank, tp_size=N, dp_attention=True)  # fmt: skip
-        executor = ModelExecutor(runner, runner.device)
-        want = sequential(executor, rank == 0, dp_pages)
-        # Every plan waiting from the start and every launch taken ahead: the patches are used.
-        got, calls = pipelined(executor, True, is_rank0=rank == 0, pages=dp_pages)
-        torch.save((want, got, calls), os.path.join(result_dir, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
+def _worker(rank, path, result_dir):
+    runner = ModelRunner(path, device=torch.device("cpu"), dtype=torch.float32, kv_cache_dtype="auto", num_pages=P,
+                         page_size=PAGE, show_progress=False, tp_rank=rank, tp_size=N, dp_attention=True)  # fmt: skip
+    executor = ModelExecutor(runner, runner.device)
+    want = sequential(executor, rank == 0, dp_pages)
+    # Every plan waiting from the start and every launch taken ahead: the patches are used.
+    got, calls = pipelined(executor, True, is_rank0=rank == 0, pages=dp_pages)
+    torch.save((want, got, calls), os.path.join(result_dir, f"rank{rank}.pt"))
 
 
 def test_pipelined_dp_attention_sends_what_the_sequential_loop_sends(tmp_path):
     path = str(tmp_path / "m")
     make_checkpoint("glm_moe_dsa", path, seed=3, vocab_size=TP_VOCAB, confident_embedding=4.0)
-    mp.spawn(_worker, args=(path, free_port(), str(tmp_path)), nprocs=N, join=True)
+    spawn_gloo(_worker, N, path, str(tmp_path))
     want, got, calls = torch.load(tmp_path / "rank0.pt", weights_only=False)
     assert any(err for _, _, err in want), "the bad reference must fail its request"
     assert sum(len(toks) for _, toks, _ in want) > 10

@@ -8,10 +8,9 @@ checked against the checkpoint on rank 1 too.
 """
 
 import torch
-import torch.multiprocessing as mp
 from model_helpers import make_checkpoint, quantize_checkpoint, rel_err
 from safetensors.torch import load_file
-from test_tensor_parallel import TP_VOCAB, _worker, free_port, run_steps
+from test_tensor_parallel import TP_VOCAB, _worker, run_steps, spawn_gloo
 
 from nsaserve.kernels.quant import dequantize_nvfp4
 from nsaserve.model.linear import Linear
@@ -62,7 +61,7 @@ def test_quantized_tp2_equals_tp1(tmp_path):
         quantize_checkpoint(str(src), str(dst), fmt)
         paths.append(str(dst))
         check_rank1_slices(str(dst), fmt)
-    mp.spawn(_worker, args=(paths, free_port(), str(tmp_path)), nprocs=2, join=True)
+    spawn_gloo(_worker, 2, paths, str(tmp_path))
     for i, path in enumerate(paths):
         single = run_steps(path)
         r0, r1 = (torch.load(tmp_path / f"{i}-rank{r}.pt") for r in (0, 1))

@@ -32,15 +32,9 @@ def run_steps(path, **tp) -> torch.Tensor:
     return torch.cat(out)
 
 
-def _worker(rank, paths, port, result_dir):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=2)
-    try:
-        for i, path in enumerate(paths):
-            torch.save(run_steps(path, tp_rank=rank, tp_size=2), os.path.join(result_dir, f"{i}-rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
+def _worker(rank, paths, result_dir):
+    for i, path in enumerate(paths):
+        torch.save(run_steps(path, tp_rank=rank, tp_size=2), os.path.join(result_dir, f"{i}-rank{rank}.pt"))
 
 
 def free_port() -> int:
@@ -49,11 +43,27 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _in_gloo_group(rank, fn, size, port, args):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=size)
+    try:
+        fn(rank, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def spawn_gloo(fn, size: int, *args) -> None:
+    """fn(rank, *args) in `size` processes of one gloo group (one CPU thread each); fn must be a
+    module-level function (it is pickled into the processes)."""
+    mp.spawn(_in_gloo_group, args=(fn, size, free_port(), args), nprocs=size, join=True)
+
+
 def test_tp2_equals_tp1(tmp_path):
     paths = [str(tmp_path / t) for t in MODEL_TYPES]
     for t, path in zip(MODEL_TYPES, paths):
         make_checkpoint(t, path, seed=2, vocab_size=TP_VOCAB)
-    mp.spawn(_worker, args=(paths, free_port(), str(tmp_path)), nprocs=2, join=True)
+    spawn_gloo(_worker, 2, paths, str(tmp_path))
     for i, path in enumerate(paths):
         single = run_steps(path)
         r0, r1 = (torch.load(tmp_path / f"{i}-rank{r}.pt") for r in (0, 1))

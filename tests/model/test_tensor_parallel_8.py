@@ -11,10 +11,8 @@ two of them.
 import os
 
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 from model_helpers import Session, make_checkpoint, rel_err
-from test_tensor_parallel import TP_VOCAB, free_port, run_steps
+from test_tensor_parallel import TP_VOCAB, run_steps, spawn_gloo
 
 from nsaserve.model.runner import ModelRunner
 
@@ -47,23 +45,17 @@ def dp_scenario(runner) -> torch.Tensor:
     return torch.cat(out)
 
 
-def _worker(rank, path, port, result_dir):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=N)
-    try:
-        tp = run_steps(path, tp_rank=rank, tp_size=N)
-        runner = ModelRunner(path, device=torch.device("cpu"), dtype=None, num_pages=P, page_size=PAGE,
-                             show_progress=False, tp_rank=rank, tp_size=N, dp_attention=True)  # fmt: skip
-        torch.save((tp, dp_scenario(runner)), os.path.join(result_dir, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
+def _worker(rank, path, result_dir):
+    tp = run_steps(path, tp_rank=rank, tp_size=N)
+    runner = ModelRunner(path, device=torch.device("cpu"), dtype=None, num_pages=P, page_size=PAGE,
+                         show_progress=False, tp_rank=rank, tp_size=N, dp_attention=True)  # fmt: skip
+    torch.save((tp, dp_scenario(runner)), os.path.join(result_dir, f"rank{rank}.pt"))
 
 
 def test_tp8_and_dp_attention_8_equal_tp1(tmp_path):
     path = str(tmp_path / "m")
     make_checkpoint("glm_moe_dsa", path, seed=2, vocab_size=TP_VOCAB, num_attention_heads=8)
-    mp.spawn(_worker, args=(path, free_port(), str(tmp_path)), nprocs=N, join=True)
+    spawn_gloo(_worker, N, path, str(tmp_path))
     got = [torch.load(tmp_path / f"rank{r}.pt") for r in range(N)]
     want_tp = run_steps(path)
     one = ModelRunner(path, device=torch.device("cpu"), dtype=None, num_pages=N * P, page_size=PAGE, show_progress=False)
