@@ -250,6 +250,11 @@ TOPK_PREFILL = [
     ("streamed 1024 w4", 4, 1024),
     ("streamed 2048 w4", 4, 2048),
     ("streamed 2048 w8", 8, 2048),
+    # One or two warps a row: many rows per multiprocessor, each streamed from memory (the rows are
+    # 6K keys on average past the first 2K of an 8K prompt; 16 warps hold one row at a time).
+    ("streamed 1024 w1", 1, 1024),
+    ("streamed 1024 w2", 2, 1024),
+    ("streamed 512 w1", 1, 512),
 ]
 SAVE = [lambda rows: None]  # main_v3 sets: rewrites the results file with a case's rows so far
 

@@ -63,6 +63,8 @@ def indexer_cases():
     yield "topk sampled", tk._topk_sampled_kernel, sig_s, consts, 8
     consts = dict(SUB=2048, SAMPLES=256, MARGIN=16, CAND=1024, BITS=4, WTILES=1, NSUB=4)
     yield "topk streamed", tk._topk_streamed_kernel, sig_s, consts, 4
+    consts = dict(SUB=1024, SAMPLES=256, MARGIN=16, CAND=1024, BITS=4, WTILES=2, NSUB=8)
+    yield "topk streamed, one warp a row", tk._topk_streamed_kernel, sig_s, consts, 1
     # A tiny test model's rows (tens of keys).
     consts = dict(CHUNK=32, SAMPLES=32, MARGIN=16, CAND=32, BITS=4)
     yield "topk sampled, 32 keys", tk._topk_sampled_kernel, sig_s, consts, 4
