@@ -20,7 +20,7 @@ def test_bf16x3_router_logits_match_float32(model_type, tmp_path):
         r = ModelRunner(str(tmp_path), device=torch.device("cpu"), dtype=torch.bfloat16, num_pages=32, page_size=4,
                         show_progress=False)  # fmt: skip
         r.set_backend("router_logits", name)
-        outs[name] = run(r)
         gates = [layer.mlp.gate for layer in r.model.model.layers if hasattr(layer.mlp, "gate")]
-        assert gates and all((g._split is not None) == (name == "bf16x3") for g in gates)
+        assert gates and all((g._split is not None) == (name == "bf16x3") for g in gates)  # split at load
+        outs[name] = run(r)
     assert rel_err(outs["bf16x3"], outs["torch"]) < 1e-3

@@ -57,15 +57,21 @@ class Router(nn.Module):
         # float32 like the reference: routing decisions are sensitive to rounding.
         self.weight = empty_param([cfg.n_routed_experts, cfg.hidden_size], torch.float32, device)
         self.e_score_correction_bias = empty_param([cfg.n_routed_experts], torch.float32, device)
-        self._split = None  # the weight's bf16 parts, for the "bf16x3" logits (built on first use)
+        self._split = None  # the weight's bf16 parts, for the "bf16x3" logits
+
+    @torch.no_grad()
+    def split_weight(self) -> torch.Tensor:
+        """The weight's bf16 parts (kernels/router_logits.split_bf16x3), built once: by the runner
+        when the backend is chosen, else on the first forward (never inside a graph capture)."""
+        if self._split is None:
+            if self.weight.is_cuda and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError("split the router weights before capturing a CUDA graph")
+            self._split = split_bf16x3(self.weight)
+        return self._split
 
     def logits(self, x, kernels) -> torch.Tensor:
         """float32 [T, E] router logits through the "router_logits" backend."""
-        split = None
-        if kernels["router_logits"] == "bf16x3":
-            if self._split is None:  # the first forward runs eagerly, before any graph capture
-                self._split = split_bf16x3(self.weight)
-            split = self._split
+        split = self.split_weight() if kernels["router_logits"] == "bf16x3" else None
         return kernels.router_logits(x, self.weight, split)
 
 

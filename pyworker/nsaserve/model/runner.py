@@ -115,6 +115,10 @@ class ModelRunner:
         self.model.backends[kind] = name
         if kind == "moe_experts" and name == "triton":
             self._experts_to_kernel_layout()
+        if kind == "router_logits" and name == "bf16x3":  # at load, like the experts' layout
+            for layer in self.model.model.layers:
+                if hasattr(layer.mlp, "gate"):
+                    layer.mlp.gate.split_weight()
 
     def _experts_to_kernel_layout(self) -> None:
         """The Triton MoE reads NVFP4 stacks re-laid out for it: done here, once, at load, so that
