@@ -30,8 +30,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         "--dense-prefill",
         choices=("auto", "on", "off"),
         default="auto",
-        help="dense (MHA-form) attention for prompt steps whose contexts all fit the indexer's top-k, where sparse "
-        "attention would select every position anyway; auto = on for CUDA devices, off on CPU",
+        help="dense (MHA-form) attention for prompt chunks of 72 or more tokens whose contexts fit the indexer's "
+        "top-k, where sparse attention would select every position anyway (the step's other requests stay "
+        "sparse); auto = on for CUDA devices, off on CPU",
     )
     m.add_argument("--model-executor", choices=["model", "null"], default="model", help="'null' returns deterministic tokens without running a model: only for measuring the router")
 

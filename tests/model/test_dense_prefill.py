@@ -8,19 +8,21 @@ import torch
 from model_helpers import VOCAB, Session, hf_prefill_logits, make_checkpoint, rel_err
 
 from nsaserve.model import dense_prefill as dp
-from nsaserve.model.dense_prefill import DENSE_MIN_QUERIES, dense_prefill_on, wants_dense
+from nsaserve.model.dense_prefill import DENSE_MIN_QUERIES, dense_prefill_on, dense_requests
 from nsaserve.model.runner import ModelRunner
 
 
-def test_the_choice_needs_contexts_within_the_top_k_and_enough_new_tokens():
-    assert wants_dense([0, 500, 800], [500, 300], index_topk=2048)  # fresh prompts
-    assert not wants_dense([0, 500, 800], [500, 3000], index_topk=2048)  # a context past the top-k
-    # 256 chunks of 33 tokens after ~1K cached: 33 new per context token < DENSE_MIN_QUERIES.
+def test_the_choice_is_per_request_within_the_top_k_with_enough_new_tokens():
+    assert dense_requests([0, 500, 800], [500, 300], index_topk=2048) == [0, 1]  # fresh prompts
+    assert dense_requests([0, 500, 800], [500, 3000], index_topk=2048) == [0]  # 1's context is past the top-k
+    # 256 chunks of 33 tokens after ~1K cached: 33 new tokens < DENSE_MIN_QUERIES.
     qs = [33 * i for i in range(257)]
-    assert not wants_dense(qs, [1057] * 256, index_topk=2048) and 33 < DENSE_MIN_QUERIES
-    assert wants_dense([0, 1000], [2000], index_topk=2048)  # a long chunk after a cached half
-    assert not wants_dense([0, 1, 2], [1500, 1500], index_topk=2048)  # decode-like rows
-    assert not wants_dense([0], [], index_topk=2048)
+    assert dense_requests(qs, [1057] * 256, index_topk=2048) == [] and 33 < DENSE_MIN_QUERIES
+    assert dense_requests([0, 1000], [2000], index_topk=2048) == [0]  # a long chunk after a cached half
+    assert dense_requests([0, 1, 2], [1500, 1500], index_topk=2048) == []  # decode rows
+    # A prompt beside decode rows: the prompt alone (the step splits between the two paths).
+    assert dense_requests([0, 1, 1001, 1002], [1500, 1000, 900], index_topk=2048) == [1]
+    assert dense_requests([0], [], index_topk=2048) == []
 
 
 def test_the_switch_is_on_for_cuda_under_auto_and_reaches_every_worker():
@@ -59,15 +61,16 @@ def test_contexts_are_expanded_in_bounded_groups_of_consecutive_requests(monkeyp
 
 
 def runner(path: str, kv: str, dense: bool) -> ModelRunner:
-    return ModelRunner(path, device=torch.device("cpu"), dtype=None, kv_cache_dtype=kv, num_pages=128, page_size=4,
+    return ModelRunner(path, device=torch.device("cpu"), dtype=None, kv_cache_dtype=kv, num_pages=256, page_size=4,
                        show_progress=False, dense_prefill=dense)  # fmt: skip
 
 
-def session_logits(r: ModelRunner) -> tuple[list[torch.Tensor], list[bool]]:
-    """Two fresh prompts, a prompt chunk after one's cached prefix beside the other's decode, and
-    decode steps; the logits of every step and whether it ran dense."""
+def session_logits(r: ModelRunner) -> tuple[list[torch.Tensor], list[list[int]]]:
+    """Steps of prompts alone, and beside decode rows and short chunks, with contexts within the
+    top-k (index_topk 256) and past it; then decode steps. The logits of every step and its
+    requests (ids) that ran dense."""
     g = torch.Generator().manual_seed(11)
-    a, b, more = (torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (90, 75, 150))
+    a, b, more, c, d, e = (torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (90, 75, 180, 120, 20, 30))
     s = Session(r, seed=5)
     dense, out = [], []
 
@@ -75,12 +78,16 @@ def session_logits(r: ModelRunner) -> tuple[list[torch.Tensor], list[bool]]:
         out.extend(s.step(work, all_logits=all_logits))
         plan = s.last_plan
         lens = (plan.cached_lens + (plan.query_start[1:] - plan.query_start[:-1])).tolist()
-        dense.append(r.model.dense_prefill and wants_dense(plan.query_start.tolist(), lens, r.config.index_topk))
+        chosen = dense_requests(plan.query_start.tolist(), lens, r.config.index_topk) if r.model.dense_prefill else []
+        dense.append([int(plan.req_ids[i]) for i in chosen])
 
-    step([(0, a), (1, b)], all_logits=True)
-    step([(0, more), (1, [7])], all_logits={0})  # a chunk of 150 after 90 cached tokens, and a decode
+    step([(0, a), (1, b)], all_logits=True)  # two fresh prompts
+    step([(0, more), (1, [7])], all_logits={0})  # a chunk of 180 after 90: its context is past the top-k
+    step([(2, c), (1, [8])], all_logits={2})  # a prompt beside a decode
+    step([(0, [1]), (3, e), (2, d), (1, [2])], all_logits={3, 2})  # chunks of 30 and 20: below the threshold
+    step([(0, [5]), (3, c[:90])], all_logits={3})  # 90 new after 30 beside a decode past the top-k
     for t in range(3):
-        step([(0, [3 + t]), (1, [9 + t])])
+        step([(0, [3 + t]), (1, [9 + t]), (2, [t]), (3, [t + 1])])
     return out, dense
 
 
@@ -90,7 +97,8 @@ def test_dense_prompts_match_the_sparse_path(model_type, kv, tmp_path):
     make_checkpoint(model_type, str(tmp_path), seed=8, index_topk=256, max_position_embeddings=512)
     want, _ = session_logits(runner(str(tmp_path), kv, dense=False))
     got, dense = session_logits(runner(str(tmp_path), kv, dense=True))
-    assert dense == [True, True, False, False, False]  # prompt steps dense, decode sparse
+    # Prompt requests dense, alone or beside sparse rows; contexts past the top-k and short chunks not.
+    assert dense == [[0, 1], [], [2], [], [3], [], [], []]
     # The two forms round differently (bf16-free here: a float32 model), and with the fp8 cache a
     # ~1e-6 difference can move a later token's latent across an e4m3 step.
     tol = 2e-5 if kv == "auto" else 2e-3

@@ -29,7 +29,7 @@ def test_contexts_within_the_top_k_are_not_scored(tmp_path):
 
 
 def test_a_line_says_whether_the_step_attended_densely(tmp_path):
-    """The model's own choice (dense_prefill.wants_dense) repeated: a whole prompt within the
+    """The model's own choice (dense_prefill.dense_requests) repeated: a whole prompt within the
     top-k with the switch on is dense; the same step with the switch off, or a decode step, is not."""
     path = tmp_path / "steps.jsonl"
     prompt = build_plan(3, 4, [RequestSpec(0, list(range(1, 101)), 0, list(range(26)))])
@@ -39,5 +39,5 @@ def test_a_line_says_whether_the_step_attended_densely(tmp_path):
         log.record(prompt, step_ms=9.0)
         log.record(decode, step_ms=1.0, graph=True)
     lines = [json.loads(x) for x in path.read_text().splitlines()]
-    assert [x["dense"] for x in lines] == [True, False, False, False]
+    assert [x["dense"] for x in lines] == [1, 0, 0, 0]
     assert "mallocs" not in lines[0]  # allocator counters: CUDA only

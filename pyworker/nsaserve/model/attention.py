@@ -162,31 +162,45 @@ class MLAttention(nn.Module):
         # A quantised kv_b_proj is dequantised here once per layer call (it is small: [heads*(nope+v), R]).
         w = self.kv_b_proj.dense_weight().view(self.heads, self.nope + self.v_dim, self.rank)
         w_uk, w_uv = w[:, : self.nope], w[:, self.nope :]
-        whole = meta.whole_contexts  # every list a whole causal context, -1 padded
-        if meta.dense:
-            # Every context fits the top-k (the selection is every causal position): plain causal
-            # attention in the non-absorbed form (model/dense_prefill.py). The roped q_pe goes back
-            # into q, so that dense attention reads each head's [nope | rope] query as it is, where
-            # a concatenation per request cost nearly as much as the attention (H200, 16 prompts of
-            # 1000 tokens: 19.4 ms of concatenations, q's and k's, against 23.8 ms of attention).
+        if not meta.dense_reqs:
+            o = self._absorbed(q_nope, q_pe, topk_slots, w_uk, w_uv, pool, meta, kernels)
+        else:
+            # Prompt tokens whose contexts fit the top-k (the selection is every causal position)
+            # attend causally in the non-absorbed form (model/dense_prefill.py); the step's other
+            # tokens, if any, through the sparse kernels. The roped q_pe goes back into q, so that
+            # dense attention reads each head's [nope | rope] query as it is, where a concatenation
+            # per request cost nearly as much as the attention (H200, 16 prompts of 1000 tokens:
+            # 19.4 ms of concatenations, q's and k's, against 23.8 ms of attention).
+            o = x.new_empty(num_tokens, self.heads, self.v_dim)
+            if meta.sparse_rows is not None:
+                rows = meta.sparse_rows
+                sparse = self._absorbed(q_nope[rows], q_pe[rows], topk_slots[rows], w_uk, w_uv, pool, meta, kernels)
+                o.index_copy_(0, rows, sparse)
             q[..., self.nope :] = q_pe
-            o = dense_attention(q, w_uk, w_uv, pool.latent[self.layer], batch, self.softmax_scale)
-        elif kernels.resolved:
+            dense_attention(
+                q, w_uk, w_uv, pool.latent[self.layer], batch, self.softmax_scale, list(meta.dense_reqs), out=o
+            )  # fmt: skip
+        o = o.reshape(num_tokens, self.heads * self.v_dim)
+        return self.tp.all_reduce(self.o_proj(o)), topk_slots
+
+    def _absorbed(self, q_nope, q_pe, topk_slots, w_uk, w_uv, pool, meta, kernels) -> torch.Tensor:
+        """Sparse attention in the absorbed form over each token's selected latent rows -> o [t, H, v]."""
+        num_tokens = q_nope.shape[0]
+        whole = meta.whole_contexts  # every list a whole causal context, -1 padded
+        if kernels.resolved:
             # The two absorbed products as batched matmuls over heads, written through [H, T, .]
             # views straight into token-major buffers, so that neither needs a copy after it
             # (the attention kernel reads q_lat contiguous; o_proj reads [T, H * v]).
-            q_lat = x.new_empty(num_tokens, self.heads, self.rank)
+            q_lat = q_nope.new_empty(num_tokens, self.heads, self.rank)
             torch.bmm(q_nope.transpose(0, 1), w_uk, out=q_lat.transpose(0, 1))
             o_lat = kernels.attention(
                 q_lat, q_pe, pool.latent[self.layer], topk_slots, self.softmax_scale, whole_contexts=whole
             )  # fmt: skip
-            o = x.new_empty(num_tokens, self.heads, self.v_dim)
-            torch.bmm(o_lat.to(x.dtype).transpose(0, 1), w_uv.transpose(1, 2), out=o.transpose(0, 1))
-        else:
-            q_lat = torch.einsum("thn,hnr->thr", q_nope, w_uk)
-            o_lat = kernels.attention(
-                q_lat, q_pe, pool.latent[self.layer], topk_slots, self.softmax_scale, whole_contexts=whole
-            )  # fmt: skip
-            o = torch.einsum("thr,hvr->thv", o_lat.to(x.dtype), w_uv)
-        o = o.reshape(num_tokens, self.heads * self.v_dim)
-        return self.tp.all_reduce(self.o_proj(o)), topk_slots
+            o = q_nope.new_empty(num_tokens, self.heads, self.v_dim)
+            torch.bmm(o_lat.to(q_nope.dtype).transpose(0, 1), w_uv.transpose(1, 2), out=o.transpose(0, 1))
+            return o
+        q_lat = torch.einsum("thn,hnr->thr", q_nope, w_uk)
+        o_lat = kernels.attention(
+            q_lat, q_pe, pool.latent[self.layer], topk_slots, self.softmax_scale, whole_contexts=whole
+        )  # fmt: skip
+        return torch.einsum("thr,hvr->thv", o_lat.to(q_nope.dtype), w_uv)

@@ -12,14 +12,21 @@ Same math as the absorbed path in attention.py: q_nope . (W_UK c) = (q_nope W_UK
 softmax(s) (c W_UV^T) = (softmax(s) c) W_UV^T. The latents are read back from the cache (the new
 tokens' too, after their store), as the sparse kernels read them, so an fp8 cache rounds alike.
 
-wants_dense is the host-side choice, made once per step (StepMeta): the model's dense_prefill
-switch on, an eager step (not a CUDA-graph decode), every context within the top-k, and enough
-new tokens per context token that the expansion pays: sum_i q_i L_i >= DENSE_MIN_QUERIES *
-sum_i L_i, where q_i and L_i are request i's new tokens and context. DENSE_MIN_QUERIES is an
-estimate from the kernels' measured rates (sparse MLA ~155 TFLOP/s in prefill, bf16 GEMMs ~600,
-causal attention assumed ~300). Measured where it is taken (prompts of 1000 new tokens, fresh or
-after 1000 cached): 6-17% faster steps; steps of 33 new tokens per request stay sparse (below the
-threshold), and the threshold itself has not been swept.
+dense_requests is the host-side choice, made once per step and per request (StepMeta): with the
+model's dense_prefill switch on, in an eager step (not a CUDA-graph decode), request i attends
+densely when its context L_i fits the top-k and it brings enough new tokens q_i for the expansion
+of its context to pay: per request, dense costs L_i E + q_i L_i D against q_i L_i S sparse (E the
+expansion per context token, D and S the dense and absorbed cost per (query, key) pair), so dense
+wins from q_i > E / (S - D) = DENSE_MIN_QUERIES. The other requests of the step (decode rows,
+short chunks, contexts past the top-k) stay on the sparse path in the same step: the attention
+splits the step's tokens between the two. DENSE_MIN_QUERIES is an estimate from the kernels'
+measured rates (sparse MLA ~155 TFLOP/s in prefill, bf16 GEMMs ~600, causal attention assumed
+~300). Measured where whole steps were dense (prompts of 1000 new tokens, fresh or after 1000
+cached): 6-17% faster steps. Until 2026-12-01 the choice was one per step, on the sum over its
+requests, so a prompt step with a few hundred decode rows beside it expanded those rows'
+contexts too (a thousand context tokens through kv_b_proj for one query token each) and ran one
+attention call per decode row: the likely cost behind the 512-prompt burst's worse TTFT with
+dense attention on (bench/results/2026-12-01-glm5-shaped-h200-worker-pipeline.md).
 """
 
 from __future__ import annotations
@@ -29,7 +36,7 @@ import torch.nn.functional as F
 
 from ..kernels.kv_cache_format import gather_latent
 
-# New tokens per context token (query-weighted) from which the dense form is taken.
+# New tokens of a request from which its prompt attends in the dense form.
 DENSE_MIN_QUERIES = 72
 
 
@@ -47,12 +54,13 @@ def dense_prefill_on(setting: str, device: torch.device) -> bool:
     return setting == "on" or (setting == "auto" and device.type == "cuda")
 
 
-def wants_dense(query_start: list[int], seq_lens: list[int], index_topk: int) -> bool:
-    """Whether a step (host lists of an eager batch) runs dense attention, switch aside."""
-    if not seq_lens or max(seq_lens) > index_topk:
-        return False
-    pairs = sum((query_start[i + 1] - query_start[i]) * seq_lens[i] for i in range(len(seq_lens)))
-    return pairs >= DENSE_MIN_QUERIES * sum(seq_lens)
+def dense_requests(query_start: list[int], seq_lens: list[int], index_topk: int) -> list[int]:
+    """The requests (indices, in order) of an eager step that attend densely, switch aside: those
+    with at least DENSE_MIN_QUERIES new tokens and a context within the top-k."""
+    return [
+        i for i, length in enumerate(seq_lens)
+        if length <= index_topk and query_start[i + 1] - query_start[i] >= DENSE_MIN_QUERIES
+    ]  # fmt: skip
 
 
 # Context tokens whose keys and values one GEMM expands at most (a group of requests; a longer
@@ -61,14 +69,18 @@ def wants_dense(query_start: list[int], seq_lens: list[int], index_topk: int) ->
 GROUP_CONTEXT_TOKENS = 8192
 
 
-def _groups(query_start: list[int], seq_lens: list[int]) -> list[list[tuple[int, int, int, int]]]:
-    """Requests with new tokens as (q0, q1, kv start, context length), in consecutive groups of at
-    most GROUP_CONTEXT_TOKENS context tokens (one request alone may exceed it)."""
+def _groups(
+    query_start: list[int], seq_lens: list[int], requests: list[int] | None = None
+) -> list[list[tuple[int, int, int, int]]]:
+    """Requests with new tokens (of `requests`, default all) as (q0, q1, kv start, context length),
+    in groups of consecutive requests of at most GROUP_CONTEXT_TOKENS context tokens (one request
+    alone may exceed it)."""
+    chosen = None if requests is None else set(requests)
     groups: list[list[tuple[int, int, int, int]]] = []
     kv0 = total = 0
     for i, length in enumerate(seq_lens):
         q0, q1 = query_start[i], query_start[i + 1]
-        if q1 > q0:
+        if q1 > q0 and (chosen is None or i in chosen):
             if not groups or total + length > GROUP_CONTEXT_TOKENS or groups[-1][-1][2] + groups[-1][-1][3] != kv0:
                 groups.append([])
                 total = 0
@@ -85,9 +97,12 @@ def dense_attention(
     latent_cache: torch.Tensor,  # one layer's latent cache (kernels/kv_cache_format)
     batch,  # ForwardBatch with host lists
     softmax_scale: float,
+    requests: list[int] | None = None,  # only these requests' tokens (default: every request's)
+    out: torch.Tensor | None = None,  # [T, H, v] to write their rows into (default: a new tensor)
 ) -> torch.Tensor:
     """-> o [T, H, v] in q's dtype: each request's new tokens attend causally (bottom-right
-    aligned: query j of a chunk after c cached tokens sees positions 0..c + j) over its context."""
+    aligned: query j of a chunk after c cached tokens sees positions 0..c + j) over its context.
+    With `requests`, only their rows of o are written."""
     # Imported here, not with the model: importing torch.nn.attention.bias makes torch create its
     # compile cache directory under TMPDIR, which a server that never takes this path must not leave.
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -101,11 +116,11 @@ def dense_attention(
     num_tokens, heads, qk_dim = q.shape
     nope, rank = w_uk.shape[1], w_uk.shape[2]
     dtype = q.dtype
-    o = q.new_empty(num_tokens, heads, w_uv.shape[1])
+    o = out if out is not None else q.new_empty(num_tokens, heads, w_uv.shape[1])
     q_by_head = q.transpose(0, 1)  # [H, T, nope + P], a view
     qs, lens = batch.query_start_host, batch.seq_lens_host
     with sdpa_kernel(backends):
-        for group in _groups(qs, lens):
+        for group in _groups(qs, lens, requests):
             kv0, kv1 = group[0][2], group[-1][2] + group[-1][3]
             # The group's contexts expanded by two GEMMs ([H, N, nope] and [H, N, v] over its N
             # context tokens): one GEMM shape per group, not a new one with every prompt length

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from ..kernels.indexer_plan import IndexerPlan, plan_indexer
 from ..kernels.rope import rope_cos_sin
-from .dense_prefill import wants_dense
+from ..worker.host_to_device import upload
+from .dense_prefill import dense_requests
 
 
 @dataclass
@@ -23,16 +25,20 @@ class StepMeta:
     # No context of the step exceeds the top-k (index_topk): every row's top-k is its whole causal
     # context. The indexer then skips its scoring, and the attention lists are -1 padded contexts.
     whole_contexts: bool = False
-    # Every layer attends densely (model/dense_prefill.py) instead of through the sparse kernels.
+    # The requests whose prompt tokens attend densely (model/dense_prefill.py), by index.
+    dense_reqs: tuple[int, ...] = ()
+    # Every request of the step attends densely: the indexer is skipped and nothing is sparse.
     dense: bool = False
+    # A split step (some requests dense, some not): the tokens of the sparse ones, int64 on the device.
+    sparse_rows: torch.Tensor | None = None
 
 
 def build_step_meta(
     batch, inv_freq: torch.Tensor, attention_factor: float, dense_prefill: bool = False, index_topk: int = 0
 ) -> StepMeta:
     """index_topk: the model's top-k (0: unknown, no step counts as whole contexts).
-    dense_prefill: the model's switch for dense attention in prompt steps whose contexts all fit
-    index_topk (taken where dense_prefill.wants_dense says it pays)."""
+    dense_prefill: the model's switch for dense attention of prompt tokens whose contexts fit
+    index_topk (taken for the requests dense_prefill.dense_requests picks)."""
     cos, sin = rope_cos_sin(batch.positions, inv_freq, attention_factor)
     token_kv_base = batch.kv_start.to(torch.int64)[batch.token_req]
     static = batch.static_kv_len is not None  # CUDA-graph decode: host lists are placeholders
@@ -44,8 +50,18 @@ def build_step_meta(
     )
     # Under CUDA graphs max_len is the graph's context bucket, fixed at capture.
     whole = indexer.max_len <= index_topk
-    dense = whole and dense_prefill and not static
-    dense = dense and wants_dense(batch.query_start_host, batch.seq_lens_host, index_topk)
+    reqs: list[int] = []
+    if dense_prefill and not static:
+        reqs = dense_requests(batch.query_start_host, batch.seq_lens_host, index_topk)
+    every = bool(reqs) and len(reqs) == len(batch.seq_lens_host)
+    sparse_rows = None
+    if reqs and not every:
+        qs = np.asarray(batch.query_start_host, dtype=np.int64)
+        sparse = np.ones(len(qs) - 1, dtype=bool)
+        sparse[reqs] = False
+        rows = [np.arange(qs[i], qs[i + 1]) for i in np.flatnonzero(sparse)]
+        sparse_rows = upload(np.concatenate(rows) if rows else np.zeros(0, np.int64), batch.positions.device, np.int64)
     return StepMeta(
-        cos=cos, sin=sin, token_kv_base=token_kv_base, indexer=indexer, whole_contexts=whole, dense=dense
+        cos=cos, sin=sin, token_kv_base=token_kv_base, indexer=indexer, whole_contexts=whole,
+        dense_reqs=tuple(reqs), dense=every, sparse_rows=sparse_rows,
     )  # fmt: skip

@@ -7,7 +7,8 @@ step, "sel": sum of min(context, index_topk), "idx": the contexts the indexer sc
 when no context exceeds index_topk: whole contexts are then selected unscored), "ms": the worker's step time (batch build, forward,
 sampling; the sampled tokens reach the host, so the GPU work is included; under --worker-pipeline,
 from the previous step's result when the step was launched before it), "graph": whether the
-forward replayed a decode CUDA graph, "dense": whether it attended densely (model/dense_prefill.py),
+forward replayed a decode CUDA graph, "dense": how many of its requests attended densely
+(model/dense_prefill.py; the others of the step attended sparsely),
 and on CUDA "mallocs" / "retries": the caching allocator's device allocations and its
 flush-and-retry passes (a cudaFree of every cached block, a synchronisation) since the previous
 line, so that slow steps can be told apart from steps that grew the memory pool}.
@@ -24,7 +25,7 @@ import time
 
 import numpy as np
 
-from ..model.dense_prefill import wants_dense
+from ..model.dense_prefill import dense_requests
 
 ENV = "NSASERVE_STEP_LOG"
 
@@ -67,7 +68,8 @@ class StepLog:
             "graph": graph,
         }
         qs, seq = plan.query_start.astype(np.int64), ctx
-        line["dense"] = bool(self.dense_prefill and not graph and wants_dense(qs.tolist(), seq.tolist(), self.index_topk))
+        dense = dense_requests(qs.tolist(), seq.tolist(), self.index_topk) if self.dense_prefill and not graph else []
+        line["dense"] = len(dense)
         if self.device is not None:
             now = self._allocator_counts()
             line["mallocs"], line["retries"] = now[0] - self._allocator[0], now[1] - self._allocator[1]
