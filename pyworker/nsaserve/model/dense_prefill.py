@@ -136,9 +136,9 @@ def dense_attention(
             v_all = torch.matmul(c, w_uv.transpose(1, 2))
             for q0, q1, start, length in group:
                 at = slice(start - kv0, start - kv0 + length)
-                out = F.scaled_dot_product_attention(
+                att = F.scaled_dot_product_attention(
                     q_by_head[:, q0:q1].unsqueeze(0), k_all[:, at].unsqueeze(0), v_all[:, at].unsqueeze(0),
                     attn_mask=causal_lower_right(q1 - q0, length), scale=softmax_scale,
                 )  # fmt: skip
-                o[q0:q1] = out[0].transpose(0, 1)
+                o[q0:q1] = att[0].transpose(0, 1)
     return o

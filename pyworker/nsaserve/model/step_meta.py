@@ -57,10 +57,8 @@ def build_step_meta(
     sparse_rows = None
     if reqs and not every:
         qs = np.asarray(batch.query_start_host, dtype=np.int64)
-        sparse = np.ones(len(qs) - 1, dtype=bool)
-        sparse[reqs] = False
-        rows = [np.arange(qs[i], qs[i + 1]) for i in np.flatnonzero(sparse)]
-        sparse_rows = upload(np.concatenate(rows) if rows else np.zeros(0, np.int64), batch.positions.device, np.int64)
+        dense_token = np.repeat(np.isin(np.arange(len(qs) - 1), reqs), np.diff(qs))
+        sparse_rows = upload(np.flatnonzero(~dense_token), batch.positions.device, np.int64)
     return StepMeta(
         cos=cos, sin=sin, token_kv_base=token_kv_base, indexer=indexer, whole_contexts=whole,
         dense_reqs=tuple(reqs), dense=every, sparse_rows=sparse_rows,
