@@ -140,12 +140,14 @@ def available(kind: str) -> list[str]:
     return sorted(n for k, n in _BACKENDS if k == kind)
 
 
-# Kinds whose "auto" backend is Triton on CUDA for 16-bit models (tested and measured there
-# against the torch references: tests/kernels/test_triton_*.py, tests/model/test_triton_backend.py);
-# torch elsewhere. A float32 model keeps torch: the kernels feed the tensor cores bf16 operands.
-AUTO_TRITON_ON_CUDA = frozenset({"attention", "indexer", "rmsnorm", "rope", "kv_store", "index_key_store"})
-# Kinds whose "auto" backend on CUDA for 16-bit models is another non-torch one.
-AUTO_OTHER_ON_CUDA = {"router_logits": "bf16x3"}
+# The "auto" backend of a kind on CUDA for 16-bit models, where it is not torch (tested and measured
+# there against the torch references: tests/kernels/test_triton_*.py, tests/model/test_triton_backend.py,
+# tests/kernels/test_router_logits.py); torch elsewhere. A float32 model keeps torch: these feed the
+# tensor cores bf16 operands. A Triton backend counts only where Triton is installed.
+AUTO_ON_CUDA = {
+    **dict.fromkeys(("attention", "indexer", "rmsnorm", "rope", "kv_store", "index_key_store"), "triton"),
+    "router_logits": "bf16x3",
+}
 
 
 def resolve(kind: str, name: str, device_type: str, model_bits: int = 16) -> str:
@@ -153,8 +155,7 @@ def resolve(kind: str, name: str, device_type: str, model_bits: int = 16) -> str
     model dtype width."""
     if name != "auto":
         return name
-    if device_type == "cuda" and model_bits <= 16 and kind in AUTO_TRITON_ON_CUDA and "triton" in available(kind):
-        return "triton"
-    if device_type == "cuda" and model_bits <= 16 and kind in AUTO_OTHER_ON_CUDA:
-        return AUTO_OTHER_ON_CUDA[kind]
+    choice = AUTO_ON_CUDA.get(kind)
+    if device_type == "cuda" and model_bits <= 16 and choice in available(kind):
+        return choice
     return "torch"

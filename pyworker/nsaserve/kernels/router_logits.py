@@ -14,7 +14,8 @@ gives the float32 logits up to summation order, as a float32 GEMM with another b
 Off CUDA (tests) the same parts are multiplied in float32; fp16 activations take the float32 GEMM.
 
 Kind "router_logits": (x [T, H] in the model dtype, weight float32 [E, H], split bf16 [3E, H] or
-None) -> float32 [T, E]. "bf16x3" needs split (the model's Router builds it on first use).
+None) -> float32 [T, E]. "bf16x3" needs split (the model's Router builds it once, when the
+runner chooses the backend).
 """
 
 from __future__ import annotations
