@@ -119,41 +119,43 @@ PREFILL_BATCH = 2048
 
 def configs(batch: int, sweep: bool):
     """(name, config, block_m, asm, layout): the checkpoint layout (False), the re-laid-out weights
-    (True: relayout_nvfp4, the model's default) and those in tiles ("tiled": tile_nvfp4) with the
-    default blocks, or the alternatives a sweep tries (split-K gate/up where there are few tokens,
+    (True: relayout_nvfp4) and those in tiles ("tiled": tile_nvfp4, the model's default) with the
+    default blocks, or the alternatives a sweep tries (in tiles) (split-K gate/up where there are few tokens,
     block sizes otherwise)."""
     if not sweep:
         yield "checkpoint layout", {}, None, True, False
-        yield "relayout (default)", {}, None, True, True
-        yield "relayout tiled", {}, None, True, "tiled"
+        yield "relayout", {}, None, True, True
+        yield "relayout tiled (default)", {}, None, True, "tiled"
         return
     yield "checkpoint layout again", {}, None, True, False
-    yield "relayout again", {}, None, True, True
+    yield "relayout tiled again", {}, None, True, "tiled"
     if batch <= 16:
-        yield "relayout down 128x256 (the larger batches' blocks)", {"down": {"BLOCK_N": 128}}, None, True, True
+        yield "tiled down 128x256 (the larger batches' blocks)", {"down": {"BLOCK_N": 128}}, None, True, "tiled"
         for split in (2, 3, 4):
-            yield f"relayout gate_up split-K {split}", {"gate_up": {"SPLIT_K": split}}, None, True, True
+            yield f"tiled gate_up split-K {split}", {"gate_up": {"SPLIT_K": split}}, None, True, "tiled"
         # 170 registers without a cap (2 programs per SM), 153 with it (3).
         c = {"gate_up": {"SPLIT_K": 3, "maxnreg": 168}}
-        yield "relayout gate_up split-K 3 maxnreg 168", c, None, True, True
+        yield "tiled gate_up split-K 3 maxnreg 168", c, None, True, "tiled"
         return
     if batch >= PREFILL_BATCH:
         # Prompt-sized batches (>= 64 rows per expert): larger token blocks and 8 warps. At 128 token
         # rows two stages fit the 227 KB of shared memory, and 4 warps spill (ptxas: 255 registers
         # and a 384-byte stack for the down kernel), so 8.
         w8s2 = {"num_warps": 8, "num_stages": 2}
-        yield "relayout block_m 128 gate_up 64 down 128 w8 s2", {"gate_up": w8s2, "down": w8s2}, 128, True, True
+        yield "tiled block_m 128 gate_up 64 down 128 w8 s2", {"gate_up": w8s2, "down": w8s2}, 128, True, "tiled"
         c = {"gate_up": {**w8s2, "BLOCK_N": 128}, "down": w8s2}
-        yield "relayout block_m 128 gate_up 128 down 128 w8 s2", c, 128, True, True
+        yield "tiled block_m 128 gate_up 128 down 128 w8 s2", c, 128, True, "tiled"
         c = {"gate_up": {"BLOCK_N": 128, "num_warps": 8, "num_stages": 3}, "down": {"num_warps": 8}}
-        yield "relayout block_m 64 gate_up 128 w8 s3, down w8", c, 64, True, True
+        yield "tiled block_m 64 gate_up 128 w8 s3, down w8", c, 64, True, "tiled"
         return
     for bn, bk, warps, stages in ((64, 256, 4, 4), (64, 128, 4, 4), (128, 256, 8, 3)):
         c = {"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps, "num_stages": stages}
-        yield f"relayout gate_up {bn}x{bk} w{warps} s{stages}", {"gate_up": c}, None, True, True
+        layout = "tiled" if bk == tm.TILE_K else True  # tiles are TILE_K inputs wide
+        name = "tiled" if layout == "tiled" else "relayout"
+        yield f"{name} gate_up {bn}x{bk} w{warps} s{stages}", {"gate_up": c}, None, True, layout
     for bn, bk, warps, stages in ((64, 256, 4, 3), (128, 256, 8, 3), (128, 256, 4, 4)):
         c = {"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps, "num_stages": stages}
-        yield f"relayout down {bn}x{bk} w{warps} s{stages}", {"down": c}, None, True, True
+        yield f"tiled down {bn}x{bk} w{warps} s{stages}", {"down": c}, None, True, "tiled"
 
 
 def run_batch(batch, stacks, gen, copy_bps, sweep, with_torch, rows, save):

@@ -56,8 +56,9 @@ tiled=True (with relayout=True; weights from tile_nvfp4 after relayout_nvfp4): t
 scales stored in tiles of 16 rows x 256 inputs, so that each 16 rows of a K block are one
 contiguous 2 KB read (plus 256 bytes of scales) rather than 16 reads of 128 bytes a row apart
 (3 KB apart for gate/up at GLM-5 shapes). Same operands, same MMAs, so the same results bit for
-bit; whether it is faster is for bench/kernels/bench_moe.py to say (not yet measured; the model
-takes it with NSASERVE_MOE_LAYOUT=tiled).
+bit; measured on the H200 (bench/results/2026-12-01-triton-moe-tiled): the whole routed-expert
+path 8-15% faster than re-laid-out rows at batch 1-1024 (72.4 against 84.8 us at batch 1, 1853
+against 2023 us at 256), so it is the model's default (STACK_LAYOUT).
 """
 
 from __future__ import annotations
@@ -701,9 +702,11 @@ def prompt_preset(num_slots: int, num_local: int) -> tuple[int, dict] | None:
 
 # From this many (token, k) slots the chunked align (three launches, O(slots + experts x chunks))
 # replaces the one-launch align that scans every slot once per expert (O(experts x slots); the
-# step profile put it at 7.9 ms of a 16 x 1000-token prefill step with 6 MoE layers). Not yet
-# timed against each other; 4096 keeps every decode batch up to 256 (top-8) on the measured path.
-ALIGN_CHUNKED_FROM = 4096
+# step profile put it at 7.9 ms of a 16 x 1000-token prefill step with 6 MoE layers). Measured on
+# the H200 at 256 experts, top-8 (bench/results/2026-12-01-triton-moe-tiled), one launch against
+# chunked: 256 tokens 24.1 / 22.0 us, 512 41.8 / 23.1, 2048 157 / 38.2, 16384 1282 / 161. Fewer
+# slots are not timed, so they keep the one launch.
+ALIGN_CHUNKED_FROM = 2048
 ALIGN_SLOT_CHUNK = 1024  # slots per chunk of the chunked align (sorted in registers)
 
 
@@ -869,12 +872,14 @@ def moe_experts_nvfp4_triton(
 
 
 # The layout the model's backend puts its NVFP4 expert stacks in, once, before the first forward
-# (in place; the torch reference reads every layout): "relayout" (the default; measured on the H200,
-# bench/results/2026-11-29-triton-moe-v3: 3-6% faster than "checkpoint" at batch 1-1024, gate/up
-# 5-11%, down 4-5%), "tiled" (re-laid out, then in 16 x 256 tiles; not measured in the model yet, so
-# not the default; stacks that are not whole tiles get "relayout") or "checkpoint" (as loaded).
+# (in place; the torch reference reads every layout): "tiled" (the default: re-laid out, then in
+# 16 x 256 tiles; stacks that are not whole tiles get "relayout"), "relayout" or "checkpoint" (as
+# loaded). Measured on the H200 at GLM-5 shapes, whole routed-expert path at batch 1 / 64 / 256 /
+# 1024 (bench/results/2026-12-01-triton-moe-tiled): checkpoint 93.6 / 1765 / 2277 / 3645 us,
+# relayout 84.8 / 1677 / 2023 / 3488, tiled 72.4 / 1549 / 1853 / 3126; in the model's decode step
+# at 256 x 1400 the experts took 10.4 ms tiled against 11.2 ms re-laid out.
 STACK_LAYOUTS = ("checkpoint", "relayout", "tiled")
-STACK_LAYOUT = os.environ.get("NSASERVE_MOE_LAYOUT", "relayout")
+STACK_LAYOUT = os.environ.get("NSASERVE_MOE_LAYOUT", "tiled")
 if STACK_LAYOUT not in STACK_LAYOUTS:
     raise ValueError(f"NSASERVE_MOE_LAYOUT={STACK_LAYOUT!r}: expected one of {', '.join(STACK_LAYOUTS)}")
 
