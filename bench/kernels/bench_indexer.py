@@ -224,37 +224,34 @@ class options:
             setattr(ti, n, v)
 
 
-# (name, logits options, query mode of indexer_topk_rows): the committed path first.
+# (name, logits options over LOGITS_OPTIONS, query mode of indexer_topk_rows): v2's exact path first.
 DECODE_V3 = [
-    ("fp16x2 (v2)", {"fold": False}, None),
-    ("fp16x2 fold", {"fold": True}, None),
-    ("fp16x2 direct", {"direct": True}, None),
-    ("fp8 query", {}, "fp8"),
-    ("fp8 query direct", {"direct": True}, "fp8"),
+    ("fp16x2 (v2)", {"fold": False, "direct": False}, None),
+    ("fp16x2 fold", {"direct": False}, None),
+    ("fp16x2 fold direct (default)", {}, None),
+    ("fp8 query", {"direct": False}, "fp8"),
+    ("fp8 query direct", {}, "fp8"),
 ]
 # (name, prefill logits options, query mode, rows per block, prefill top-k stream piece)
 PREFILL_V3 = [
-    ("fp16x2 rows4 (v2)", {"fold": False}, None, 4, None),
-    ("fp8 query rows4 direct", {"direct": True}, "fp8", 4, None),
-    ("fp8 query rows4 direct, top-k streamed 2048", {"direct": True}, "fp8", 4, 2048),
-    ("fp8 query rows4 direct span64", {"direct": True, "max_span": 64}, "fp8", 4, None),
-    ("fp8 query rows4", {}, "fp8", 4, None),
-    ("fp8 query rows8 direct", {"direct": True}, "fp8", 8, None),
-    ("fp16x2 fold rows4", {"fold": True}, None, 4, None),
-    ("fp16x2 direct rows4", {"direct": True}, None, 4, None),
+    ("fp16x2 rows4 (v2)", {"fold": False, "direct": False}, None, 4, None),
+    ("fp16x2 fold direct rows4, top-k streamed 1024 (default)", {}, None, 4, 1024),
+    ("fp16x2 fold direct rows4", {}, None, 4, None),
+    ("fp8 query rows4 direct, top-k streamed 1024", {}, "fp8", 4, 1024),
+    ("fp8 query rows4 direct", {}, "fp8", 4, None),
+    ("fp8 query rows4", {"direct": False}, "fp8", 4, None),
 ]
-# Prefill top-k alone on one logits tensor: (name, num_warps, stream piece); the first is the current.
+# Prefill top-k alone on one logits tensor: (name, num_warps, stream piece).
 TOPK_PREFILL = [
-    ("sampled, warps by length (current)", None, None),
-    ("sampled w8", 8, None),
-    ("streamed 1024 w4", 4, 1024),
-    ("streamed 2048 w4", 4, 2048),
-    ("streamed 2048 w8", 8, 2048),
+    ("sampled, warps by length", None, None),
+    ("streamed 1024 w4 (default)", 4, 1024),
     # One or two warps a row: many rows per multiprocessor, each streamed from memory (the rows are
     # 6K keys on average past the first 2K of an 8K prompt; 16 warps hold one row at a time).
-    ("streamed 1024 w1", 1, 1024),
     ("streamed 1024 w2", 2, 1024),
+    ("streamed 1024 w1", 1, 1024),
+    ("streamed 512 w4", 4, 512),
     ("streamed 512 w1", 1, 512),
+    ("streamed 2048 w8", 8, 2048),
 ]
 SAVE = [lambda rows: None]  # main_v3 sets: rewrites the results file with a case's rows so far
 
@@ -414,7 +411,7 @@ def main_v3(args) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="bench/results")
-    ap.add_argument("--name", default="triton-indexer-v3", help="results file stem after the date")
+    ap.add_argument("--name", default="triton-indexer-v4", help="results file stem after the date")
     ap.add_argument("--suite", default="v3", choices=("v2", "v3"), help="v3: current vs new modes side by side")
     args = ap.parse_args()
     torch.manual_seed(0)

@@ -39,8 +39,9 @@ _PROGRAMS_WANTED = 264
 # fp16x2 with page-contiguous loads: 21.7 us at batch 64, 4K on the H200 (v1's gather, bf16x3: 30.8).
 # fold (bench/results/2026-11-29-triton-indexer-v3): 8K prefill logits 1366 -> 1279 us, batch 64 at 4K
 # 20.5 -> 19.7 us; chosen sets as the unfolded path's (1 of 8192 prompt rows differs, a near-tie).
-# Not measured on the device yet, so not defaults: "direct", max_span, PREFILL_TOPK_STREAM.
-LOGITS_OPTIONS: dict = {"split": "fp16x2", "paged": True, "fold": True}
+# direct (bench/results/2026-12-01-triton-indexer-v4): logits at batch 64, 4K 19.6 -> 18.5 us, 8K
+# prefill 1263 -> 1228 us (the fp8 query's 620 -> 560 us). max_span 64 was slower (654 us).
+LOGITS_OPTIONS: dict = {"split": "fp16x2", "paged": True, "fold": True, "direct": True}
 # Query rows of one request per logits program in prefill (the MMA's N side is this x heads).
 PREFILL_ROWS = ROWS_PER_BLOCK
 # Logits options for row blocks (prefill), over LOGITS_OPTIONS; and the prefill top-k's warps
@@ -48,7 +49,10 @@ PREFILL_ROWS = ROWS_PER_BLOCK
 # block: 4 (8 measured 10-25% slower with the fp8 query).
 PREFILL_OPTIONS: dict = {}
 PREFILL_TOPK_WARPS: int | None = None
-PREFILL_TOPK_STREAM: int | None = None  # the streamed top-k's piece size for prefill (None: off)
+# The streamed top-k's piece size for prefill (None: off): on the H200, 8K prompt's top-k alone
+# 838 us (sampled, warps by length) -> 585 us streamed in pieces of 1024 keys with 4 warps (pieces
+# of 2048: 869 us with 4 warps, 689 with 8; bench/results/2026-12-01-triton-indexer-v4).
+PREFILL_TOPK_STREAM: int | None = 1024
 # Top-k: the fastest on the H200 by batch 1 + batch 64 at 4K (bench/results/2026-11-29-triton-indexer-v2):
 # 4-bit digits after the sampled bracket, 11.1 + 14.9 us (8-bit int64, the first version: 15.0 + 16.8).
 TOPK_BITS = 4  # digit width of the radix select (triton_topk)
