@@ -24,7 +24,13 @@ def test_three_bf16_parts_hold_the_float32_weight():
     assert (parts[1].abs() <= parts[0].abs() * 2.0**-8).all()  # each part refines the one before
 
 
-@pytest.mark.parametrize("tokens,experts,hidden", [(1, 256, 6144), (64, 256, 6144), (300, 64, 1024)])
+# 2 and more tokens: the bf16 GEMMs on CUDA (one token takes the float32 GEMM); 4096 x 7168 (DeepSeek's
+# hidden size, chains of 256) only on CUDA, where the float64 product is quick.
+SHAPES = [(1, 256, 6144), (16, 256, 6144), (64, 256, 6144), (300, 64, 1024)]
+SHAPES += [(4096, 256, 7168)] if DEV == "cuda" else []
+
+
+@pytest.mark.parametrize("tokens,experts,hidden", SHAPES)
 def test_bf16x3_logits_as_accurate_as_float32_and_same_routing(tokens, experts, hidden):
     g = torch.Generator().manual_seed(tokens + hidden)
     x = torch.randn(tokens, hidden, generator=g).to(DEV, torch.bfloat16)
@@ -46,6 +52,13 @@ def test_bf16x3_logits_as_accurate_as_float32_and_same_routing(tokens, experts, 
     w_got, ids_got = route_noaux_tc(got, bias, *args)
     assert torch.equal(ids_got, ids_ref)
     assert torch.allclose(w_got, w_ref, rtol=1e-5, atol=1e-6)
+
+
+def test_high_part_chains_divide_the_hidden_size():
+    from nsaserve.kernels.router_logits import HI_CHUNK_K, hi_chunk
+
+    assert HI_CHUNK_K == 384 and hi_chunk(6144) == 384 and hi_chunk(7168) == 256
+    assert hi_chunk(5120) == 320 and hi_chunk(100) == 100  # no multiple of 64 divides 100: one chain
 
 
 def test_the_split_is_required_and_auto_picks_bf16x3_on_cuda_only():
