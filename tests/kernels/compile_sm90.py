@@ -1,5 +1,5 @@
-"""Compile every Triton attention kernel (and the MoE layout kernel) for sm_90 (Hopper) without a GPU: the whole pipeline
-through ptxas. Triton's CPU interpreter runs code the compiler rejects (a helper returning
+"""Compile every Triton attention kernel (and the MoE layout kernels, the sampler's pick) for sm_90
+(Hopper) without a GPU: the whole pipeline through ptxas. Triton's CPU interpreter runs code the compiler rejects (a helper returning
 different types from two constexpr branches, a constexpr reassigned in an unrolled loop), so
 the tests run this in a process of its own, without TRITON_INTERPRET.
 
@@ -15,6 +15,7 @@ from triton.compiler import ASTSource
 
 from nsaserve.kernels import triton_indexer as ti
 from nsaserve.kernels import triton_moe_w4a16 as tw
+from nsaserve.kernels import triton_sample_pick as tsp
 from nsaserve.kernels import triton_sparse_mla as tm
 from nsaserve.kernels import triton_topk as tk
 
@@ -142,10 +143,18 @@ def moe_cases():
     yield "moe align place", tw._moe_align_place_kernel, place_sig, chunk, 4
 
 
+def sample_pick_cases():
+    sig = {"x_ptr": F32, "u_ptr": F32, "greedy_ptr": "*u8", "val_ptr": F32, "idx_ptr": "*i32", "vocab": "i32",
+           "stride_x": "i32", "stride_u": "i32", "piece": "i32"}  # fmt: skip
+    for greedy in (False, True):
+        consts = dict(HAS_GREEDY=greedy, U_MAX=tsp._U_MAX, BLOCK=tsp.BLOCK, STEPS=0, INTERPRET=False)
+        yield f"sample pick greedy={greedy}", tsp._sample_pick_kernel, sig, consts, 8
+
+
 def main() -> int:
     assert not os.environ.get("TRITON_INTERPRET"), "run without TRITON_INTERPRET"
     failed = 0
-    for name, fn, sig, consts, warps, *extra in [*indexer_cases(), *sparse_mla_cases(), *moe_cases()]:
+    for name, fn, sig, consts, warps, *extra in [*indexer_cases(), *sparse_mla_cases(), *moe_cases(), *sample_pick_cases()]:
         opts = extra[0] if extra else {}
         try:
             # Pointers 16-byte aligned, as the runtime specialises them (this turns on the pipelined

@@ -21,6 +21,8 @@ from collections.abc import Callable
 #                  checkpoint layout itself.
 #   "rmsnorm", "rope", "kv_store", "index_key_store": the small per-layer ops  (small_ops.py)
 #   "router_logits": the MoE router's float32 logits  (router_logits.py; "bf16x3" on the tensor cores)
+#   "sample_pick": the sampler's argmax(logits + Gumbel noise) per row  (sample_pick.py; used by the
+#                  worker's sampler, not the model)
 #   "indexer_rows": the indexer with its per-row metadata on the device (a fixed per-request KV
 #                   layout, as CUDA graphs need): the backend of the same name as "indexer"'s
 #                   serves it  (indexer_rows.py). Every "indexer" backend also takes plan=, the
@@ -31,7 +33,9 @@ _BACKENDS: dict[tuple[str, str], Callable] = {}
 
 # Modules holding the built-in torch references; imported on first lookup so that importing the
 # registry alone stays cheap and free of cycles.
-_BUILTIN_MODULES = ("sparse_mla", "indexer", "moe", "small_ops", "indexer_rows", "moe_dense", "router_logits")
+_BUILTIN_MODULES = (
+    "sparse_mla", "indexer", "moe", "small_ops", "indexer_rows", "moe_dense", "router_logits", "sample_pick",
+)  # fmt: skip
 _builtins_loaded = False
 
 # Triton backends: (kind, name) -> "module:function". Registered only where Triton is installed,
@@ -49,6 +53,7 @@ _TRITON_BACKENDS = {
     ("indexer_rows", "triton"): "triton_indexer:indexer_topk_rows",
     ("indexer", "triton_fp8q"): "triton_indexer:indexer_topk_triton_fp8q",
     ("indexer_rows", "triton_fp8q"): "triton_indexer:indexer_topk_rows_fp8q",
+    ("sample_pick", "triton"): "triton_sample_pick:sample_pick_triton",
 }
 
 # Backends whose calls neither synchronise with the host nor size a tensor from device data, so a
@@ -145,7 +150,7 @@ def available(kind: str) -> list[str]:
 # tests/kernels/test_router_logits.py); torch elsewhere. A float32 model keeps torch: these feed the
 # tensor cores bf16 operands. A Triton backend counts only where Triton is installed.
 AUTO_ON_CUDA = {
-    **dict.fromkeys(("attention", "indexer", "rmsnorm", "rope", "kv_store", "index_key_store"), "triton"),
+    **dict.fromkeys(("attention", "indexer", "rmsnorm", "rope", "kv_store", "index_key_store", "sample_pick"), "triton"),
     "router_logits": "bf16x3",
 }
 

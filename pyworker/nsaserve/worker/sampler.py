@@ -19,10 +19,11 @@ from dataclasses import dataclass
 
 import torch
 
+from ..kernels.registry import get_backend, resolve
 from .sampling_batch import SamplingBatch
 from .sampling_logits import process_logits
 from .sampling_logprobs import prompt_logprobs, token_logprobs
-from .sampling_noise import batch_uniform, gumbel
+from .sampling_noise import batch_uniform
 
 
 @dataclass
@@ -35,14 +36,13 @@ class SampleOutput:
     top_logprobs: torch.Tensor  # f32 [S, K]
 
 
-def pick_tokens(x: torch.Tensor, u: torch.Tensor | None, sb: SamplingBatch) -> torch.Tensor:
-    """argmax(x + Gumbel(u)) on sampling rows and argmax(x) on greedy rows, in one pass."""
+def pick_tokens(x: torch.Tensor, u: torch.Tensor | None, sb: SamplingBatch, backend: str = "auto") -> torch.Tensor:
+    """argmax(x + Gumbel(u)) on sampling rows and argmax(x) on greedy rows, in one pass (kernel kind
+    "sample_pick": fused on CUDA, the torch reference elsewhere)."""
     if u is None:
         return x.argmax(dim=1)
-    g = gumbel(u)
-    if sb.any_greedy:
-        g.masked_fill_(sb.greedy.unsqueeze(1), 0.0)
-    return g.add_(x).argmax(dim=1)
+    pick = get_backend("sample_pick", resolve("sample_pick", backend, x.device.type))
+    return pick(x, u, sb.greedy if sb.any_greedy else None)
 
 
 def draw_uniform(

@@ -18,6 +18,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from ..kernels.sample_pick import gumbel  # noqa: F401  (the noise's formula; the reference sampler's)
+
 _M64 = (1 << 64) - 1
 
 
@@ -66,12 +68,3 @@ def batch_uniform(
     for row, gen_seed in seeded:
         seeded_uniform(gen_seed, vocab, device, out=u[row])
     return u
-
-
-def gumbel(u: torch.Tensor) -> torch.Tensor:
-    """-log(-log u): finite, or -inf where u == 0 (that token then never wins; no NaN can appear).
-
-    u < 1 keeps -log u > 0; the clamp guards against a generator that rounds up to 1.0.
-    """
-    u = u.clamp(max=1.0 - 2.0**-24)
-    return u.log().neg_().log_().neg_()

@@ -1,0 +1,61 @@
+"""The sampler's pick, argmax(x + Gumbel(u)) per row, at GLM-5's vocabulary (154,880) on one GPU:
+the torch reference (one tensor per operation) against the fused Triton backend.
+
+    PYTHONPATH=pyworker python bench/kernels/bench_sample_pick.py [--out bench/results] [--rows 1,64,256,1024]
+
+Timed as CUDA-graph replays over two input sets. floor_us: the bytes the pick must read (x and u,
+float32) over the copy bandwidth measured in the same run; of_floor: floor over the time. Every
+case also checks that both backends pick the same tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+from bench_common import bf16_matmul_rate, copy_bandwidth, graph_time_us, print_table, write_results
+
+from nsaserve.kernels.sample_pick import sample_pick_torch
+from nsaserve.kernels.triton_sample_pick import pieces_for, sample_pick_triton
+
+VOCAB = 154880
+
+
+def case(rows: int, copy_bps: float) -> list[dict]:
+    gen = torch.Generator(device="cuda").manual_seed(rows)
+    sets = []
+    for _ in range(2):
+        x = torch.randn(rows, VOCAB, generator=gen, device="cuda") * 4
+        u = torch.rand(rows, VOCAB, generator=gen, device="cuda")
+        sets.append((x, u))
+    same = all(torch.equal(sample_pick_triton(x, u), sample_pick_torch(x, u)) for x, u in sets)
+    floor_us = rows * VOCAB * 8 / copy_bps * 1e6
+    out = []
+    for name, fn in (("torch reference", sample_pick_torch), ("triton (fused)", sample_pick_triton)):
+        us = graph_time_us([lambda x=x, u=u, fn=fn: fn(x, u) for x, u in sets])
+        out.append({"rows": rows, "variant": name, "us": us, "floor_us": floor_us, "of_floor": floor_us / us,
+                    "pieces": pieces_for(rows, VOCAB) if "triton" in name else None, "same_tokens": same})  # fmt: skip
+    out[1]["speedup"] = out[0]["us"] / out[1]["us"]
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="bench/results")
+    ap.add_argument("--rows", default="1,64,256,1024")
+    args = ap.parse_args()
+    copy_bps = copy_bandwidth()
+    ceilings = {"copy_TBps": copy_bps / 1e12, "bf16_TFLOPs": bf16_matmul_rate() / 1e12}
+    rows = []
+    for r in (int(v) for v in args.rows.split(",")):
+        rows += case(r, copy_bps)
+        print(rows[-2:], flush=True)
+        torch.cuda.empty_cache()
+    cols = ["rows", "variant", "us", "speedup", "floor_us", "of_floor", "pieces", "same_tokens"]
+    print_table(rows, cols)
+    notes = f"vocabulary {VOCAB}; floor: x and u read once (float32) at the copy bandwidth."
+    print(write_results("sample-pick", args.out, ceilings, rows, cols, notes))
+
+
+if __name__ == "__main__":
+    main()
