@@ -235,21 +235,23 @@ DECODE_V3 = [
 # (name, prefill logits options, query mode, rows per block, prefill top-k stream piece)
 PREFILL_V3 = [
     ("fp16x2 rows4 (v2)", {"fold": False, "direct": False}, None, 4, None),
-    ("fp16x2 fold direct rows4, top-k streamed 1024 (default)", {}, None, 4, 1024),
+    ("fp16x2 fold direct rows4, top-k streamed 512 (default)", {}, None, 4, 512),
+    ("fp16x2 fold direct rows4, top-k streamed 1024", {}, None, 4, 1024),
     ("fp16x2 fold direct rows4", {}, None, 4, None),
     ("fp8 query rows4 direct, top-k streamed 1024", {}, "fp8", 4, 1024),
+    ("fp8 query rows4 direct, top-k streamed 512", {}, "fp8", 4, 512),
     ("fp8 query rows4 direct", {}, "fp8", 4, None),
     ("fp8 query rows4", {"direct": False}, "fp8", 4, None),
 ]
 # Prefill top-k alone on one logits tensor: (name, num_warps, stream piece).
 TOPK_PREFILL = [
     ("sampled, warps by length", None, None),
-    ("streamed 1024 w4 (default)", 4, 1024),
+    ("streamed 512 w4 (default)", 4, 512),
+    ("streamed 1024 w4", 4, 1024),
     # One or two warps a row: many rows per multiprocessor, each streamed from memory (the rows are
     # 6K keys on average past the first 2K of an 8K prompt; 16 warps hold one row at a time).
     ("streamed 1024 w2", 2, 1024),
     ("streamed 1024 w1", 1, 1024),
-    ("streamed 512 w4", 4, 512),
     ("streamed 512 w1", 1, 512),
     ("streamed 2048 w8", 8, 2048),
 ]

@@ -168,14 +168,14 @@ def test_whole_prompt(fp8, stream, monkeypatch):
     else:
         seq_lens, heads, dim, page_size, topk = [44], 4, 32, 8, 16
     case = make_case(seq_lens, seq_lens, heads, dim, page_size, fp8, seed=9)
-    # stream: the prompt's top-k streamed in pieces (on the GPU 2048 keys; here 16 of the 44)
-    monkeypatch.setattr(triton_indexer, "PREFILL_TOPK_STREAM", stream and (2048 if GPU else stream))
+    # stream: the prompt's top-k streamed in pieces (on the GPU 512 keys, the default; here 16 of the 44)
+    monkeypatch.setattr(triton_indexer, "PREFILL_TOPK_STREAM", stream and (512 if GPU else stream))
     assert_same_sets(*run_both(case, topk, page_size))
 
 
 @pytest.mark.parametrize(
     "bits,sampled,stream",
-    [(8, False, None), (4, False, None), (6, True, None), (4, True, None), (4, True, 1024), (4, True, 256)],
+    [(8, False, None), (4, False, None), (6, True, None), (4, True, None), (4, True, 1024), (4, True, 512), (4, True, 256)],
 )
 def test_topk_kernels_on_hard_rows(bits, sampled, stream):
     # Rows of 3000 logits, top 700: random; few distinct values (ties everywhere); constant (the

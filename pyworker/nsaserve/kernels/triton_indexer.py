@@ -50,9 +50,11 @@ PREFILL_ROWS = ROWS_PER_BLOCK
 PREFILL_OPTIONS: dict = {}
 PREFILL_TOPK_WARPS: int | None = None
 # The streamed top-k's piece size for prefill (None: off): on the H200, 8K prompt's top-k alone
-# 838 us (sampled, warps by length) -> 585 us streamed in pieces of 1024 keys with 4 warps (pieces
-# of 2048: 869 us with 4 warps, 689 with 8; bench/results/2026-12-01-triton-indexer-v4).
-PREFILL_TOPK_STREAM: int | None = 1024
+# 836 us (sampled, warps by length) -> 586 us streamed in pieces of 1024 keys, 548 us in pieces of
+# 512 (4 warps; 2048: 869 us, 689 with 8 warps; 1 or 2 warps a row 1.0-1.4 ms). The whole 8K prompt's
+# indexer with pieces of 512: 1770 against 1825 us (fp8 query 1104 against 1150); a 2K prompt the
+# same (bench/results/2026-12-01-triton-indexer-v4.md).
+PREFILL_TOPK_STREAM: int | None = 512
 # Top-k: the fastest on the H200 by batch 1 + batch 64 at 4K (bench/results/2026-11-29-triton-indexer-v2):
 # 4-bit digits after the sampled bracket, 11.1 + 14.9 us (8-bit int64, the first version: 15.0 + 16.8).
 TOPK_BITS = 4  # digit width of the radix select (triton_topk)
