@@ -148,14 +148,29 @@ def configs(batch: int, sweep: bool):
         c = {"gate_up": {"BLOCK_N": 128, "num_warps": 8, "num_stages": 3}, "down": {"num_warps": 8}}
         yield "tiled block_m 64 gate_up 128 w8 s3, down w8", c, 64, True, "tiled"
         return
-    for bn, bk, warps, stages in ((64, 256, 4, 4), (64, 128, 4, 4), (128, 256, 8, 3)):
-        c = {"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps, "num_stages": stages}
-        layout = "tiled" if bk == tm.TILE_K else True  # tiles are TILE_K inputs wide
-        name = "tiled" if layout == "tiled" else "relayout"
-        yield f"{name} gate_up {bn}x{bk} w{warps} s{stages}", {"gate_up": c}, None, True, layout
-    for bn, bk, warps, stages in ((64, 256, 4, 3), (128, 256, 8, 3), (128, 256, 4, 4)):
-        c = {"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps, "num_stages": stages}
-        yield f"tiled down {bn}x{bk} w{warps} s{stages}", {"down": c}, None, True, "tiled"
+    # Decode-sized steps in tiles. Measured on 2026-12-01 (bench/results/2026-12-01-triton-moe-tiled.md),
+    # none beyond run-to-run spread: gate/up 64x256 w4 s4, 128x256 w8 s3; down 64x256 w4 s3,
+    # 128x256 w8 s3, 128x256 w4 s4; and these (run 4 there), all slower than the defaults: fewer
+    # rows per program, 8 warps, deeper pipelines, register caps (ncu put both kernels at 12-19%
+    # occupancy, but the caps and small tiles lose more in issue than they gain).
+    for bn, warps, stages, cap in ((32, 4, 3, 0), (32, 4, 5, 0), (64, 8, 3, 0), (64, 4, 3, 128)):
+        c = {"BLOCK_N": bn, "BLOCK_K": 256, "num_warps": warps, "num_stages": stages, "maxnreg": cap or None}
+        yield (
+            f"tiled gate_up {bn}x256 w{warps} s{stages}" + (f" maxnreg {cap}" if cap else ""),
+            {"gate_up": c},
+            None,
+            True,
+            "tiled",
+        )
+    for bn, warps, stages, cap in ((64, 4, 4, 0), (64, 2, 3, 0), (128, 4, 3, 168)):
+        c = {"BLOCK_N": bn, "BLOCK_K": 256, "num_warps": warps, "num_stages": stages, "maxnreg": cap or None}
+        yield (
+            f"tiled down {bn}x256 w{warps} s{stages}" + (f" maxnreg {cap}" if cap else ""),
+            {"down": c},
+            None,
+            True,
+            "tiled",
+        )
 
 
 def run_batch(batch, stacks, gen, copy_bps, sweep, with_torch, rows, save):
@@ -215,7 +230,9 @@ def run_align(batches, gen, rows, save):
         block_m = preset[0] if preset else tm.pick_block_m(batch * TOP_K, EXPERTS)
         nblocks = tm.max_blocks(batch * TOP_K, EXPERTS, block_m)
         for name, chunked in (("align one launch", False), ("align chunked", True)):
-            calls = [functools.partial(tm._align, x, ids, 0, EXPERTS, block_m, nblocks, 256, chunked) for x, ids in sets]
+            calls = [
+                functools.partial(tm._align, x, ids, 0, EXPERTS, block_m, nblocks, 256, chunked) for x, ids in sets
+            ]
             try:
                 us = graph_time_us(calls)
             except Exception as e:
