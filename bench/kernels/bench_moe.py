@@ -153,24 +153,14 @@ def configs(batch: int, sweep: bool):
     # 128x256 w8 s3, 128x256 w4 s4; and these (run 4 there), all slower than the defaults: fewer
     # rows per program, 8 warps, deeper pipelines, register caps (ncu put both kernels at 12-19%
     # occupancy, but the caps and small tiles lose more in issue than they gain).
-    for bn, warps, stages, cap in ((32, 4, 3, 0), (32, 4, 5, 0), (64, 8, 3, 0), (64, 4, 3, 128)):
+    tries = (
+        ("gate_up", 32, 4, 3, 0), ("gate_up", 32, 4, 5, 0), ("gate_up", 64, 8, 3, 0), ("gate_up", 64, 4, 3, 128),
+        ("down", 64, 4, 4, 0), ("down", 64, 2, 3, 0), ("down", 128, 4, 3, 168),
+    )  # fmt: skip
+    for kernel, bn, warps, stages, cap in tries:
         c = {"BLOCK_N": bn, "BLOCK_K": 256, "num_warps": warps, "num_stages": stages, "maxnreg": cap or None}
-        yield (
-            f"tiled gate_up {bn}x256 w{warps} s{stages}" + (f" maxnreg {cap}" if cap else ""),
-            {"gate_up": c},
-            None,
-            True,
-            "tiled",
-        )
-    for bn, warps, stages, cap in ((64, 4, 4, 0), (64, 2, 3, 0), (128, 4, 3, 168)):
-        c = {"BLOCK_N": bn, "BLOCK_K": 256, "num_warps": warps, "num_stages": stages, "maxnreg": cap or None}
-        yield (
-            f"tiled down {bn}x256 w{warps} s{stages}" + (f" maxnreg {cap}" if cap else ""),
-            {"down": c},
-            None,
-            True,
-            "tiled",
-        )
+        name = f"tiled {kernel} {bn}x256 w{warps} s{stages}" + (f" maxnreg {cap}" if cap else "")
+        yield name, {kernel: c}, None, True, "tiled"
 
 
 def run_batch(batch, stacks, gen, copy_bps, sweep, with_torch, rows, save):
