@@ -17,7 +17,7 @@ the length of the accumulation chain and the size of the running sum, so it is t
 that GEMM runs as a batch of chains of at most HI_CHUNK_K inputs (one strided batched GEMM) whose
 float32 partial sums are then added; the mid and low parts, 2^8 and 2^16 times smaller, are one
 GEMM over all of K. With chains of 384 the error was within 1.4x of the float32 GEMM's, and the
-whole 3.5x faster than it at 16384 tokens. One token (below FLOAT32_BELOW) takes the float32
+whole 3.4x faster than it at 16384 tokens. One token (below FLOAT32_BELOW) takes the float32
 GEMM, faster there. Off CUDA (tests) the same parts are multiplied in float32; fp16 activations
 take the float32 GEMM.
 
