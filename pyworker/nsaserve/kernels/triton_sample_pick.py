@@ -1,6 +1,6 @@
 """Triton "sample_pick" backend: argmax(x + Gumbel(u)) per row in one read of x and u.
 
-Each row is cut into PIECES pieces (enough programs to fill the GPU at small batches); a program
+Each row is cut into pieces (pieces_for: enough programs to fill the GPU at small batches); a program
 keeps, per lane, the largest value seen and its first index, reduces them to its piece's (value,
 lowest index), and writes that pair. torch then takes, per row, the first piece holding the row's
 largest value: the lowest index overall, as the reference's argmax.
@@ -45,6 +45,8 @@ def _sample_pick_kernel(
     end = tl.minimum(start + piece, vocab)
     best = tl.full([BLOCK], float("-inf"), tl.float32)
     best_i = start + lanes  # an all -inf piece answers its first index, as argmax does
+    if HAS_GREEDY:
+        greedy = tl.load(greedy_ptr + row) != 0
     # Triton's CPU interpreter loops only over compile-time counts (STEPS there, steps on the GPU).
     for k in range(STEPS if INTERPRET else piece // BLOCK):
         offs = start + k * BLOCK + lanes
@@ -53,7 +55,7 @@ def _sample_pick_kernel(
         u = tl.load(u_ptr + row * stride_u + offs, mask=m, other=0.5)
         g = -_log(-_log(tl.minimum(u, U_MAX), INTERPRET), INTERPRET)
         if HAS_GREEDY:
-            g = tl.where(tl.load(greedy_ptr + row) != 0, 0.0, g)
+            g = tl.where(greedy, 0.0, g)
         v = g + x
         v = tl.where(v != v, float("inf"), v)  # NaN as +inf (see the module docstring)
         take = v > best  # strict: a lane keeps its first index among equal values

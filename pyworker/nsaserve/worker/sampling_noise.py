@@ -18,8 +18,6 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..kernels.sample_pick import gumbel  # noqa: F401  (the noise's formula; the reference sampler's)
-
 _M64 = (1 << 64) - 1
 
 

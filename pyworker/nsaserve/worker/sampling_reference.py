@@ -15,9 +15,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ..kernels.sample_pick import gumbel
 from ..protocol.messages import Plan
 from .sampling_batch import GREEDY_TEMPERATURE
-from .sampling_noise import gumbel
 
 
 @dataclass
