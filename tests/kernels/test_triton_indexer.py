@@ -196,6 +196,21 @@ def test_topk_kernels_on_hard_rows(bits, sampled, stream):
     assert_same_sets(got, select_topk(x, pos.long(), k))
 
 
+def test_streamed_topk_select_sizes():
+    """The streamed select works on a quarter, a half or all of its 1024 candidate slots by how
+    many keys the bracket holds (here about 160, 330 and 660: rows of 1500, 3000 and 6000 keys,
+    top 700), with ties at the threshold; each the same set as the reference."""
+    from nsaserve.kernels.indexer import select_topk
+
+    g = torch.Generator().manual_seed(23)
+    n, k = 6000, 700
+    x = torch.randn(4, n, generator=g)
+    x[3] = (x[3] * 4).round() / 4  # few distinct values: ties at the k-th
+    pos = torch.tensor([1499, 2999, 5999, 5999], dtype=torch.int32)
+    got = triton_topk.topk_of_logits(x.to(DEV), pos.to(DEV), k, stream=512).cpu()
+    assert_same_sets(got, select_topk(x, pos.long(), k))
+
+
 def _fp8_case(seq_lens, new, seed):
     heads, dim, page_size = (32, 128, 64) if GPU else (4, 32, 8)
     return make_case(seq_lens, new, heads, dim, page_size, True, seed), page_size

@@ -25,6 +25,14 @@ import triton.language as tl
 # Largest row a program keeps in registers; longer rows are re-read in chunks of this size.
 CHUNK = 8192
 
+# The streamed select's bracket: sample ranks this far either side of the k-th largest's expected
+# rank (of 256 samples). Narrower brackets compact fewer keys (the select over them costs less, and
+# fewer long rows overflow the 1024 candidates into the full-row select); wider ones miss less often
+# (also the full-row select). Measured on the H200, 8K prompt's top-k alone (bench/results/
+# 2026-12-02-topk-select.md), with the select's array sized by its keys: margin 6 / 8 / 10 / 12 / 14
+# / 16 / 20 / 24: 730 / 620 / 540 / 489-494 / 481 / 511 / 617 / 752 us.
+STREAM_MARGIN = 14
+
 
 @triton.jit
 def _order_keys(logits_ptr, offs, pos):
@@ -99,6 +107,36 @@ def _radix_select_chunks(row_logits, offs, pos, k, n_chunks, CHUNK: tl.constexpr
 
 
 @triton.jit
+def _bracket_pass(u, valid, prefix, k_rem, lo, diff, PASS: tl.constexpr, BITS: tl.constexpr):
+    """One pass of _select_in_bracket: where lo and hi (diff = lo ^ hi) agree on every bit from this
+    digit up, every key in [lo, hi] has lo's digit, so no histogram is needed."""
+    NPASS: tl.constexpr = (32 + BITS - 1) // BITS
+    FIRST: tl.constexpr = 32 - BITS * (NPASS - 1)
+    SHIFT: tl.constexpr = 32 - FIRST - BITS * PASS
+    if (diff >> SHIFT) == 0:
+        prefix = lo >> SHIFT << SHIFT
+    else:
+        prefix, k_rem = _narrow(_radix_hist(u, valid, prefix, PASS, BITS), prefix, k_rem, PASS, BITS)
+    return prefix, k_rem
+
+
+@triton.jit
+def _select_in_bracket(scratch_row, n, k, lo, hi, C: tl.constexpr, BITS: tl.constexpr):
+    """_radix_select over the n (<= C) keys compacted to scratch_row, all within [lo, hi]: the
+    digits lo and hi share (sign, exponent and the top of the mantissa, when the bracket is narrow)
+    are known without a pass. C: the array the select works on, so fewer keys cost less."""
+    c = tl.arange(0, C)
+    valid = c < n
+    u = tl.load(scratch_row + c, mask=valid, other=0).to(tl.uint32, bitcast=True)
+    diff = lo ^ hi
+    prefix = tl.zeros((), dtype=tl.uint32)
+    k_rem = k
+    for i in tl.static_range((32 + BITS - 1) // BITS):
+        prefix, k_rem = _bracket_pass(u, valid, prefix, k_rem, lo, diff, i, BITS)
+    return prefix, k_rem
+
+
+@triton.jit
 def _emit(out_row, u, valid, p, thr, k_rem, gt_seen, eq_seen):
     """Writes positions p of keys above thr, and of the first k_rem keys equal to it (counting the
     gt_seen / eq_seen of earlier chunks), at their places in position order. One scan of
@@ -110,7 +148,8 @@ def _emit(out_row, u, valid, p, thr, k_rem, gt_seen, eq_seen):
     c_eq = eq_seen + (packed >> 16)
     take = gt | (eq & (c_eq <= k_rem))
     tl.store(out_row + c_gt + tl.minimum(c_eq, k_rem) - 1, p.to(tl.int64), mask=take)
-    return tl.sum(gt.to(tl.int32), axis=0), tl.sum(eq.to(tl.int32), axis=0)
+    total = tl.sum(gt.to(tl.int32) + (eq.to(tl.int32) << 16), axis=0)  # both counts, one reduction
+    return total & 0xFFFF, total >> 16
 
 
 @triton.jit
@@ -242,14 +281,21 @@ def _topk_streamed_kernel(
                 inside = valid & (u >= lo) & (u <= hi)
                 dst = n_inside + tl.cumsum(inside.to(tl.int32), axis=0) - 1
                 tl.store(scratch_row + dst, u.to(tl.int32, bitcast=True), mask=inside & (dst < CAND))
-                n_above += tl.sum(above_hi.to(tl.int32), axis=0)
-                n_inside += tl.sum(inside.to(tl.int32), axis=0)
+                counts = tl.sum(above_hi.to(tl.int32) + (inside.to(tl.int32) << 16), axis=0)  # one reduction
+                n_above += counts & 0xFFFF
+                n_inside += counts >> 16
         if (n_above < k_eff) & (n_above + n_inside >= k_eff) & (n_inside <= CAND):
             tl.debug_barrier()  # the compacted keys are read back by other threads of this program
-            cidx = tl.arange(0, CAND)
-            cvalid = cidx < n_inside
-            cu = tl.load(scratch_row + cidx, mask=cvalid, other=0).to(tl.uint32, bitcast=True)
-            thr, k_rem = _radix_select(cu, cvalid, k_eff - n_above, BITS)
+            k_in = k_eff - n_above
+            if CAND >= 256:  # the select's cost follows its array: a quarter or half of CAND when the keys fit
+                if n_inside <= CAND // 4:
+                    thr, k_rem = _select_in_bracket(scratch_row, n_inside, k_in, lo, hi, CAND // 4, BITS)
+                elif n_inside <= CAND // 2:
+                    thr, k_rem = _select_in_bracket(scratch_row, n_inside, k_in, lo, hi, CAND // 2, BITS)
+                else:
+                    thr, k_rem = _select_in_bracket(scratch_row, n_inside, k_in, lo, hi, CAND, BITS)
+            else:
+                thr, k_rem = _select_in_bracket(scratch_row, n_inside, k_in, lo, hi, CAND, BITS)
         else:
             thr, k_rem = _radix_select_chunks(row_logits, offs, pos, k_eff, NSUB, SUB, BITS)
         gt_seen = 0
@@ -295,7 +341,7 @@ def topk_of_logits(
         scratch = torch.empty((rows, cand), dtype=torch.int32, device=logits.device)
         _topk_streamed_kernel[(rows,)](
             logits, row_pos, out, scratch, logits.stride(0), out.stride(0), topk, width,
-            SUB=sub, SAMPLES=min(sub, 256), MARGIN=16, CAND=cand, BITS=bits, WTILES=triton.cdiv(width, sub), NSUB=triton.cdiv(max_len, sub),
+            SUB=sub, SAMPLES=min(sub, 256), MARGIN=STREAM_MARGIN, CAND=cand, BITS=bits, WTILES=triton.cdiv(width, sub), NSUB=triton.cdiv(max_len, sub),
             num_warps=num_warps or (8 if sub >= 4096 else 4),
         )  # fmt: skip
         return out
