@@ -120,23 +120,14 @@ PREFILL_BATCH = 2048
 def configs(batch: int, sweep: bool):
     """(name, config, block_m, asm, layout): the checkpoint layout (False), the re-laid-out weights
     (True: relayout_nvfp4) and those in tiles ("tiled": tile_nvfp4, the model's default) with the
-    default blocks, or the alternatives a sweep tries (in tiles) (split-K gate/up where there are few tokens,
-    block sizes otherwise)."""
+    default blocks, or the alternatives a sweep tries in tiles (TMA loads and pipeline depths at
+    decode sizes, token blocks and warps at prompt sizes)."""
     if not sweep:
         yield "checkpoint layout", {}, None, True, False
         yield "relayout", {}, None, True, True
         yield "relayout tiled (default)", {}, None, True, "tiled"
         return
-    yield "checkpoint layout again", {}, None, True, False
     yield "relayout tiled again", {}, None, True, "tiled"
-    if batch <= 16:
-        yield "tiled down 128x256 (the larger batches' blocks)", {"down": {"BLOCK_N": 128}}, None, True, "tiled"
-        for split in (2, 3, 4):
-            yield f"tiled gate_up split-K {split}", {"gate_up": {"SPLIT_K": split}}, None, True, "tiled"
-        # 170 registers without a cap (2 programs per SM), 153 with it (3).
-        c = {"gate_up": {"SPLIT_K": 3, "maxnreg": 168}}
-        yield "tiled gate_up split-K 3 maxnreg 168", c, None, True, "tiled"
-        return
     if batch >= PREFILL_BATCH:
         # Prompt-sized batches (>= 64 rows per expert): larger token blocks and 8 warps. At 128 token
         # rows two stages fit the 227 KB of shared memory, and 4 warps spill (ptxas: 255 registers
@@ -148,19 +139,31 @@ def configs(batch: int, sweep: bool):
         c = {"gate_up": {"BLOCK_N": 128, "num_warps": 8, "num_stages": 3}, "down": {"num_warps": 8}}
         yield "tiled block_m 64 gate_up 128 w8 s3, down w8", c, 64, True, "tiled"
         return
-    # Decode-sized steps in tiles. Measured on 2026-12-01 (bench/results/2026-12-01-triton-moe-tiled.md),
-    # none beyond run-to-run spread: gate/up 64x256 w4 s4, 128x256 w8 s3; down 64x256 w4 s3,
-    # 128x256 w8 s3, 128x256 w4 s4; and these (run 4 there), all slower than the defaults: fewer
-    # rows per program, 8 warps, deeper pipelines, register caps (ncu put both kernels at 12-19%
-    # occupancy, but the caps and small tiles lose more in issue than they gain).
+    # Decode-sized steps in tiles: occupancy. ncu at 256 tokens: gate/up issues on 64% of cycles with
+    # 2 programs (8 warps) per multiprocessor, held there by registers (169 a thread); the down
+    # kernel's 212 registers do the same. These tries fit 3-4 programs: register caps that ptxas meets
+    # without spilling, TMA descriptor loads (148 / 198 registers uncapped), two stages where shared
+    # memory would be the next limit. (name, gate/up config, down config)
+    # gate/up maxnreg 168 became the default for 16-token blocks after the first of these runs
+    # (2026-12-02), and PDL up to 8 tokens after the second.
+    tma = {"TMA": True}
     tries = (
-        ("gate_up", 32, 4, 3, 0), ("gate_up", 32, 4, 5, 0), ("gate_up", 64, 8, 3, 0), ("gate_up", 64, 4, 3, 128),
-        ("down", 64, 4, 4, 0), ("down", 64, 2, 3, 0), ("down", 128, 4, 3, 168),
+        ("gate_up without register cap (the default before)", {"maxnreg": None}, {}),
+        ("PDL on", {"PDL": True}, {"PDL": True}),
+        ("PDL off", {"PDL": False}, {"PDL": False}),
+        ("gate_up TMA s3", {**tma, "maxnreg": None}, {}),
+        ("gate_up TMA s3 maxnreg 128", {**tma, "maxnreg": 128}, {}),
+        ("gate_up TMA s2", {**tma, "num_stages": 2, "maxnreg": None}, {}),
+        ("gate_up TMA s2 maxnreg 128", {**tma, "num_stages": 2, "maxnreg": 128}, {}),
+        ("down TMA s3 maxnreg 168", {}, {**tma, "maxnreg": 168}),
+        ("down TMA s2 maxnreg 168", {}, {**tma, "num_stages": 2, "maxnreg": 168}),
+        ("gate_up TMA s3 + down TMA s3 maxnreg 168 + PDL", {**tma, "maxnreg": None, "PDL": True},
+         {**tma, "maxnreg": 168, "PDL": True}),
+        ("gate_up TMA s2 maxnreg 128 + down TMA s3 maxnreg 168 + PDL",
+         {**tma, "num_stages": 2, "maxnreg": 128, "PDL": True}, {**tma, "maxnreg": 168, "PDL": True}),
     )  # fmt: skip
-    for kernel, bn, warps, stages, cap in tries:
-        c = {"BLOCK_N": bn, "BLOCK_K": 256, "num_warps": warps, "num_stages": stages, "maxnreg": cap or None}
-        name = f"tiled {kernel} {bn}x256 w{warps} s{stages}" + (f" maxnreg {cap}" if cap else "")
-        yield name, {kernel: c}, None, True, "tiled"
+    for name, gate_up, down in tries:
+        yield f"tiled {name}", {"gate_up": gate_up, "down": down}, None, True, "tiled"
 
 
 def run_batch(batch, stacks, gen, copy_bps, sweep, with_torch, rows, save):
@@ -266,7 +269,7 @@ def main() -> None:
                 )
 
     # Every batch with the default configuration first, then the sweeps (cut first when time runs out).
-    cases = [(int(b), False) for b in args.batches.split(",")] + [(b, True) for b in sorted(sweep_batches)]
+    cases = [(int(b), False) for b in args.batches.split(",") if b] + [(b, True) for b in sorted(sweep_batches)]
     for batch, sweep in cases:
         with_torch = batch in torch_batches and not sweep
         run_batch(batch, stacks, gen, ceilings["copy_TBps"] * 1e12, sweep, with_torch, rows, save)

@@ -249,9 +249,11 @@ def test_tiny_split_k(asm, relayout):
 
 @pytest.mark.parametrize("asm", ASM_MODES)
 @pytest.mark.parametrize("num_tokens,block_m", [(5, None), (40, 64)])
-def test_tiny_tiled_equals_relayout(asm, num_tokens, block_m):
-    """tiled=True reads the same words and scales from tile_nvfp4's tiles: the same results, bit for
-    bit, as relayout=True on the untiled stacks (and both near the reference)."""
+@pytest.mark.parametrize("tma", [False, True])
+def test_tiny_tiled_equals_relayout(asm, num_tokens, block_m, tma):
+    """tiled=True reads the same words and scales from tile_nvfp4's tiles (by pointers, or by TMA
+    descriptors): the same results, bit for bit, as relayout=True on the untiled stacks (and both
+    near the reference)."""
     gen = torch.Generator(DEV).manual_seed(8)
     e, h, i, k = 6, 256, 256, 2  # the tiles are 256 inputs wide
     w13, w2 = random_stacks(e, h, i, gen, DEV)
@@ -261,7 +263,8 @@ def test_tiny_tiled_equals_relayout(asm, num_tokens, block_m):
     t13, t2 = ((*tm.tile_nvfp4(s[0], s[1]), s[2]) for s in (r13, r2))
     cfg = {"gate_up": {"BLOCK_N": 32, "num_stages": 2}, "down": {"BLOCK_N": 64, "num_stages": 2}}
     run = functools.partial(tm.moe_experts_nvfp4_triton, config=cfg, block_m=block_m, asm=asm, relayout=True)
-    tiled = run(x, ids, weights, *t13, *t2, 0, tiled=True)
+    tma_cfg = {k: {**v, "TMA": tma} for k, v in cfg.items()}
+    tiled = run(x, ids, weights, *t13, *t2, 0, tiled=True, config=tma_cfg)
     assert torch.equal(tiled, run(x, ids, weights, *r13, *r2, 0))
     assert rel_err(tiled, reference(x, ids, weights, w13, w2, 0)) < TOL
 
@@ -356,11 +359,19 @@ def test_glm5_shapes_match_reference(glm5_stacks, glm5_relaid, glm5_tiled, num_t
     assert rel_err(outs[1], outs[0]) < 1e-3
     tiled = tm.moe_experts_nvfp4_triton(x, ids, weights, *glm5_tiled[0], *glm5_tiled[1], 0, relayout=True, tiled=True)
     assert torch.equal(tiled, outs[1])
+    # TMA descriptor loads, and programmatic dependent launches: the same results.
+    for option in ("TMA", "PDL"):
+        config = {"gate_up": {option: True}, "down": {option: True}}
+        again = tm.moe_experts_nvfp4_triton(
+            x, ids, weights, *glm5_tiled[0], *glm5_tiled[1], 0, relayout=True, tiled=True, config=config
+        )
+        assert torch.equal(again, outs[1]), option
 
 
 @pytest.mark.skipif(not CUDA, reason="CUDA graphs need CUDA")
-@pytest.mark.parametrize("relayout,t", [(False, 16), (True, 16), (True, 600)])  # 600 x 8 slots: the chunked align
-def test_cuda_graph_replays_new_routing(request, glm5_stacks, relayout, t):
+# 600 x 8 slots: the chunked align; pdl: the kernels launched as programmatic dependents.
+@pytest.mark.parametrize("relayout,t,pdl", [(False, 16, False), (True, 16, False), (True, 600, False), (True, 16, True)])
+def test_cuda_graph_replays_new_routing(request, glm5_stacks, relayout, t, pdl):
     """Captured once for t tokens, replayed with other inputs and other routings."""
     w13, w2 = glm5_stacks
     k13, k2 = request.getfixturevalue("glm5_relaid") if relayout else glm5_stacks
@@ -368,7 +379,8 @@ def test_cuda_graph_replays_new_routing(request, glm5_stacks, relayout, t):
     h = GLM5["hidden"]
     x = torch.randn(t, h, generator=gen).to("cuda", torch.bfloat16)
     ids, weights = route(t, GLM5["num_experts"], GLM5["top_k"], gen, "cuda")
-    run = functools.partial(tm.moe_experts_nvfp4_triton, relayout=relayout)
+    config = {"gate_up": {"PDL": True}, "down": {"PDL": True}} if pdl else None
+    run = functools.partial(tm.moe_experts_nvfp4_triton, relayout=relayout, config=config)
     out = run(x, ids, weights, *k13, *k2, 0)  # compile outside the capture
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()

@@ -68,11 +68,13 @@ import os
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .quant.nvfp4 import (  # noqa: F401
     RELAYOUT_R_MAG,
     RELAYOUT_R_SIGN,
     TILE_K,
+    TILE_ROWS,
     relayout_nvfp4,
     tile_nvfp4,
     unrelayout_nvfp4,
@@ -162,6 +164,9 @@ _ASM_PAIR2 = tl.constexpr(_pair_asm(2))
 _ASM_PAIR3 = tl.constexpr(_pair_asm(3))
 _R_MAG = tl.constexpr(RELAYOUT_R_MAG)
 _R_SIGN = tl.constexpr(RELAYOUT_R_SIGN)
+# A tile row's code words and scale bytes (tile_nvfp4: TILE_K inputs).
+_TILE_WORDS = tl.constexpr(TILE_K // 8)
+_TILE_SCALES = tl.constexpr(TILE_K // 16)
 
 
 @triton.jit
@@ -264,11 +269,30 @@ def _load_tile_v3(
         words = tl.load(w_ptr + rows[:, None] * KW + i * W + tl.arange(0, W)[None, :])
         offs_s = i * (BLOCK_K // 16) + tl.arange(0, BLOCK_K // 16)
         u = tl.load(s_ptr + rows[:, None] * KS + offs_s[None, :]).to(tl.int32)
+    return words, _scale_bits(u, ASM)
+
+
+@triton.jit
+def _scale_bits(u, ASM: tl.constexpr):
+    """Re-encoded scale bytes (int32) -> what the dequantisation multiplies by: the bf16x2 bits of
+    (scale * 2^119, scale * 2^119) on the inline-assembly path, else the scale in float32."""
     if ASM:
         scale = u * 0x100010 + 0x76007600
     else:
         scale = ((u * 16 + 0x7600) << 16).to(tl.float32, bitcast=True) * (2.0**-119)
-    return words, scale
+    return scale
+
+
+@triton.jit
+def _load_tile_tma(w_desc, s_desc, group, i, BLOCK_N: tl.constexpr, ASM: tl.constexpr):
+    """_load_tile_v3 of tiled weights through the tensor memory accelerator: K block i of the
+    BLOCK_N rows from row group `group` (16 rows each) on, as bulk copies of whole tiles (the
+    descriptors view the tiles as [groups, tiles per row, 16, 32] int32 words and [groups, tiles
+    per row, 16, 16] scale bytes; see tile_descriptors). One thread issues each copy, so the
+    pipeline's loads cost no per-element addresses or registers."""
+    words = tl.reshape(w_desc.load([group, i, 0, 0]), (BLOCK_N, _TILE_WORDS))
+    u = tl.reshape(s_desc.load([group, i, 0, 0]), (BLOCK_N, _TILE_SCALES)).to(tl.int32)
+    return words, _scale_bits(u, ASM)
 
 
 @triton.jit
@@ -324,6 +348,17 @@ def _dequant_block_v3(words, scale, ASM: tl.constexpr, INTERPRET: tl.constexpr):
     t0, t1, t2, t3 = _pair_k(a0l, a0h), _pair_k(a1l, a1h), _pair_k(a2l, a2h), _pair_k(a3l, a3h)
     t4, t5, t6, t7 = _pair_k(b0l, b0h), _pair_k(b1l, b1h), _pair_k(b2l, b2h), _pair_k(b3l, b3h)
     return _cat_k(_cat_k(_cat_k(t0, t1), _cat_k(t2, t3)), _cat_k(_cat_k(t4, t5), _cat_k(t6, t7)))
+
+
+@triton.jit
+def _dependent_launch(PDL: tl.constexpr):
+    """PDL: this kernel was launched as a programmatic dependent of the one before it (launch_pdl),
+    so its programs may start while that one still runs: let the next kernel's launch begin too,
+    then wait until everything before has finished and its writes are visible. What this saves is
+    the launch gap between the MoE's kernels (a few microseconds of a 70-microsecond batch-1 layer)."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
 
 
 @triton.jit
@@ -499,15 +534,19 @@ def _block_slots(sorted_slot_ptr, pid_m, BLOCK_M: tl.constexpr):
 @triton.jit
 def _moe_gate_up_kernel(
     x_ptr, w_ptr, s_ptr, s2_ptr, sorted_slot_ptr, block_expert_ptr, h_ptr, part_ptr, count_ptr,
-    top_k, part_rows,
+    w_desc, s_desc, top_k, part_rows,
     K: tl.constexpr, INTER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, H_BLOCK_K: tl.constexpr, FUSE_K: tl.constexpr, ASM: tl.constexpr,
-    INTERPRET: tl.constexpr, LAYOUT: tl.constexpr = 0, SPLIT_K: tl.constexpr = 1,
+    INTERPRET: tl.constexpr, LAYOUT: tl.constexpr = 0, SPLIT_K: tl.constexpr = 1, TMA: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
-    """SPLIT_K > 1 (grid axis 2): each program sums K / SPLIT_K of the inputs, stores its float32
+    """TMA (tiled weights only): the weight tiles come through w_desc / s_desc (tile_descriptors)
+    instead of w_ptr / s_ptr.
+    SPLIT_K > 1 (grid axis 2): each program sums K / SPLIT_K of the inputs, stores its float32
     partial sums of the block's real rows (part_ptr [SPLIT_K, part_rows, 2, INTER]) and counts
     itself in count_ptr (zeroed per call); the last of a tile's programs adds the partials in split
     order (deterministic) and writes h. More programs for a handful of tokens."""
+    _dependent_launch(PDL)
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     e = tl.load(block_expert_ptr + pid_m)
@@ -533,8 +572,13 @@ def _moe_gate_up_kernel(
         # x is permuted per K block so that input 8j + r sits at r * W + j (see _permute_row).
         xp = x_ptr + tok[None, :] * K + i * BLOCK_K
         if LAYOUT >= 1:  # 2: tiled
-            wg, sg = _load_tile_v3(w_ptr, s_ptr, rows_g, i, K // 8, K // 16, BLOCK_N, BLOCK_K, ASM, LAYOUT == 2)
-            wu, su = _load_tile_v3(w_ptr, s_ptr, rows_u, i, K // 8, K // 16, BLOCK_N, BLOCK_K, ASM, LAYOUT == 2)
+            if TMA:
+                group_g = (e * (2 * INTER) + pid_n * BLOCK_N) // 16
+                wg, sg = _load_tile_tma(w_desc, s_desc, group_g, i, BLOCK_N, ASM)
+                wu, su = _load_tile_tma(w_desc, s_desc, group_g + INTER // 16, i, BLOCK_N, ASM)
+            else:
+                wg, sg = _load_tile_v3(w_ptr, s_ptr, rows_g, i, K // 8, K // 16, BLOCK_N, BLOCK_K, ASM, LAYOUT == 2)
+                wu, su = _load_tile_v3(w_ptr, s_ptr, rows_u, i, K // 8, K // 16, BLOCK_N, BLOCK_K, ASM, LAYOUT == 2)
             xt = mma_operand(tl.load(xp + offs_k[:, None], mask=valid[None, :], other=0.0), INTERPRET)
             acc_g = tl.dot(_dequant_block_v3(wg, sg, ASM, INTERPRET), xt, acc_g)
             acc_u = tl.dot(_dequant_block_v3(wu, su, ASM, INTERPRET), xt, acc_u)
@@ -593,11 +637,12 @@ def _gate_up_epilogue(
 
 @triton.jit
 def _moe_down_kernel(
-    h_ptr, w_ptr, s_ptr, s2_ptr, sorted_slot_ptr, block_expert_ptr, topk_w_ptr, y_ptr,
+    h_ptr, w_ptr, s_ptr, s2_ptr, sorted_slot_ptr, block_expert_ptr, topk_w_ptr, y_ptr, w_desc, s_desc,
     HIDDEN: tl.constexpr, INTER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, FUSE_K: tl.constexpr, ASM: tl.constexpr, INTERPRET: tl.constexpr,
-    LAYOUT: tl.constexpr = 0,
+    LAYOUT: tl.constexpr = 0, TMA: tl.constexpr = False, PDL: tl.constexpr = False,
 ):  # fmt: skip
+    _dependent_launch(PDL)
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     e = tl.load(block_expert_ptr + pid_m)
@@ -614,7 +659,10 @@ def _moe_down_kernel(
         # h rows were written in this kernel's K-block permutation by the gate/up kernel.
         hp = h_ptr + offs_m[None, :].to(tl.int64) * INTER + i * BLOCK_K
         if LAYOUT >= 1:  # 2: tiled
-            wt, st = _load_tile_v3(w_ptr, s_ptr, rows, i, INTER // 8, INTER // 16, BLOCK_N, BLOCK_K, ASM, LAYOUT == 2)
+            if TMA:
+                wt, st = _load_tile_tma(w_desc, s_desc, (e * HIDDEN + pid_n * BLOCK_N) // 16, i, BLOCK_N, ASM)
+            else:
+                wt, st = _load_tile_v3(w_ptr, s_ptr, rows, i, INTER // 8, INTER // 16, BLOCK_N, BLOCK_K, ASM, LAYOUT == 2)
             acc = tl.dot(
                 _dequant_block_v3(wt, st, ASM, INTERPRET), mma_operand(tl.load(hp + offs_k[:, None]), INTERPRET), acc
             )
@@ -639,8 +687,9 @@ def _moe_down_kernel(
 @triton.jit
 def _moe_sum_kernel(
     y_ptr, ids_ptr, out_ptr, first_expert, num_local,
-    HIDDEN: tl.constexpr, TOP_K: tl.constexpr, BLOCK: tl.constexpr,
+    HIDDEN: tl.constexpr, TOP_K: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
+    _dependent_launch(PDL)
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     acc = tl.zeros([BLOCK], dtype=tl.float32)
@@ -757,6 +806,22 @@ def _align(x, ids, first_expert, num_local, block_m, nblocks, block_k, chunked: 
     return sorted_slot, block_expert, xp
 
 
+def tile_descriptors(words: torch.Tensor, scales: torch.Tensor, block_n: int):
+    """Tensor-memory-accelerator descriptors of a tiled stack (tile_nvfp4; int32 words of
+    [E, R, K/8], uint8 scales of [E, R, K/16]) for K blocks of BLOCK_N rows: the words as [row
+    groups, tiles per row, 16, TILE_K/8] and the scales as [row groups, tiles per row, 16,
+    TILE_K/16], one block = BLOCK_N/16 groups' tiles of one K block."""
+    experts, rows, kw = words.shape
+    groups, tiles = experts * rows // TILE_ROWS, kw * 8 // TILE_K
+    tw, ts = TILE_K // 8, TILE_K // 16
+    return (
+        TensorDescriptor(words, [groups, tiles, TILE_ROWS, tw], [tiles * TILE_ROWS * tw, TILE_ROWS * tw, tw, 1],
+                         [block_n // TILE_ROWS, 1, TILE_ROWS, tw]),
+        TensorDescriptor(scales, [groups, tiles, TILE_ROWS, ts], [tiles * TILE_ROWS * ts, TILE_ROWS * ts, ts, 1],
+                         [block_n // TILE_ROWS, 1, TILE_ROWS, ts]),
+    )  # fmt: skip
+
+
 def max_blocks(num_slots: int, num_local: int, block_m: int) -> int:
     """Most BLOCK_M blocks any routing of num_slots slots over num_local experts can need."""
     return triton.cdiv(num_slots, block_m) + min(num_local, num_slots)
@@ -764,12 +829,30 @@ def max_blocks(num_slots: int, num_local: int, block_m: int) -> int:
 
 # FUSE_K: one MMA per K block on the whole dequantised tile (asynchronous: the MMAs overlap the
 # next dequantisation) rather than 8 partial MMAs, each of which waited for completion.
+# TMA: the weight tiles through tensor-memory-accelerator descriptors (tiled layout only); measured
+# no faster on the H200 at 1-256 tokens, with or without register caps and at 2-5 stages
+# (bench/results/2026-12-02-triton-moe-occupancy). PDL: see _dependent_launch and SMALL_BATCH_PDL.
 DEFAULT_CONFIG = {
-    "gate_up": {"BLOCK_N": 64, "BLOCK_K": 256, "FUSE_K": True, "num_warps": 4, "num_stages": 3},
+    "gate_up": {
+        "BLOCK_N": 64, "BLOCK_K": 256, "FUSE_K": True, "num_warps": 4, "num_stages": 3, "TMA": False, "PDL": False,
+    },
     # 128 rows: fewer wgmma fences and address updates per value; the down kernel has one weight
     # tile where gate/up has two.
-    "down": {"BLOCK_N": 128, "BLOCK_K": 256, "FUSE_K": True, "num_warps": 4, "num_stages": 3},
+    "down": {"BLOCK_N": 128, "BLOCK_K": 256, "FUSE_K": True, "num_warps": 4, "num_stages": 3, "TMA": False, "PDL": False},
 }
+
+
+# Gate/up register cap for 16-token blocks (decode sizes): ptxas fits the kernel in 158 registers
+# without spilling (169 uncapped), so three programs share a multiprocessor instead of two (ncu at
+# 256 tokens: two, held there by registers, issuing on 64% of cycles). Measured on the H200
+# (bench/results/2026-12-02-triton-moe-occupancy), whole path, capped against uncapped in the same
+# run: 1388 / 1490 us at 64 tokens, 1742 / 1816 at 256, 72.1 / 72.0 at 1. With 32-token blocks
+# (1024 tokens) the cap made it slower (3484 against 3126 us), so it stays on 16-token blocks.
+DECODE_GATE_UP_MAXNREG = 168
+
+# Programmatic dependent launches up to this many tokens: measured at one token 70.1 against 72.1 us
+# (and 72.3 against 74.9 in another run); at 64 and 256 tokens no better (1424 / 1388, 1804 / 1742).
+SMALL_BATCH_PDL = 8
 
 
 def moe_experts_nvfp4_triton(
@@ -826,12 +909,22 @@ def moe_experts_nvfp4_triton(
         raise ValueError("relayout=True takes relayout_nvfp4's uint8 scales")
     if tiled and not relayout:
         raise ValueError("tiled=True takes re-laid-out weights (relayout=True)")
+    if _INTERPRET or not x.is_cuda:  # programmatic dependent launch is a CUDA launch option
+        gu, dn = {**gu, "PDL": False}, {**dn, "PDL": False}
+    if (gu["TMA"] or dn["TMA"]) and not tiled:
+        raise ValueError("TMA loads read the tiled layout (tiled=True)")
     if tiled and (gu["BLOCK_K"] != TILE_K or dn["BLOCK_K"] != TILE_K):
         raise ValueError(f"the tiled layout needs K blocks of {TILE_K} (hidden {hidden}, intermediate {inter})")
     layout = 2 if tiled else 1 if relayout else 0
     if n_slots == 0:
         return torch.zeros(num_tokens, hidden, dtype=torch.float32, device=x.device)
     bm = block_m or pick_block_m(n_slots, num_local)
+    user = {k: (config or {}).get(k, {}) for k in ("gate_up", "down")}
+    if bm == 16 and "maxnreg" not in user["gate_up"]:
+        gu = {**gu, "maxnreg": DECODE_GATE_UP_MAXNREG}
+    if num_tokens <= SMALL_BATCH_PDL and x.is_cuda and not _INTERPRET:
+        gu = {**gu, "PDL": user["gate_up"].get("PDL", True)}
+        dn = {**dn, "PDL": user["down"].get("PDL", True)}
     nblocks = max_blocks(n_slots, num_local, bm)
     rows = nblocks * bm
     dev = x.device
@@ -849,24 +942,29 @@ def moe_experts_nvfp4_triton(
         count = torch.zeros(nblocks * (inter // gu["BLOCK_N"]), dtype=torch.int32, device=dev)
     else:
         part, count = h, sorted_slot  # not read
+    w13_words = w13.view(torch.int32)
+    gu_desc = tile_descriptors(w13_words, w13_scale, gu["BLOCK_N"]) if gu["TMA"] else (w13_words, w13_scale)
     _moe_gate_up_kernel[(inter // gu["BLOCK_N"], nblocks, split_k)](
-        xp, w13.view(torch.int32), w13_scale, w13_scale_2, sorted_slot, block_expert, h, part, count, top_k, rows,
+        xp, w13_words, w13_scale, w13_scale_2, sorted_slot, block_expert, h, part, count, *gu_desc, top_k, rows,
         K=hidden, INTER=inter, BLOCK_M=bm, BLOCK_N=gu["BLOCK_N"], BLOCK_K=gu["BLOCK_K"], H_BLOCK_K=dn["BLOCK_K"], FUSE_K=gu["FUSE_K"],
-        ASM=asm, INTERPRET=_INTERPRET, LAYOUT=layout, SPLIT_K=split_k, num_warps=gu["num_warps"], num_stages=gu["num_stages"], **_reg_cap(gu),
+        ASM=asm, INTERPRET=_INTERPRET, LAYOUT=layout, SPLIT_K=split_k, TMA=gu["TMA"], PDL=gu["PDL"], launch_pdl=gu["PDL"], num_warps=gu["num_warps"], num_stages=gu["num_stages"], **_reg_cap(gu),
     )  # fmt: skip
 
     # bf16 per-slot outputs, like the reference's per-expert matmuls; summed in float32.
     y = torch.empty(n_slots, hidden, dtype=torch.bfloat16, device=dev)
+    w2_words = w2.view(torch.int32)
+    dn_desc = tile_descriptors(w2_words, w2_scale, dn["BLOCK_N"]) if dn["TMA"] else (w2_words, w2_scale)
     _moe_down_kernel[(hidden // dn["BLOCK_N"], nblocks)](
-        h, w2.view(torch.int32), w2_scale, w2_scale_2, sorted_slot, block_expert, routing_w, y,
+        h, w2_words, w2_scale, w2_scale_2, sorted_slot, block_expert, routing_w, y, *dn_desc,
         HIDDEN=hidden, INTER=inter, BLOCK_M=bm, BLOCK_N=dn["BLOCK_N"], BLOCK_K=dn["BLOCK_K"], FUSE_K=dn["FUSE_K"],
-        ASM=asm, INTERPRET=_INTERPRET, LAYOUT=layout, num_warps=dn["num_warps"], num_stages=dn["num_stages"], **_reg_cap(dn),
+        ASM=asm, INTERPRET=_INTERPRET, LAYOUT=layout, TMA=dn["TMA"], PDL=dn["PDL"], launch_pdl=dn["PDL"], num_warps=dn["num_warps"], num_stages=dn["num_stages"], **_reg_cap(dn),
     )  # fmt: skip
 
     out = torch.empty(num_tokens, hidden, dtype=torch.float32, device=dev)
     block = min(1024, triton.next_power_of_2(hidden))
     _moe_sum_kernel[(num_tokens, triton.cdiv(hidden, block))](
-        y, ids, out, first_expert, num_local, HIDDEN=hidden, TOP_K=top_k, BLOCK=block, num_warps=4
+        y, ids, out, first_expert, num_local, HIDDEN=hidden, TOP_K=top_k, BLOCK=block, PDL=dn["PDL"],
+        launch_pdl=dn["PDL"], num_warps=4,
     )
     return out
 
