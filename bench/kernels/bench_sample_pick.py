@@ -36,6 +36,20 @@ def case(rows: int, copy_bps: float) -> list[dict]:
         out.append({"rows": rows, "variant": name, "us": us, "floor_us": floor_us, "of_floor": floor_us / us,
                     "pieces": pieces_for(rows, VOCAB) if "triton" in name else None, "same_tokens": same})  # fmt: skip
     out[1]["speedup"] = out[0]["us"] / out[1]["us"]
+    # Temperature: divided first in torch (the sampler before) against inside the pick (plain batches).
+    t = torch.rand(rows, generator=gen, device="cuda") + 0.5
+    same_t = all(
+        torch.equal(sample_pick_triton(x, u, None, t), sample_pick_triton(x.float() / t.unsqueeze(1), u)) for x, u in sets
+    )
+    tries = (
+        ("temperature: torch divide, then triton pick", lambda x, u: sample_pick_triton(x.float() / t.unsqueeze(1), u)),
+        ("temperature: folded into the triton pick", lambda x, u: sample_pick_triton(x, u, None, t)),
+    )
+    for name, fn in tries:
+        us = graph_time_us([lambda x=x, u=u, fn=fn: fn(x, u) for x, u in sets])
+        out.append({"rows": rows, "variant": name, "us": us, "floor_us": floor_us, "of_floor": floor_us / us,
+                    "pieces": pieces_for(rows, VOCAB), "same_tokens": same_t})  # fmt: skip
+    out[3]["speedup"] = out[2]["us"] / out[3]["us"]
     return out
 
 
@@ -49,7 +63,7 @@ def main() -> None:
     rows = []
     for r in (int(v) for v in args.rows.split(",")):
         rows += case(r, copy_bps)
-        print(rows[-2:], flush=True)
+        print(rows[-4:], flush=True)
         torch.cuda.empty_cache()
     cols = ["rows", "variant", "us", "speedup", "floor_us", "of_floor", "pieces", "same_tokens"]
     print_table(rows, cols)

@@ -144,11 +144,11 @@ def moe_cases():
 
 
 def sample_pick_cases():
-    sig = {"x_ptr": F32, "u_ptr": F32, "greedy_ptr": "*u8", "val_ptr": F32, "idx_ptr": "*i32", "vocab": "i32",
-           "stride_x": "i32", "stride_u": "i32", "piece": "i32"}  # fmt: skip
-    for greedy in (False, True):
-        consts = dict(HAS_GREEDY=greedy, U_MAX=tsp._U_MAX, BLOCK=tsp.BLOCK, STEPS=0, INTERPRET=False)
-        yield f"sample pick greedy={greedy}", tsp._sample_pick_kernel, sig, consts, 8
+    for greedy, temp, x_ty in ((False, False, F32), (True, False, F32), (True, True, "*bf16")):
+        sig = {"x_ptr": x_ty, "u_ptr": F32, "greedy_ptr": "*u8", "temp_ptr": F32, "val_ptr": F32, "idx_ptr": "*i32",
+               "vocab": "i32", "stride_x": "i32", "stride_u": "i32", "piece": "i32"}  # fmt: skip
+        consts = dict(HAS_GREEDY=greedy, HAS_TEMP=temp, U_MAX=tsp._U_MAX, BLOCK=tsp.BLOCK, STEPS=0, INTERPRET=False)
+        yield f"sample pick greedy={greedy} temperature={temp} logits {x_ty[1:]}", tsp._sample_pick_kernel, sig, consts, 8
 
 
 def main() -> int:

@@ -56,6 +56,21 @@ def test_triton_picks_the_reference_tokens(rows, vocab, greedy):
 
 
 @pytest.mark.parametrize("rows,vocab", SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_temperature_folded_into_the_pick(rows, vocab, dtype):
+    """With temperature the pick divides the raw logits itself (bf16 or float32), correctly
+    rounded: the same tokens as dividing first in torch, as the sampler's process_logits does."""
+    x, u, g = inputs(rows, vocab, 7 * rows + vocab)
+    x = x.to(dtype)
+    greedy = torch.rand(rows, generator=g, device=DEV) < 0.3
+    t = torch.rand(rows, generator=g, device=DEV) * 1.9 + 0.05
+    t[greedy] = 1.0  # the sampling batch's temperature on greedy rows
+    want = sample_pick_torch(x.float() / t.unsqueeze(1), u, greedy)
+    assert torch.equal(sample_pick_torch(x, u, greedy, t), want)
+    assert torch.equal(sample_pick_triton(x, u, greedy, t), want), f"seed {SEED}"
+
+
+@pytest.mark.parametrize("rows,vocab", SHAPES)
 def test_ties_go_to_the_lowest_id_across_pieces(rows, vocab):
     assert pieces_for(rows, vocab) >= 1
     x = torch.full((rows, vocab), float("-inf"), device=DEV)

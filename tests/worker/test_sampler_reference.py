@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from nsaserve.protocol.validate import validate_plan
-from nsaserve.worker.sampler import SamplingBatch, draw_uniform, pick_tokens, sample
+from nsaserve.worker.sampler import SamplingBatch, draw_uniform, pick_tokens, plain_sampling, sample
 from nsaserve.worker.sampling_logits import process_logits
 from nsaserve.worker.sampling_noise import seeded_uniform
 from nsaserve.worker.sampling_plans import SamplingRequest, make_plan
@@ -119,3 +119,44 @@ def test_logprobs_match_reference(seed, device):
         torch.testing.assert_close(out.top_logprobs[j, :n].double(), want, rtol=0, atol=1e-5)
         # Each returned id carries its own logprob.
         torch.testing.assert_close(lsm[j, out.top_ids[j, :n]], out.top_logprobs[j, :n].double(), rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("seed", range(60, 72))
+def test_plain_batches_fold_the_temperature_into_the_pick(seed, device):
+    """Batches with no penalty or filter (temperature, greedy and seeded rows only): the pick divides
+    the raw logits itself, and picks the tokens of dividing first and of the float64 reference."""
+    rng = random.Random(seed)
+    vocab = rng.choice([257, 1000])
+    reqs = [random_request(rng, vocab) for _ in range(rng.randint(1, 24))]
+    for r in reqs:
+        r.top_k, r.top_p, r.min_p = 0, 1.0, 0.0
+        r.repetition_penalty, r.frequency_penalty, r.presence_penalty = 1.0, 0.0, 0.0
+    plan = make_plan(reqs)
+    sb = SamplingBatch.from_plan(plan, device)
+    assert plain_sampling(sb)
+    gen = torch.Generator().manual_seed(seed)
+    logits = (torch.randn(sb.num_rows, vocab, generator=gen) * 3).to(device)
+    u = torch.rand(logits.shape, generator=gen).to(device)
+    folded = pick_tokens(logits, u, sb, temperature=sb.temperature)
+    assert torch.equal(folded, pick_tokens(process_logits(logits, sb), u, sb))
+    assert folded.tolist() == [r.token for r in reference_sample(logits.cpu(), plan, u.cpu())]
+    out = sample(logits, sb)  # the sampler's own path takes the fold here
+    x = process_logits(logits, sb)
+    for row, gen_seed in sb.seeded:
+        noise = seeded_uniform(gen_seed, vocab, device).expand(sb.num_rows, -1)
+        assert out.tokens[row].item() == pick_tokens(x, noise, sb)[row].item()
+
+
+def test_filters_and_penalties_are_not_plain():
+    rng = random.Random(5)
+    base = dict(top_k=0, top_p=1.0, min_p=0.0)
+    for change in ({"top_k": 5}, {"top_p": 0.9}, {"min_p": 0.1}, {"repetition_penalty": 1.3}, {}):
+        reqs = [random_request(rng, 100) for _ in range(3)]
+        for r in reqs:
+            r.temperature, r.sample = 0.7, True
+            r.repetition_penalty, r.frequency_penalty, r.presence_penalty = 1.0, 0.0, 0.0
+            for k, v in {**base, **change}.items():
+                setattr(r, k, v)
+        sb = SamplingBatch.from_plan(make_plan(reqs), "cpu")
+        assert plain_sampling(sb) == (change == {}), change

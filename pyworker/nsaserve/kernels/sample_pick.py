@@ -1,7 +1,10 @@
 """The sampler's last step: one token per row, argmax(x + Gumbel(u)) (argmax(x) on greedy rows).
 
 Kind "sample_pick": (x float32 [S, V] the processed logits, u float32 [S, V] uniforms in [0, 1),
-greedy bool [S] or None) -> int64 [S]. Ties go to the lowest token id, as torch.argmax's.
+greedy bool [S] or None, temperature float32 [S] or None) -> int64 [S]. Ties go to the lowest
+token id, as torch.argmax's. With temperature, x is the raw logits (any float dtype) and the pick
+divides them first, x.float() / temperature (1 on greedy rows), exactly as the sampler's
+process_logits does when no penalty or filter is on: the fused backend then saves that pass.
 
 The noise is G = -log(-log u) (worker/sampling_noise.py says why this samples the distribution).
 The torch reference below makes a tensor per operation: about eight passes over [S, V] float32,
@@ -26,7 +29,11 @@ def gumbel(u: torch.Tensor) -> torch.Tensor:
 
 
 @register("sample_pick", "torch")
-def sample_pick_torch(x: torch.Tensor, u: torch.Tensor, greedy: torch.Tensor | None = None) -> torch.Tensor:
+def sample_pick_torch(
+    x: torch.Tensor, u: torch.Tensor, greedy: torch.Tensor | None = None, temperature: torch.Tensor | None = None
+) -> torch.Tensor:
+    if temperature is not None:
+        x = x.float() / temperature.unsqueeze(1)
     g = gumbel(u)
     if greedy is not None:
         g.masked_fill_(greedy.unsqueeze(1), 0.0)

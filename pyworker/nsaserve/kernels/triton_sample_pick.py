@@ -34,8 +34,9 @@ def _log(x, INTERPRET: tl.constexpr):
 
 @triton.jit
 def _sample_pick_kernel(
-    x_ptr, u_ptr, greedy_ptr, val_ptr, idx_ptr, vocab, stride_x, stride_u, piece,
-    HAS_GREEDY: tl.constexpr, U_MAX: tl.constexpr, BLOCK: tl.constexpr, STEPS: tl.constexpr, INTERPRET: tl.constexpr,
+    x_ptr, u_ptr, greedy_ptr, temp_ptr, val_ptr, idx_ptr, vocab, stride_x, stride_u, piece,
+    HAS_GREEDY: tl.constexpr, HAS_TEMP: tl.constexpr, U_MAX: tl.constexpr, BLOCK: tl.constexpr, STEPS: tl.constexpr,
+    INTERPRET: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     pid = tl.program_id(1)
@@ -47,11 +48,15 @@ def _sample_pick_kernel(
     best_i = start + lanes  # an all -inf piece answers its first index, as argmax does
     if HAS_GREEDY:
         greedy = tl.load(greedy_ptr + row) != 0
+    if HAS_TEMP:
+        temp = tl.load(temp_ptr + row)
     # Triton's CPU interpreter loops only over compile-time counts (STEPS there, steps on the GPU).
     for k in range(STEPS if INTERPRET else piece // BLOCK):
         offs = start + k * BLOCK + lanes
         m = offs < end
-        x = tl.load(x_ptr + row * stride_x + offs, mask=m, other=float("-inf"))
+        x = tl.load(x_ptr + row * stride_x + offs, mask=m, other=float("-inf")).to(tl.float32)
+        if HAS_TEMP:
+            x = tl.math.div_rn(x, temp)  # correctly rounded, as torch's division (a plain / is not)
         u = tl.load(u_ptr + row * stride_u + offs, mask=m, other=0.5)
         g = -_log(-_log(tl.minimum(u, U_MAX), INTERPRET), INTERPRET)
         if HAS_GREEDY:
@@ -73,7 +78,9 @@ def pieces_for(rows: int, vocab: int) -> int:
     return max(1, min(want, vocab // MIN_PIECE))
 
 
-def sample_pick_triton(x: torch.Tensor, u: torch.Tensor, greedy: torch.Tensor | None = None) -> torch.Tensor:
+def sample_pick_triton(
+    x: torch.Tensor, u: torch.Tensor, greedy: torch.Tensor | None = None, temperature: torch.Tensor | None = None
+) -> torch.Tensor:
     """The registry's ("sample_pick", "triton") backend: same arguments as sample_pick_torch."""
     rows, vocab = x.shape
     if u.shape != x.shape:
@@ -89,10 +96,11 @@ def sample_pick_triton(x: torch.Tensor, u: torch.Tensor, greedy: torch.Tensor | 
     idx = torch.empty(rows, pieces, dtype=torch.int32, device=x.device)
     interp = x.device.type != "cuda"
     g = greedy.view(torch.uint8) if greedy is not None else vals  # not read without HAS_GREEDY
+    t = temperature.float().contiguous() if temperature is not None else vals  # not read without HAS_TEMP
     _sample_pick_kernel[(rows, pieces)](
-        x, u, g, vals, idx, vocab, x.stride(0), u.stride(0), piece,
-        HAS_GREEDY=greedy is not None, U_MAX=_U_MAX, BLOCK=BLOCK, STEPS=piece // BLOCK if interp else 0,
-        INTERPRET=interp, num_warps=8,
+        x, u, g, t, vals, idx, vocab, x.stride(0), u.stride(0), piece,
+        HAS_GREEDY=greedy is not None, HAS_TEMP=temperature is not None, U_MAX=_U_MAX, BLOCK=BLOCK,
+        STEPS=piece // BLOCK if interp else 0, INTERPRET=interp, num_warps=8,
     )  # fmt: skip
     if pieces == 1:
         return idx[:, 0].long()

@@ -36,13 +36,29 @@ class SampleOutput:
     top_logprobs: torch.Tensor  # f32 [S, K]
 
 
-def pick_tokens(x: torch.Tensor, u: torch.Tensor | None, sb: SamplingBatch, backend: str = "auto") -> torch.Tensor:
+def pick_tokens(
+    x: torch.Tensor,
+    u: torch.Tensor | None,
+    sb: SamplingBatch,
+    backend: str = "auto",
+    temperature: torch.Tensor | None = None,
+) -> torch.Tensor:
     """argmax(x + Gumbel(u)) on sampling rows and argmax(x) on greedy rows, in one pass (kernel kind
-    "sample_pick": fused on CUDA, the torch reference elsewhere)."""
+    "sample_pick": fused on CUDA, the torch reference elsewhere). temperature: x is the raw logits,
+    divided by it in the same pass (only when no penalty or filter applies: see plain_sampling)."""
     if u is None:
         return x.argmax(dim=1)
     pick = get_backend("sample_pick", resolve("sample_pick", backend, x.device.type))
-    return pick(x, u, sb.greedy if sb.any_greedy else None)
+    greedy = sb.greedy if sb.any_greedy else None
+    if temperature is None:
+        return pick(x, u, greedy)
+    return pick(x, u, greedy, temperature)
+
+
+def plain_sampling(sb: SamplingBatch) -> bool:
+    """No penalty, top-k, top-p or min-p on any row: the processed logits are logits / temperature,
+    which the pick can compute itself (host-side flags and shapes only; nothing waits on the device)."""
+    return sb.history_token.numel() == 0 and sb.top_k_or_p_rows.numel() == 0 and not sb.any_min_p
 
 
 def draw_uniform(
@@ -63,8 +79,12 @@ def sample(logits: torch.Tensor, sb: SamplingBatch, generator: torch.Generator |
     S, V = logits.shape
     if S != sb.num_rows:
         raise ValueError(f"{S} rows of logits for a sampling batch of {sb.num_rows}")
-    x = process_logits(logits, sb)
-    tokens = pick_tokens(x, draw_uniform(sb, V, logits.device, generator), sb)
+    u = draw_uniform(sb, V, logits.device, generator)
+    if u is not None and plain_sampling(sb):
+        # The division happens inside the pick: one pass over [S, V] fewer (bit-identical tokens).
+        tokens = pick_tokens(logits, u, sb, temperature=sb.temperature)
+    else:
+        tokens = pick_tokens(process_logits(logits, sb), u, sb)
 
     K = min(sb.max_top_logprobs, V)
     lp = torch.full((S,), float("nan"), dtype=torch.float32, device=logits.device)
@@ -79,4 +99,4 @@ def sample(logits: torch.Tensor, sb: SamplingBatch, generator: torch.Generator |
     return SampleOutput(tokens=tokens, logprobs=lp, top_ids=top_ids, top_logprobs=top_lp)
 
 
-__all__ = ["SampleOutput", "SamplingBatch", "sample", "prompt_logprobs", "pick_tokens", "draw_uniform"]
+__all__ = ["SampleOutput", "SamplingBatch", "sample", "prompt_logprobs", "pick_tokens", "plain_sampling", "draw_uniform"]
