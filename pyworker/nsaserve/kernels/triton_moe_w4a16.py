@@ -831,14 +831,13 @@ def max_blocks(num_slots: int, num_local: int, block_m: int) -> int:
 # next dequantisation) rather than 8 partial MMAs, each of which waited for completion.
 # TMA: the weight tiles through tensor-memory-accelerator descriptors (tiled layout only); measured
 # no faster on the H200 at 1-256 tokens, with or without register caps and at 2-5 stages
-# (bench/results/2026-12-02-triton-moe-occupancy). PDL: see _dependent_launch and SMALL_BATCH_PDL.
+# (bench/results/2026-12-02-triton-moe-occupancy). PDL (set per call unless a config sets it): see
+# _dependent_launch and SMALL_BATCH_PDL.
 DEFAULT_CONFIG = {
-    "gate_up": {
-        "BLOCK_N": 64, "BLOCK_K": 256, "FUSE_K": True, "num_warps": 4, "num_stages": 3, "TMA": False, "PDL": False,
-    },
+    "gate_up": {"BLOCK_N": 64, "BLOCK_K": 256, "FUSE_K": True, "num_warps": 4, "num_stages": 3, "TMA": False},
     # 128 rows: fewer wgmma fences and address updates per value; the down kernel has one weight
     # tile where gate/up has two.
-    "down": {"BLOCK_N": 128, "BLOCK_K": 256, "FUSE_K": True, "num_warps": 4, "num_stages": 3, "TMA": False, "PDL": False},
+    "down": {"BLOCK_N": 128, "BLOCK_K": 256, "FUSE_K": True, "num_warps": 4, "num_stages": 3, "TMA": False},
 }
 
 
@@ -909,8 +908,6 @@ def moe_experts_nvfp4_triton(
         raise ValueError("relayout=True takes relayout_nvfp4's uint8 scales")
     if tiled and not relayout:
         raise ValueError("tiled=True takes re-laid-out weights (relayout=True)")
-    if _INTERPRET or not x.is_cuda:  # programmatic dependent launch is a CUDA launch option
-        gu, dn = {**gu, "PDL": False}, {**dn, "PDL": False}
     if (gu["TMA"] or dn["TMA"]) and not tiled:
         raise ValueError("TMA loads read the tiled layout (tiled=True)")
     if tiled and (gu["BLOCK_K"] != TILE_K or dn["BLOCK_K"] != TILE_K):
@@ -919,12 +916,12 @@ def moe_experts_nvfp4_triton(
     if n_slots == 0:
         return torch.zeros(num_tokens, hidden, dtype=torch.float32, device=x.device)
     bm = block_m or pick_block_m(n_slots, num_local)
-    user = {k: (config or {}).get(k, {}) for k in ("gate_up", "down")}
-    if bm == 16 and "maxnreg" not in user["gate_up"]:
+    if bm == 16 and "maxnreg" not in (config or {}).get("gate_up", {}):
         gu = {**gu, "maxnreg": DECODE_GATE_UP_MAXNREG}
-    if num_tokens <= SMALL_BATCH_PDL and x.is_cuda and not _INTERPRET:
-        gu = {**gu, "PDL": user["gate_up"].get("PDL", True)}
-        dn = {**dn, "PDL": user["down"].get("PDL", True)}
+    # Programmatic dependent launch is a CUDA launch option: never in the interpreter.
+    on_gpu = x.is_cuda and not _INTERPRET
+    gu["PDL"] = on_gpu and gu.get("PDL", num_tokens <= SMALL_BATCH_PDL)
+    dn["PDL"] = on_gpu and dn.get("PDL", num_tokens <= SMALL_BATCH_PDL)
     nblocks = max_blocks(n_slots, num_local, bm)
     rows = nblocks * bm
     dev = x.device
