@@ -49,10 +49,7 @@ def pick_tokens(
     if u is None:
         return x.argmax(dim=1)
     pick = get_backend("sample_pick", resolve("sample_pick", backend, x.device.type))
-    greedy = sb.greedy if sb.any_greedy else None
-    if temperature is None:
-        return pick(x, u, greedy)
-    return pick(x, u, greedy, temperature)
+    return pick(x, u, sb.greedy if sb.any_greedy else None, temperature)
 
 
 def plain_sampling(sb: SamplingBatch) -> bool:
