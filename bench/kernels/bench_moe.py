@@ -145,17 +145,12 @@ def configs(batch: int, sweep: bool):
     # without spilling, TMA descriptor loads (148 / 198 registers uncapped), two stages where shared
     # memory would be the next limit. (name, gate/up config, down config)
     # gate/up maxnreg 168 became the default for 16-token blocks after the first of these runs
-    # (2026-12-02), and PDL up to 8 tokens after the second. The persistent kernels (a fixed grid
-    # striding over the used blocks' tiles in one flattened, pipelined loop: 128 / 137 registers
-    # instead of 158 / 212) were written after that day's GPU time and not yet timed.
+    # (2026-12-02), and PDL up to 8 tokens after the second. Persistent gate/up and down kernels (a
+    # fixed grid striding over the used blocks' tiles) were timed with these tries at 0.72-0.96x the
+    # speed of one program per tile and removed (bench/results/2026-12-02-triton-moe-persistent.md).
     tma = {"TMA": True}
     tries = (
         ("gate_up without register cap (the default before)", {"maxnreg": None}, {}),
-        ("persistent down (3 programs per SM)", {}, {"PERSISTENT": True}),
-        ("persistent down, 2 per SM", {}, {"PERSISTENT": True, "PROGRAMS_PER_SM": 2}),
-        ("persistent gate_up (3 per SM)", {"PERSISTENT": True}, {}),
-        ("persistent gate_up, 4 per SM, 2 stages", {"PERSISTENT": True, "PROGRAMS_PER_SM": 4, "num_stages": 2}, {}),
-        ("persistent both", {"PERSISTENT": True}, {"PERSISTENT": True}),
         ("PDL on", {"PDL": True}, {"PDL": True}),
         ("PDL off", {"PDL": False}, {"PDL": False}),
         ("gate_up TMA s3", {**tma, "maxnreg": None}, {}),

@@ -109,8 +109,7 @@ def sparse_mla_cases():
 def moe_cases():
     # The routed experts' layout kernel: its loop counts are runtime values (one variant per block size).
     sig = {
-        "ids_ptr": "*i64", "sorted_slot_ptr": "*i32", "block_expert_ptr": "*i32", "used_ptr": "*i32", "x_ptr": "*bf16",
-        "xp_ptr": "*bf16",
+        "ids_ptr": "*i64", "sorted_slot_ptr": "*i32", "block_expert_ptr": "*i32", "x_ptr": "*bf16", "xp_ptr": "*bf16",
         "n_slots": "i32", "first_expert": "i32", "num_local": "i32", "max_blocks": "i32", "slot_chunks": "i32",
         "expert_block_chunks": "i32", "block_chunks": "i32",
     }  # fmt: skip
@@ -129,7 +128,7 @@ def moe_cases():
     yield "moe align count", tw._moe_align_count_kernel, count_sig, dict(**chunk, HIDDEN=6144, BLOCK_K=256), 4
     runs_sig = {
         "total_ptr": "*i32", "chunk_count_ptr": "*i32", "chunk_before_ptr": "*i32", "chunk_base_ptr": "*i32",
-        "sorted_slot_ptr": "*i32", "block_expert_ptr": "*i32", "used_ptr": "*i32", "n_chunks": "i32", "max_blocks": "i32",
+        "sorted_slot_ptr": "*i32", "block_expert_ptr": "*i32", "n_chunks": "i32", "max_blocks": "i32",
         "expert_block_chunks": "i32", "block_chunks": "i32", "chunk_blocks": "i32",
     }  # fmt: skip
     for block_m in (64, 128):
@@ -146,25 +145,22 @@ def moe_cases():
     gate_up_sig = {
         "x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*u8", "s2_ptr": F32, "sorted_slot_ptr": "*i32",
         "block_expert_ptr": "*i32", "h_ptr": "*bf16", "part_ptr": F32, "count_ptr": "*i32", "w_desc": "*i32",
-        "s_desc": "*u8", "used_ptr": "*i32", "top_k": "i32", "part_rows": "i32",
+        "s_desc": "*u8", "top_k": "i32", "part_rows": "i32",
     }  # fmt: skip
-    for persistent in (False, True):
-        consts = dict(
-            K=6144, INTER=2048, BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, H_BLOCK_K=256, FUSE_K=True, ASM=True,
-            INTERPRET=False, LAYOUT=2, SPLIT_K=1, TMA=False, PDL=True, PERSISTENT=persistent, NUM_PROGRAMS=396,
-        )  # fmt: skip
-        yield f"moe gate/up tiled, PDL, persistent={persistent}", tw._moe_gate_up_kernel, gate_up_sig, consts, 4, {"num_stages": 3}
+    consts = dict(
+        K=6144, INTER=2048, BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, H_BLOCK_K=256, FUSE_K=True, ASM=True,
+        INTERPRET=False, LAYOUT=2, SPLIT_K=1, TMA=False, PDL=True,
+    )  # fmt: skip
+    yield "moe gate/up tiled, PDL", tw._moe_gate_up_kernel, gate_up_sig, consts, 4, {"num_stages": 3}
     down_sig = {
         "h_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*u8", "s2_ptr": F32, "sorted_slot_ptr": "*i32",
         "block_expert_ptr": "*i32", "topk_w_ptr": F32, "y_ptr": "*bf16", "w_desc": "*i32", "s_desc": "*u8",
-        "used_ptr": "*i32",
     }  # fmt: skip
-    for persistent in (False, True):
-        consts = dict(
-            HIDDEN=6144, INTER=2048, BLOCK_M=16, BLOCK_N=128, BLOCK_K=256, FUSE_K=True, ASM=True, INTERPRET=False,
-            LAYOUT=2, TMA=False, PDL=False, PERSISTENT=persistent, NUM_PROGRAMS=396,
-        )  # fmt: skip
-        yield f"moe down tiled, persistent={persistent}", tw._moe_down_kernel, down_sig, consts, 4, {"num_stages": 3}
+    consts = dict(
+        HIDDEN=6144, INTER=2048, BLOCK_M=16, BLOCK_N=128, BLOCK_K=256, FUSE_K=True, ASM=True, INTERPRET=False,
+        LAYOUT=2, TMA=False, PDL=False,
+    )  # fmt: skip
+    yield "moe down tiled", tw._moe_down_kernel, down_sig, consts, 4, {"num_stages": 3}
 
 
 def sample_pick_cases():

@@ -18,8 +18,7 @@ worst case for the token count (so a CUDA graph captured for T tokens replays fo
    From ALIGN_CHUNKED_FROM slots (prompt-sized steps) three launches lay out the same thing in
    chunks of slots instead (count per chunk, runs per expert, place per chunk), since every
    expert's program scanning every slot grows as experts x slots.
-2. _moe_gate_up_kernel, grid (I / BLOCK_N, blocks) (or a persistent grid striding over those tiles:
-   PERSISTENT): for one expert block and BLOCK_N columns of gate
+2. _moe_gate_up_kernel, grid (I / BLOCK_N, blocks): for one expert block and BLOCK_N columns of gate
    and of up, C^T = W · X^T with the dequantised weight tile as the MMA's A operand (weights on the
    M side: a handful of tokens only pad the N side to 16), then h = silu(a_g·gate) · (a_u·up) in
    bf16, per sorted row.
@@ -64,7 +63,6 @@ against 2023 us at 256), so it is the model's default (STACK_LAYOUT).
 
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
@@ -385,14 +383,13 @@ def _permute_row(x_ptr, xp_ptr, row, HIDDEN: tl.constexpr, BLOCK_K: tl.constexpr
 
 @triton.jit
 def _expert_run(
-    block_expert_ptr, sorted_slot_ptr, used_ptr, counts, pid, max_blocks, expert_block_chunks, block_chunks,
+    block_expert_ptr, sorted_slot_ptr, counts, pid, max_blocks, expert_block_chunks, block_chunks,
     E_P2: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, EXPERT_BLOCK_CHUNKS: tl.constexpr,
     BLOCK_CHUNKS: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
     """Local expert pid's run, from every local expert's slot count (counts [E_P2], 0 past
     num_local): marks its blocks, pads its run with -1 after its count slots, and (program 0)
-    marks the blocks past the last run unused and stores how many are used (used_ptr: every block
-    below that count belongs to an expert). -> (start of its run, its slot count)."""
+    marks the blocks past the last run unused. -> (start of its run, its slot count)."""
     offs_e = tl.arange(0, E_P2)
     offs_c = tl.arange(0, CHUNK)
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
@@ -404,7 +401,6 @@ def _expert_run(
         tl.store(block_expert_ptr + start // BLOCK_M + b, tl.full([CHUNK], 0, tl.int32) + pid, mask=b < my_blocks)
     if pid == 0:  # blocks past the last expert's run: their programs exit at once
         total_blocks = tl.sum(padded, 0) // BLOCK_M
-        tl.store(used_ptr, total_blocks)
         for bc in range(BLOCK_CHUNKS if INTERPRET else block_chunks):
             b = bc * CHUNK + offs_c
             tl.store(block_expert_ptr + b, tl.full([CHUNK], -1, tl.int32), mask=(b >= total_blocks) & (b < max_blocks))
@@ -417,7 +413,7 @@ def _expert_run(
 # new size compiles nothing (as constants they made a variant per power of two of the count).
 @triton.jit(do_not_specialize=["n_slots", "max_blocks", "slot_chunks", "expert_block_chunks", "block_chunks"])
 def _moe_align_kernel(
-    ids_ptr, sorted_slot_ptr, block_expert_ptr, used_ptr, x_ptr, xp_ptr,
+    ids_ptr, sorted_slot_ptr, block_expert_ptr, x_ptr, xp_ptr,
     n_slots, first_expert, num_local, max_blocks, slot_chunks, expert_block_chunks, block_chunks,
     E_P2: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, SLOT_CHUNKS: tl.constexpr,
     EXPERT_BLOCK_CHUNKS: tl.constexpr, BLOCK_CHUNKS: tl.constexpr, HIDDEN: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -443,7 +439,7 @@ def _moe_align_kernel(
         counts += tl.histogram(tl.where(loc >= 0, loc, E_P2 - 1), E_P2)
     counts = tl.where(offs_e < num_local, counts, 0)
     start, count = _expert_run(
-        block_expert_ptr, sorted_slot_ptr, used_ptr, counts, pid, max_blocks, expert_block_chunks, block_chunks,
+        block_expert_ptr, sorted_slot_ptr, counts, pid, max_blocks, expert_block_chunks, block_chunks,
         E_P2, BLOCK_M, CHUNK, EXPERT_BLOCK_CHUNKS, BLOCK_CHUNKS, INTERPRET,
     )  # fmt: skip
     # This expert's slots in input order (the -1 padding after them is _expert_run's).
@@ -484,7 +480,7 @@ def _moe_align_count_kernel(
 
 @triton.jit(do_not_specialize=["max_blocks", "expert_block_chunks", "block_chunks", "chunk_blocks"])
 def _moe_align_runs_kernel(
-    total_ptr, chunk_count_ptr, chunk_before_ptr, chunk_base_ptr, sorted_slot_ptr, block_expert_ptr, used_ptr,
+    total_ptr, chunk_count_ptr, chunk_before_ptr, chunk_base_ptr, sorted_slot_ptr, block_expert_ptr,
     n_chunks, max_blocks, expert_block_chunks, block_chunks, chunk_blocks,
     E_P2: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, EXPERT_BLOCK_CHUNKS: tl.constexpr,
     BLOCK_CHUNKS: tl.constexpr, CHUNK_BLOCKS: tl.constexpr, INTERPRET: tl.constexpr,
@@ -496,7 +492,7 @@ def _moe_align_runs_kernel(
     offs_e = tl.arange(0, E_P2)
     counts = tl.load(total_ptr + offs_e)  # 0 past num_local
     start, _ = _expert_run(
-        block_expert_ptr, sorted_slot_ptr, used_ptr, counts, pid, max_blocks, expert_block_chunks, block_chunks,
+        block_expert_ptr, sorted_slot_ptr, counts, pid, max_blocks, expert_block_chunks, block_chunks,
         E_P2, BLOCK_M, CHUNK, EXPERT_BLOCK_CHUNKS, BLOCK_CHUNKS, INTERPRET,
     )  # fmt: skip
     offs_c = tl.arange(0, CHUNK)
@@ -538,42 +534,21 @@ def _block_slots(sorted_slot_ptr, pid_m, BLOCK_M: tl.constexpr):
 @triton.jit
 def _moe_gate_up_kernel(
     x_ptr, w_ptr, s_ptr, s2_ptr, sorted_slot_ptr, block_expert_ptr, h_ptr, part_ptr, count_ptr,
-    w_desc, s_desc, used_ptr, top_k, part_rows,
+    w_desc, s_desc, top_k, part_rows,
     K: tl.constexpr, INTER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, H_BLOCK_K: tl.constexpr, FUSE_K: tl.constexpr, ASM: tl.constexpr,
     INTERPRET: tl.constexpr, LAYOUT: tl.constexpr = 0, SPLIT_K: tl.constexpr = 1, TMA: tl.constexpr = False,
-    PDL: tl.constexpr = False, PERSISTENT: tl.constexpr = False, NUM_PROGRAMS: tl.constexpr = 1,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
-    """Grid (I / BLOCK_N, blocks, SPLIT_K): one tile per program. PERSISTENT (SPLIT_K 1): a grid of
-    NUM_PROGRAMS programs strides over the used blocks' tiles in one flattened loop (as the down
-    kernel does)."""
+    """Grid (I / BLOCK_N, blocks, SPLIT_K): one tile per program (_gate_up_tile)."""
     _dependent_launch(PDL)
-    if PERSISTENT:
-        NB: tl.constexpr = INTER // BLOCK_N
-        n_tiles = tl.load(used_ptr) * NB
-        if INTERPRET:  # one program per possible tile: the CPU interpreter takes no runtime loop bound
-            tile = tl.program_id(0)
-            if tile < n_tiles:
-                _gate_up_tile(
-                    x_ptr, w_ptr, s_ptr, s2_ptr, sorted_slot_ptr, tl.load(block_expert_ptr + tile // NB), h_ptr,
-                    part_ptr, count_ptr, w_desc, s_desc, top_k, part_rows, tile % NB, tile // NB, 0,
-                    K, INTER, BLOCK_M, BLOCK_N, BLOCK_K, H_BLOCK_K, FUSE_K, ASM, INTERPRET, LAYOUT, 1, TMA,
-                )  # fmt: skip
-        else:
-            for tile in tl.range(tl.program_id(0), n_tiles, NUM_PROGRAMS, flatten=True):
-                _gate_up_tile(
-                    x_ptr, w_ptr, s_ptr, s2_ptr, sorted_slot_ptr, tl.load(block_expert_ptr + tile // NB), h_ptr,
-                    part_ptr, count_ptr, w_desc, s_desc, top_k, part_rows, tile % NB, tile // NB, 0,
-                    K, INTER, BLOCK_M, BLOCK_N, BLOCK_K, H_BLOCK_K, FUSE_K, ASM, INTERPRET, LAYOUT, 1, TMA,
-                )  # fmt: skip
-    else:
-        e = tl.load(block_expert_ptr + tl.program_id(1))
-        if e >= 0:  # an unused block: nothing to do
-            _gate_up_tile(
-                x_ptr, w_ptr, s_ptr, s2_ptr, sorted_slot_ptr, e, h_ptr, part_ptr, count_ptr, w_desc, s_desc, top_k,
-                part_rows, tl.program_id(0), tl.program_id(1), tl.program_id(2),
-                K, INTER, BLOCK_M, BLOCK_N, BLOCK_K, H_BLOCK_K, FUSE_K, ASM, INTERPRET, LAYOUT, SPLIT_K, TMA,
-            )  # fmt: skip
+    e = tl.load(block_expert_ptr + tl.program_id(1))
+    if e >= 0:  # an unused block: nothing to do
+        _gate_up_tile(
+            x_ptr, w_ptr, s_ptr, s2_ptr, sorted_slot_ptr, e, h_ptr, part_ptr, count_ptr, w_desc, s_desc, top_k,
+            part_rows, tl.program_id(0), tl.program_id(1), tl.program_id(2),
+            K, INTER, BLOCK_M, BLOCK_N, BLOCK_K, H_BLOCK_K, FUSE_K, ASM, INTERPRET, LAYOUT, SPLIT_K, TMA,
+        )  # fmt: skip
 
 
 @triton.jit
@@ -676,44 +651,20 @@ def _gate_up_epilogue(
 
 @triton.jit
 def _moe_down_kernel(
-    h_ptr, w_ptr, s_ptr, s2_ptr, sorted_slot_ptr, block_expert_ptr, topk_w_ptr, y_ptr, w_desc, s_desc, used_ptr,
+    h_ptr, w_ptr, s_ptr, s2_ptr, sorted_slot_ptr, block_expert_ptr, topk_w_ptr, y_ptr, w_desc, s_desc,
     HIDDEN: tl.constexpr, INTER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, FUSE_K: tl.constexpr, ASM: tl.constexpr, INTERPRET: tl.constexpr,
     LAYOUT: tl.constexpr = 0, TMA: tl.constexpr = False, PDL: tl.constexpr = False,
-    PERSISTENT: tl.constexpr = False, NUM_PROGRAMS: tl.constexpr = 1,
 ):  # fmt: skip
-    """Grid (H / BLOCK_N, blocks): one output tile per program. PERSISTENT: a grid of NUM_PROGRAMS
-    programs strides over the tiles of the used blocks (their count in used_ptr, from the align) in
-    one flattened loop, so the next tile's weights stream in while this one finishes (no pipeline
-    fill per tile; the down kernel's K loop is only INTER / BLOCK_K = 8 blocks long)."""
+    """Grid (H / BLOCK_N, blocks): one output tile per program (_down_tile)."""
     _dependent_launch(PDL)
-    if PERSISTENT:
-        NB: tl.constexpr = HIDDEN // BLOCK_N
-        n_tiles = tl.load(used_ptr) * NB
-        if INTERPRET:  # one program per possible tile: the CPU interpreter takes no runtime loop bound
-            tile = tl.program_id(0)
-            if tile < n_tiles:
-                _down_tile(
-                    h_ptr, w_ptr, s_ptr, s2_ptr, sorted_slot_ptr, tl.load(block_expert_ptr + tile // NB), topk_w_ptr,
-                    y_ptr, w_desc, s_desc, tile % NB, tile // NB,
-                    HIDDEN, INTER, BLOCK_M, BLOCK_N, BLOCK_K, FUSE_K, ASM, INTERPRET, LAYOUT, TMA,
-                )  # fmt: skip
-        else:
-            # Every tile here is of a used block: no branch around the K loop, so the loops flatten.
-            for tile in tl.range(tl.program_id(0), n_tiles, NUM_PROGRAMS, flatten=True):
-                _down_tile(
-                    h_ptr, w_ptr, s_ptr, s2_ptr, sorted_slot_ptr, tl.load(block_expert_ptr + tile // NB), topk_w_ptr,
-                    y_ptr, w_desc, s_desc, tile % NB, tile // NB,
-                    HIDDEN, INTER, BLOCK_M, BLOCK_N, BLOCK_K, FUSE_K, ASM, INTERPRET, LAYOUT, TMA,
-                )  # fmt: skip
-    else:
-        e = tl.load(block_expert_ptr + tl.program_id(1))
-        if e >= 0:  # an unused block: nothing to do
-            _down_tile(
-                h_ptr, w_ptr, s_ptr, s2_ptr, sorted_slot_ptr, e, topk_w_ptr, y_ptr, w_desc, s_desc,
-                tl.program_id(0), tl.program_id(1), HIDDEN, INTER, BLOCK_M, BLOCK_N, BLOCK_K, FUSE_K, ASM, INTERPRET,
-                LAYOUT, TMA,
-            )  # fmt: skip
+    e = tl.load(block_expert_ptr + tl.program_id(1))
+    if e >= 0:  # an unused block: nothing to do
+        _down_tile(
+            h_ptr, w_ptr, s_ptr, s2_ptr, sorted_slot_ptr, e, topk_w_ptr, y_ptr, w_desc, s_desc,
+            tl.program_id(0), tl.program_id(1), HIDDEN, INTER, BLOCK_M, BLOCK_N, BLOCK_K, FUSE_K, ASM, INTERPRET,
+            LAYOUT, TMA,
+        )  # fmt: skip
 
 
 @triton.jit
@@ -838,15 +789,13 @@ ALIGN_SLOT_CHUNK = 1024  # slots per chunk of the chunked align (sorted in regis
 
 def _align(x, ids, first_expert, num_local, block_m, nblocks, block_k, chunked: bool | None = None):
     """Sort the (token, k) slots by local expert into BLOCK_M blocks and permute the activations
-    for the gate/up kernel -> (sorted_slot [nblocks * block_m], block_expert [nblocks], xp, used
-    int32 [1]: how many blocks are used, all before the unused ones)."""
+    for the gate/up kernel -> (sorted_slot [nblocks * block_m], block_expert [nblocks], xp)."""
     num_tokens, hidden = x.shape
     n_slots = ids.numel()
     dev = x.device
     sorted_slot = torch.empty(nblocks * block_m, dtype=torch.int32, device=dev)
     block_expert = torch.empty(nblocks, dtype=torch.int32, device=dev)
     xp = torch.empty(num_tokens, hidden, dtype=torch.bfloat16, device=dev)
-    used = torch.empty(1, dtype=torch.int32, device=dev)
     e_p2 = triton.next_power_of_2(num_local + 1)  # the last bin collects other ranks' slots
     chunk = 256
     interpret = _INTERPRET or not x.is_cuda
@@ -857,11 +806,11 @@ def _align(x, ids, first_expert, num_local, block_m, nblocks, block_k, chunked: 
         chunked = n_slots >= ALIGN_CHUNKED_FROM
     if not chunked:
         _moe_align_kernel[(num_local + num_tokens,)](
-            ids, sorted_slot, block_expert, used, x, xp, n_slots, first_expert, num_local, nblocks, *loops,
+            ids, sorted_slot, block_expert, x, xp, n_slots, first_expert, num_local, nblocks, *loops,
             E_P2=e_p2, BLOCK_M=block_m, CHUNK=chunk, SLOT_CHUNKS=const[0], EXPERT_BLOCK_CHUNKS=const[1],
             BLOCK_CHUNKS=const[2], HIDDEN=hidden, BLOCK_K=block_k, INTERPRET=interpret, num_warps=4,
         )  # fmt: skip
-        return sorted_slot, block_expert, xp, used
+        return sorted_slot, block_expert, xp
     n_chunks = triton.cdiv(n_slots, ALIGN_SLOT_CHUNK)
     chunk_count = torch.empty(n_chunks, e_p2, dtype=torch.int32, device=dev)
     chunk_before = torch.empty_like(chunk_count)
@@ -873,7 +822,7 @@ def _align(x, ids, first_expert, num_local, block_m, nblocks, block_k, chunked: 
     )  # fmt: skip
     chunk_blocks = triton.cdiv(n_chunks, chunk)
     _moe_align_runs_kernel[(num_local,)](
-        total, chunk_count, chunk_before, chunk_base, sorted_slot, block_expert, used,
+        total, chunk_count, chunk_before, chunk_base, sorted_slot, block_expert,
         n_chunks, nblocks, loops[1], loops[2], chunk_blocks,
         E_P2=e_p2, BLOCK_M=block_m, CHUNK=chunk, EXPERT_BLOCK_CHUNKS=const[1], BLOCK_CHUNKS=const[2],
         CHUNK_BLOCKS=chunk_blocks if interpret else 0, INTERPRET=interpret, num_warps=4,
@@ -882,7 +831,7 @@ def _align(x, ids, first_expert, num_local, block_m, nblocks, block_k, chunked: 
         ids, chunk_base, sorted_slot, n_slots, first_expert, num_local,
         E_P2=e_p2, SLOT_CHUNK=ALIGN_SLOT_CHUNK, num_warps=4,
     )  # fmt: skip
-    return sorted_slot, block_expert, xp, used
+    return sorted_slot, block_expert, xp
 
 
 def tile_descriptors(words: torch.Tensor, scales: torch.Tensor, block_n: int):
@@ -901,20 +850,6 @@ def tile_descriptors(words: torch.Tensor, scales: torch.Tensor, block_n: int):
     )  # fmt: skip
 
 
-@functools.cache
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-def _persistent_grid(cfg: dict, max_tiles: int, device: torch.device) -> tuple[int, tuple[int]] | None:
-    """(programs, grid) of a persistent launch: PROGRAMS_PER_SM per multiprocessor, at most one per
-    possible tile (the interpreter: one per possible tile, each taking its own). None: not persistent."""
-    if not cfg["PERSISTENT"]:
-        return None
-    programs = max_tiles if _INTERPRET else min(max_tiles, _sm_count(device) * cfg["PROGRAMS_PER_SM"])
-    return programs, (programs,)
-
-
 def max_blocks(num_slots: int, num_local: int, block_m: int) -> int:
     """Most BLOCK_M blocks any routing of num_slots slots over num_local experts can need."""
     return triton.cdiv(num_slots, block_m) + min(num_local, num_slots)
@@ -925,21 +860,14 @@ def max_blocks(num_slots: int, num_local: int, block_m: int) -> int:
 # TMA: the weight tiles through tensor-memory-accelerator descriptors (tiled layout only); measured
 # no faster on the H200 at 1-256 tokens, with or without register caps and at 2-5 stages
 # (bench/results/2026-12-02-triton-moe-occupancy). PDL (set per call unless a config sets it): see
-# _dependent_launch and SMALL_BATCH_PDL. PERSISTENT: PROGRAMS_PER_SM programs per multiprocessor
-# stride over the used blocks' tiles in one flattened loop (the next tile's weights stream in while
-# one finishes; ptxas: 128 / 137 registers for gate/up / down instead of 158 / 212); bit-identical,
-# tested on the CPU and compiled for sm_90, not yet timed on the GPU, so off.
+# _dependent_launch and SMALL_BATCH_PDL. Persistent kernels (a fixed grid striding over the used
+# blocks' tiles) were timed at 0.72-0.96x the speed of one program per tile at 1-256 tokens and
+# removed (bench/results/2026-12-02-triton-moe-persistent).
 DEFAULT_CONFIG = {
-    "gate_up": {
-        "BLOCK_N": 64, "BLOCK_K": 256, "FUSE_K": True, "num_warps": 4, "num_stages": 3, "TMA": False,
-        "PERSISTENT": False, "PROGRAMS_PER_SM": 3,
-    },
+    "gate_up": {"BLOCK_N": 64, "BLOCK_K": 256, "FUSE_K": True, "num_warps": 4, "num_stages": 3, "TMA": False},
     # 128 rows: fewer wgmma fences and address updates per value; the down kernel has one weight
     # tile where gate/up has two.
-    "down": {
-        "BLOCK_N": 128, "BLOCK_K": 256, "FUSE_K": True, "num_warps": 4, "num_stages": 3, "TMA": False,
-        "PERSISTENT": False, "PROGRAMS_PER_SM": 3,
-    },
+    "down": {"BLOCK_N": 128, "BLOCK_K": 256, "FUSE_K": True, "num_warps": 4, "num_stages": 3, "TMA": False},
 }
 
 
@@ -1030,14 +958,12 @@ def moe_experts_nvfp4_triton(
     ids = expert_ids.contiguous()
     routing_w = expert_weights.float().contiguous()
 
-    sorted_slot, block_expert, xp, used = _align(x, ids, first_expert, num_local, bm, nblocks, gu["BLOCK_K"])
+    sorted_slot, block_expert, xp = _align(x, ids, first_expert, num_local, bm, nblocks, gu["BLOCK_K"])
 
     h = torch.empty(rows, inter, dtype=torch.bfloat16, device=dev)
     split_k = gu.get("SPLIT_K", 1)
     if (hidden // gu["BLOCK_K"]) % split_k:
         raise ValueError(f"SPLIT_K {split_k} does not divide {hidden // gu['BLOCK_K']} K blocks")
-    if split_k > 1 and gu["PERSISTENT"]:
-        raise ValueError("the persistent gate/up kernel takes no split-K")
     if split_k > 1:
         part = torch.empty(split_k, rows, 2 * inter, dtype=torch.float32, device=dev)
         count = torch.zeros(nblocks * (inter // gu["BLOCK_N"]), dtype=torch.int32, device=dev)
@@ -1045,24 +971,22 @@ def moe_experts_nvfp4_triton(
         part, count = h, sorted_slot  # not read
     w13_words = w13.view(torch.int32)
     gu_desc = tile_descriptors(w13_words, w13_scale, gu["BLOCK_N"]) if gu["TMA"] else (w13_words, w13_scale)
-    gu_programs, gu_grid = _persistent_grid(gu, inter // gu["BLOCK_N"] * nblocks, dev) or (1, (inter // gu["BLOCK_N"], nblocks, split_k))
-    _moe_gate_up_kernel[gu_grid](
-        xp, w13_words, w13_scale, w13_scale_2, sorted_slot, block_expert, h, part, count, *gu_desc, used, top_k, rows,
+    _moe_gate_up_kernel[(inter // gu["BLOCK_N"], nblocks, split_k)](
+        xp, w13_words, w13_scale, w13_scale_2, sorted_slot, block_expert, h, part, count, *gu_desc, top_k, rows,
         K=hidden, INTER=inter, BLOCK_M=bm, BLOCK_N=gu["BLOCK_N"], BLOCK_K=gu["BLOCK_K"], H_BLOCK_K=dn["BLOCK_K"], FUSE_K=gu["FUSE_K"],
-        ASM=asm, INTERPRET=_INTERPRET, LAYOUT=layout, SPLIT_K=split_k, TMA=gu["TMA"], PDL=gu["PDL"], PERSISTENT=gu["PERSISTENT"],
-        NUM_PROGRAMS=gu_programs, launch_pdl=gu["PDL"], num_warps=gu["num_warps"], num_stages=gu["num_stages"], **_reg_cap(gu),
+        ASM=asm, INTERPRET=_INTERPRET, LAYOUT=layout, SPLIT_K=split_k, TMA=gu["TMA"], PDL=gu["PDL"], launch_pdl=gu["PDL"],
+        num_warps=gu["num_warps"], num_stages=gu["num_stages"], **_reg_cap(gu),
     )  # fmt: skip
 
     # bf16 per-slot outputs, like the reference's per-expert matmuls; summed in float32.
     y = torch.empty(n_slots, hidden, dtype=torch.bfloat16, device=dev)
     w2_words = w2.view(torch.int32)
     dn_desc = tile_descriptors(w2_words, w2_scale, dn["BLOCK_N"]) if dn["TMA"] else (w2_words, w2_scale)
-    dn_programs, dn_grid = _persistent_grid(dn, hidden // dn["BLOCK_N"] * nblocks, dev) or (1, (hidden // dn["BLOCK_N"], nblocks))
-    _moe_down_kernel[dn_grid](
-        h, w2_words, w2_scale, w2_scale_2, sorted_slot, block_expert, routing_w, y, *dn_desc, used,
+    _moe_down_kernel[(hidden // dn["BLOCK_N"], nblocks)](
+        h, w2_words, w2_scale, w2_scale_2, sorted_slot, block_expert, routing_w, y, *dn_desc,
         HIDDEN=hidden, INTER=inter, BLOCK_M=bm, BLOCK_N=dn["BLOCK_N"], BLOCK_K=dn["BLOCK_K"], FUSE_K=dn["FUSE_K"],
-        ASM=asm, INTERPRET=_INTERPRET, LAYOUT=layout, TMA=dn["TMA"], PDL=dn["PDL"], PERSISTENT=dn["PERSISTENT"],
-        NUM_PROGRAMS=dn_programs, launch_pdl=dn["PDL"], num_warps=dn["num_warps"], num_stages=dn["num_stages"], **_reg_cap(dn),
+        ASM=asm, INTERPRET=_INTERPRET, LAYOUT=layout, TMA=dn["TMA"], PDL=dn["PDL"], launch_pdl=dn["PDL"],
+        num_warps=dn["num_warps"], num_stages=dn["num_stages"], **_reg_cap(dn),
     )  # fmt: skip
 
     out = torch.empty(num_tokens, hidden, dtype=torch.float32, device=dev)
