@@ -22,6 +22,7 @@ import torch
 from bench_common import bf16_matmul_rate, copy_bandwidth, graph_time_us, print_table, write_results
 
 from nsaserve.kernels import kv_cache_format as fmt
+from nsaserve.kernels.gluon_sparse_mla import sparse_mla_decode_gluon
 from nsaserve.kernels.triton_sparse_mla import sparse_mla_decode, sparse_mla_prefill
 
 RANK, ROPE, TOPK, CTX = 512, 64, 2048, 4096
@@ -51,8 +52,26 @@ CONFIGS = {
     # -1 entries: their scale/k_pe loads masked too (else all read slot 0); and the loop trimmed
     "mask": {"mask_all": True},
     "mask-trim": {"mask_all": True, "trim": True},
+    # The Gluon decode kernel (gluon_sparse_mla: the warpgroups split QK^T's keys and PV's columns)
+    "gluon": {"kernel": "gluon"},
+    "gluon-trim": {"kernel": "gluon", "trim": True},
+    "gluon-x1": {"kernel": "gluon", "num_splits": 1},
+    "gluon-n32": {"kernel": "gluon", "block_n": 32},
 }
 PREFILL_TOKENS = 2048  # a prompt chunk after CTX cached positions: every row selects a full top-k
+
+
+def attend(q_lat, q_pe, cache, slots, opts, prefill=False):
+    """One call of a config: the Triton kernel (its decode or prefill launch), or the Gluon one for
+    {"kernel": "gluon"} (a prefill: no splits, the loop trimmed, as the registry backend calls it)."""
+    opts = dict(opts)
+    if opts.pop("kernel", "triton") == "gluon":
+        if prefill:
+            opts = {"num_splits": 1, "trim": True, **opts}
+        return sparse_mla_decode_gluon(q_lat, q_pe, cache, slots, SCALE, **opts)
+    if prefill:
+        return sparse_mla_prefill(q_lat, q_pe, cache, slots, SCALE, **opts)
+    return sparse_mla_decode(q_lat, q_pe, cache, slots, SCALE, **opts)
 
 
 def build(batch: int, heads: int, fp8: bool, copies: int):
@@ -112,9 +131,7 @@ def measure_all(
         opts = dict(CONFIGS[name])
 
         def call(q_lat, q_pe, slots, pos, base, opts=opts):
-            if prefill:
-                return lambda: sparse_mla_prefill(q_lat, q_pe, cache, slots, SCALE, **opts)
-            return lambda: sparse_mla_decode(q_lat, q_pe, cache, slots, SCALE, **opts)
+            return lambda: attend(q_lat, q_pe, cache, slots, opts, prefill)
 
         try:
             us = graph_time_us([call(*x) for x in sets], reps=10 if prefill else 30)
@@ -153,10 +170,7 @@ def warm(names, batches) -> None:
             slots = torch.randint(0, CTX, (batch, TOPK), device="cuda")
             for name in names:
                 try:
-                    if batch >= PREFILL_TOKENS:
-                        sparse_mla_prefill(q_lat, q_pe, cache, slots, SCALE, **CONFIGS[name])
-                    else:
-                        sparse_mla_decode(q_lat, q_pe, cache, slots, SCALE, **CONFIGS[name])
+                    attend(q_lat, q_pe, cache, slots, CONFIGS[name], prefill=batch >= PREFILL_TOKENS)
                 except Exception as e:
                     print(f"warm {name} fp8={fp8} batch {batch}: {type(e).__name__}: {str(e)[:200]}", flush=True)
     torch.cuda.synchronize()
@@ -202,7 +216,8 @@ def main() -> None:
     # Decode of short contexts: half of every list is -1.
     for fp8 in (True, False):
         if deadline is None or time.monotonic() < deadline:
-            rows += measure_all(64, 64, fp8, ["default", "mask", "mask-trim"], ceil, half=True, deadline=deadline)
+            half = ["default", "mask", "mask-trim"] + (["gluon", "gluon-trim"] if "gluon" in names else [])
+            rows += measure_all(64, 64, fp8, half, ceil, half=True, deadline=deadline)
     for causal in (False, True):
         for fp8 in (True, False):
             if prefill and (deadline is None or time.monotonic() < deadline):

@@ -12,7 +12,9 @@ import sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
+from triton.experimental.gluon._runtime import GluonASTSource
 
+from nsaserve.kernels import gluon_sparse_mla as gm
 from nsaserve.kernels import triton_indexer as ti
 from nsaserve.kernels import triton_moe_w4a16 as tw
 from nsaserve.kernels import triton_sample_pick as tsp
@@ -163,6 +165,21 @@ def moe_cases():
     yield "moe down tiled", tw._moe_down_kernel, down_sig, consts, 4, {"num_stages": 3}
 
 
+def gluon_sparse_mla_cases():
+    """The Gluon decode kernel (Hopper only; no CPU interpreter runs it)."""
+    for fp8 in (True, False):
+        for split, trim in ((True, False), (False, True)):
+            cache_ty = "*u8" if fp8 else "*bf16"
+            sig = {
+                "q_lat_ptr": "*bf16", "q_pe_ptr": "*bf16", "cache_ptr": cache_ty, "cache_f32_ptr": F32 if fp8 else cache_ty,
+                "cache_bf16_ptr": "*bf16", "idx_ptr": "*i64", "o_ptr": F32 if split else "*bf16", "lse_ptr": F32,
+                "heads": "i32", "topk": "i32", "idx_stride": "i32", "num_splits": "i32", "scale_log2": "fp32", "split_len": "i32",
+            }  # fmt: skip
+            consts = dict(R=512, P=64, G=128, ROW_BYTES=656 if fp8 else 576, BLOCK_N=64, FP8=fp8, SPLIT=split, TRIM=trim, TRIM_LEN=2048)
+            name = f"gluon sparse mla fp8={fp8} split={split} trim={trim}"
+            yield name, gm._sparse_mla_gluon_kernel, sig, consts, 8, {"gluon": True}
+
+
 def sample_pick_cases():
     for greedy, temp, x_ty in ((False, False, F32), (True, False, F32), (True, True, "*bf16")):
         sig = {"x_ptr": x_ty, "u_ptr": F32, "greedy_ptr": "*u8", "temp_ptr": F32, "val_ptr": F32, "idx_ptr": "*i32",
@@ -174,15 +191,17 @@ def sample_pick_cases():
 def main() -> int:
     assert not os.environ.get("TRITON_INTERPRET"), "run without TRITON_INTERPRET"
     failed = 0
-    for name, fn, sig, consts, warps, *extra in [*indexer_cases(), *sparse_mla_cases(), *moe_cases(), *sample_pick_cases()]:
+    cases = [*indexer_cases(), *sparse_mla_cases(), *gluon_sparse_mla_cases(), *moe_cases(), *sample_pick_cases()]
+    for name, fn, sig, consts, warps, *extra in cases:
         opts = extra[0] if extra else {}
         try:
             # Pointers 16-byte aligned, as the runtime specialises them (this turns on the pipelined
             # async copies the device compiles), unless the case gives its own attributes.
             default_attrs = {(i,): [["tt.divisibility", 16]] for i, ty in enumerate(sig.values()) if ty.startswith("*")}
             stages = opts.get("num_stages", 3 if fn is ti._logits_kernel else 2)
+            source = GluonASTSource if opts.get("gluon") else ASTSource
             k = triton.compile(
-                ASTSource(fn, sig, consts, opts.get("attrs", default_attrs)),
+                source(fn, sig, consts, opts.get("attrs", default_attrs)),
                 target=TARGET,
                 options={"num_warps": warps, "num_stages": stages},
             )

@@ -32,6 +32,8 @@ K (>= 16) so small test models run compiled too.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -255,15 +257,8 @@ def sparse_mla_decode(
     out = torch.empty(tokens, heads, rank, dtype=out_dtype, device=q_lat.device)
     if tokens == 0:
         return out
-    fp8 = latent_cache.dtype == torch.uint8
     group = min(128, rank)
-    cache = latent_cache.contiguous()
-    row_bytes = cache.shape[-1]
-    if fp8:
-        cache = cache.view(-1, row_bytes)
-        f32_view, bf16_view = cache.view(torch.float32), cache.view(torch.bfloat16)
-    else:
-        f32_view = bf16_view = cache
+    fp8, row_bytes, cache, f32_view, bf16_view = cache_views(latent_cache)
     logical = token_kv_base is not None
     if logical and kv_slots is None:
         raise ValueError("logical indices need kv_slots")
@@ -272,18 +267,8 @@ def sparse_mla_decode(
     single = tokens * head_blocks == 1 and prefetch
     block_n = block_n or (32 if single else 64)
     num_stages = num_stages or (3 if single else 2)
-    if num_splits is None:
-        # One full wave: a program holds a multiprocessor (its shared memory), so tokens x head
-        # blocks x splits up to the multiprocessor count, and no split shorter than a few blocks.
-        num_splits = max(1, min(_num_sms(q_lat.device) // (tokens * head_blocks), topk // (2 * block_n)))
-    split_len = triton.cdiv(triton.cdiv(topk, num_splits), block_n) * block_n
-    num_splits = max(1, triton.cdiv(topk, split_len))
+    num_splits, split_len, o_part, lse = plan_splits(out, head_blocks, topk, block_n, num_splits)
     split = num_splits > 1
-    if split:
-        o_part = torch.empty(tokens, num_splits, heads, rank, dtype=torch.float32, device=q_lat.device)
-        lse = torch.empty(tokens, num_splits, heads, dtype=torch.float32, device=q_lat.device)
-    else:
-        o_part, lse = out, out
     idx = indices.contiguous()
     interp = q_lat.device.type != "cuda"
     # The trim's scan of a list covers at least 2048 entries (DeepSeek-V3.2's and GLM-5's top-k), so
@@ -301,11 +286,45 @@ def sparse_mla_decode(
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     if split:
-        _combine_kernel[(tokens, heads)](
-            o_part, lse, out, heads, num_splits, R=rank, BLOCK_S=triton.next_power_of_2(num_splits),
-            INTERPRET=interp, num_warps=4,
-        )  # fmt: skip
+        combine_splits(o_part, lse, out)
     return out
+
+
+def cache_views(latent_cache: torch.Tensor):
+    """-> (fp8, row width, rows [slots, width], float32 view, bf16 view) of a latent cache: the FP8
+    row's scales are read as float32 and its k_pe as bf16 (the model-dtype cache is one view)."""
+    fp8 = latent_cache.dtype == torch.uint8
+    row_bytes = latent_cache.shape[-1]
+    cache = latent_cache.contiguous().view(-1, row_bytes)
+    if fp8:
+        return fp8, row_bytes, cache, cache.view(torch.float32), cache.view(torch.bfloat16)
+    return fp8, row_bytes, cache, cache, cache
+
+
+def plan_splits(out: torch.Tensor, head_blocks: int, topk: int, block_n: int, num_splits: int | None):
+    """The top-k lists' split across programs (flash-decoding) for out [T, H, R] -> (num_splits,
+    split_len, o_part, lse): float32 partial outputs and log-sum-exps when split, else out itself.
+    By default one full wave: a program holds a multiprocessor (its shared memory), so tokens x
+    head blocks x splits up to the multiprocessor count, and no split shorter than two blocks."""
+    tokens, heads, rank = out.shape
+    if num_splits is None:
+        num_splits = max(1, min(_num_sms(out.device) // (tokens * head_blocks), topk // (2 * block_n)))
+    split_len = triton.cdiv(triton.cdiv(topk, num_splits), block_n) * block_n
+    num_splits = max(1, triton.cdiv(topk, split_len))
+    if num_splits == 1:
+        return 1, split_len, out, out
+    o_part = torch.empty(tokens, num_splits, heads, rank, dtype=torch.float32, device=out.device)
+    lse = torch.empty(tokens, num_splits, heads, dtype=torch.float32, device=out.device)
+    return num_splits, split_len, o_part, lse
+
+
+def combine_splits(o_part: torch.Tensor, lse: torch.Tensor, out: torch.Tensor) -> None:
+    """out [T, H, R] = the splits' partial outputs merged by their log-sum-exps."""
+    tokens, num_splits, heads, rank = o_part.shape
+    _combine_kernel[(tokens, heads)](
+        o_part, lse, out, heads, num_splits, R=rank, BLOCK_S=triton.next_power_of_2(num_splits),
+        INTERPRET=out.device.type != "cuda", num_warps=4,
+    )  # fmt: skip
 
 
 # Entries the trim's scan covers at least (see sparse_mla_decode).
@@ -316,6 +335,12 @@ PREFILL_TOKENS = 256
 # Launch options of the registry backend (bench/kernels/bench_sparse_mla.py sweeps the others).
 DECODE_OPTIONS: dict = {}
 PREFILL_OPTIONS: dict = {}
+# The kernel of the registry backend: "gluon" (gluon_sparse_mla: hand-chosen layouts, no
+# duplicated QK^T; Hopper only, this file's kernels take every call it does not) or "triton". On
+# the H200 at GLM-5 shapes (bench/results/2026-12-02-gluon-sparse-mla): 1.25-1.34x this file's
+# decode launch at batch 64-256, the same at batch 1. NSASERVE_SPARSE_MLA_KERNEL=triton selects
+# this file's kernels (for A/B runs).
+KERNEL = os.environ.get("NSASERVE_SPARSE_MLA_KERNEL", "gluon")
 
 
 def sparse_mla_prefill(q_lat, q_pe, latent_cache, indices, softmax_scale, token_kv_base=None, kv_slots=None, **kw):
@@ -342,6 +367,15 @@ def sparse_mla_triton(q_lat, q_pe, latent_cache, slots, softmax_scale, whole_con
     does). A decode CUDA graph's lists are as wide as its context bucket, so rows shorter than the
     bucket end in -1 padding: at contexts of ~1400 in the 2048 bucket, about a third of each row."""
     kw = {"out_dtype": q_lat.dtype}
+    if KERNEL == "gluon":
+        from . import gluon_sparse_mla  # Triton's experimental dialect: imported only when chosen
+
+        if gluon_sparse_mla.supports(q_lat, q_pe, latent_cache):
+            # A prompt chunk's rows end early in -1 (short causal contexts): its loops are trimmed.
+            trim = whole_contexts or q_lat.shape[0] >= PREFILL_TOKENS
+            return gluon_sparse_mla.sparse_mla_decode_gluon(
+                q_lat, q_pe, latent_cache, slots, softmax_scale, trim=trim, **kw
+            )
     if q_lat.shape[0] >= PREFILL_TOKENS:
         return sparse_mla_prefill(q_lat, q_pe, latent_cache, slots, softmax_scale, **{**kw, **PREFILL_OPTIONS})
     if whole_contexts:

@@ -1,0 +1,306 @@
+"""Sparse MLA decode in Gluon (Triton's explicit-layout dialect), Hopper only.
+
+Same math and outputs as triton_sparse_mla.sparse_mla_decode (and so sparse_mla.sparse_mla_torch):
+    s[t, h, j] = scale * (q_lat[t, h] . c[slot_tj] + q_pe[t, h] . k_pe[slot_tj]),  o = softmax(s) @ c
+
+Why a second kernel: with tl.dot, Triton gives a product whose result feeds another product all
+8 warps along M, so with 64 heads (M = 64) both warpgroups compute the same QK^T tile: half the
+tensor-core work and ~430 KB of shared-memory operand reads per 64 rows are spent twice
+(bench/kernels/NOTES.md, sparse MLA). Here the layouts are chosen by hand, as FlashMLA does:
+- QK^T: the two warpgroups split the block's keys (warps [4, 2]); each computes 64 heads x
+  BLOCK_N / 2 keys from q (resident in shared memory) and its half of the gathered rows.
+- softmax: the row max and sum combine across the two warpgroups.
+- PV: P (64 x BLOCK_N, bf16, through shared memory to both warpgroups) times the same rows,
+  which the warpgroups split by output columns (256 of the 512 each).
+
+Pipeline (two buffers of rows in shared memory): block i+1's rows are gathered (cp.async for a
+bf16 cache; for the FP8 cache, codes loaded into registers an iteration earlier are dequantised
+and stored) while block i's softmax and PV run; PV of block i runs asynchronously under the next
+block's QK^T issue. Indices are physical slots, -1 for none (masked, never read).
+
+Gluon has no CPU interpreter: the CPU path (and every shape this kernel does not take) stays on
+the Triton kernel; the GPU tests compare the two and the torch reference.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    warpgroup_mma,
+    warpgroup_mma_init,
+    warpgroup_mma_wait,
+)
+
+from .triton_sparse_mla import TRIM_SCAN, cache_views, combine_splits, plan_splits
+
+BLOCK_H = gl.constexpr(64)  # heads per program: the MMA's M, one warpgroup's 4 x 16 rows
+NUM_WARPS = gl.constexpr(8)  # two warpgroups
+
+
+@gluon.jit
+def _load_slots(idx_ptr, t, idx_stride, j, j1, BLOCK_N: gl.constexpr, layout: gl.constexpr):
+    """(valid, slot) of entries j .. j + BLOCK_N of token t's list in `layout` (1-D): entries past
+    j1 and -1 entries are invalid and read as slot 0 under a mask."""
+    offs = j + gl.arange(0, BLOCK_N, layout=layout)
+    idx = gl.load(idx_ptr + t.to(gl.int64) * idx_stride + offs, mask=offs < j1, other=-1)
+    valid = idx >= 0
+    return valid, gl.where(valid, idx, 0).to(gl.int64)
+
+
+@gluon.jit
+def _gather_bf16(c_buf, pe_buf, cache_ptr, idx_ptr, t, idx_stride, j, j1,
+                 R: gl.constexpr, P: gl.constexpr, BLOCK_N: gl.constexpr):  # fmt: skip
+    """cp.async block rows (c | k_pe, model dtype) into c_buf [BLOCK_N, R] and pe_buf [BLOCK_N, P]."""
+    rows_l: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [NUM_WARPS, 1], [1, 0])
+    pe_l: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (P // 8), P // 8], [NUM_WARPS, 1], [1, 0])
+    valid, slot = _load_slots(idx_ptr, t, idx_stride, j, j1, BLOCK_N, gl.SliceLayout(1, rows_l))
+    offs_r = gl.arange(0, R, layout=gl.SliceLayout(0, rows_l))
+    row = cache_ptr + slot[:, None] * (R + P)
+    async_copy.async_copy_global_to_shared(c_buf, row + offs_r[None, :], mask=valid[:, None])
+    valid_p, slot_p = _load_slots(idx_ptr, t, idx_stride, j, j1, BLOCK_N, gl.SliceLayout(1, pe_l))
+    offs_p = gl.arange(0, P, layout=gl.SliceLayout(0, pe_l))
+    async_copy.async_copy_global_to_shared(
+        pe_buf, cache_ptr + slot_p[:, None] * (R + P) + R + offs_p[None, :], mask=valid_p[:, None]
+    )
+
+
+@gluon.jit
+def _load_fp8_codes(cache_ptr, cache_f32_ptr, idx_ptr, t, idx_stride, j, j1,
+                    R: gl.constexpr, G: gl.constexpr, ROW_BYTES: gl.constexpr, ROWS: gl.constexpr):  # fmt: skip
+    """The e4m3 codes [ROWS, R / G, G] and group scales [ROWS, R / G] of list entries j .. j + ROWS,
+    in registers (loads issued; their latency is paid where the values are first used)."""
+    codes_l: gl.constexpr = gl.BlockedLayout([1, 1, 16], [1, R // G, 32 // (R // G)], [NUM_WARPS, 1, 1], [2, 1, 0])
+    sc_l: gl.constexpr = gl.SliceLayout(2, codes_l)
+    valid, slot = _load_slots(idx_ptr, t, idx_stride, j, j1, ROWS, gl.SliceLayout(1, sc_l))
+    offs_g = gl.arange(0, R // G, layout=gl.SliceLayout(0, sc_l))
+    offs_e = gl.arange(0, G, layout=gl.SliceLayout(0, gl.SliceLayout(1, codes_l)))
+    at = slot[:, None] * ROW_BYTES + offs_g[None, :] * G  # [ROWS, R / G]
+    codes = gl.load(cache_ptr + at[:, :, None] + offs_e[None, None, :], mask=valid[:, None, None], other=0)
+    sc = gl.load(
+        cache_f32_ptr + slot[:, None] * (ROW_BYTES // 4) + R // 4 + offs_g[None, :], mask=valid[:, None], other=0.0
+    )
+    return codes, sc
+
+
+@gluon.jit
+def _store_fp8_rows(c_buf, codes, sc, row0, R: gl.constexpr, ROWS: gl.constexpr):
+    """Dequantise (code x group scale in fp32, rounded to bf16, as the Triton kernel and the torch
+    reference do) into rows row0 .. row0 + ROWS of c_buf."""
+    vals = codes.to(gl.float8e4nv, bitcast=True).to(gl.float32) * sc[:, :, None]
+    c_buf.slice(row0, ROWS, dim=0).store(gl.reshape(vals.to(gl.bfloat16), [ROWS, R]))
+
+
+@gluon.jit
+def _fill_fp8(c_buf, pe_buf, cache_ptr, cache_f32_ptr, cache_bf16_ptr, idx_ptr, t, idx_stride, j, j1,
+              R: gl.constexpr, P: gl.constexpr, G: gl.constexpr, ROW_BYTES: gl.constexpr, BLOCK_N: gl.constexpr):  # fmt: skip
+    """A block of FP8 rows into c_buf (dequantised, bf16) and pe_buf (cp.async). All loads are issued
+    before the first use, and the block is dequantised a quarter at a time: the float32 values of a
+    whole block (128 registers a thread) next to the accumulator would spill."""
+    Q: gl.constexpr = BLOCK_N // 4
+    _gather_fp8_pe(pe_buf, cache_bf16_ptr, idx_ptr, t, idx_stride, j, j1, R, P, G, ROW_BYTES, BLOCK_N)
+    c0, s0 = _load_fp8_codes(cache_ptr, cache_f32_ptr, idx_ptr, t, idx_stride, j, j1, R, G, ROW_BYTES, Q)
+    c1, s1 = _load_fp8_codes(cache_ptr, cache_f32_ptr, idx_ptr, t, idx_stride, j + Q, j1, R, G, ROW_BYTES, Q)
+    c2, s2 = _load_fp8_codes(cache_ptr, cache_f32_ptr, idx_ptr, t, idx_stride, j + 2 * Q, j1, R, G, ROW_BYTES, Q)
+    c3, s3 = _load_fp8_codes(cache_ptr, cache_f32_ptr, idx_ptr, t, idx_stride, j + 3 * Q, j1, R, G, ROW_BYTES, Q)
+    _store_fp8_rows(c_buf, c0, s0, 0, R, Q)
+    _store_fp8_rows(c_buf, c1, s1, Q, R, Q)
+    _store_fp8_rows(c_buf, c2, s2, 2 * Q, R, Q)
+    _store_fp8_rows(c_buf, c3, s3, 3 * Q, R, Q)
+
+
+@gluon.jit
+def _gather_fp8_pe(pe_buf, cache_bf16_ptr, idx_ptr, t, idx_stride, j, j1,
+                   R: gl.constexpr, P: gl.constexpr, G: gl.constexpr, ROW_BYTES: gl.constexpr, BLOCK_N: gl.constexpr):  # fmt: skip
+    """cp.async the bf16 k_pe part of an FP8 row (after the codes and the scales) into pe_buf."""
+    pe_l: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (P // 8), P // 8], [NUM_WARPS, 1], [1, 0])
+    valid, slot = _load_slots(idx_ptr, t, idx_stride, j, j1, BLOCK_N, gl.SliceLayout(1, pe_l))
+    offs_p = gl.arange(0, P, layout=gl.SliceLayout(0, pe_l))
+    pe_at: gl.constexpr = (R + 4 * (R // G)) // 2
+    async_copy.async_copy_global_to_shared(
+        pe_buf, cache_bf16_ptr + slot[:, None] * (ROW_BYTES // 2) + pe_at + offs_p[None, :], mask=valid[:, None]
+    )
+
+
+# The list length and its split are runtime values (not specialised), as in the Triton kernel.
+@gluon.jit(do_not_specialize=["topk", "split_len"])
+def _sparse_mla_gluon_kernel(
+    q_lat_ptr, q_pe_ptr, cache_ptr, cache_f32_ptr, cache_bf16_ptr, idx_ptr, o_ptr, lse_ptr,
+    heads, topk, idx_stride, num_splits, scale_log2, split_len,
+    R: gl.constexpr, P: gl.constexpr, G: gl.constexpr, ROW_BYTES: gl.constexpr, BLOCK_N: gl.constexpr,
+    FP8: gl.constexpr, SPLIT: gl.constexpr, TRIM: gl.constexpr, TRIM_LEN: gl.constexpr,
+):  # fmt: skip
+    t = gl.program_id(0)
+    sp = gl.program_id(1)
+    h0 = gl.program_id(2) * BLOCK_H
+
+    # S [BLOCK_H, BLOCK_N]: the warpgroups split the keys. O [BLOCK_H, R]: they split the columns.
+    s_l: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, BLOCK_N // 2, 16]
+    )
+    o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, R // 2, 16])
+    p_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_l, k_width=2)
+    q_sl: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    pe_sl: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=min(128, 2 * P), element_bitwidth=16, rank=2)
+    q_l: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [NUM_WARPS, 1], [1, 0])
+    qpe_l: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (P // 8), P // 8], [NUM_WARPS, 1], [1, 0])
+
+    # q (this program's heads, zero rows past `heads`) stays in shared memory for every block.
+    offs_qh = h0 + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, q_l))
+    q_rows = (t * heads + offs_qh).to(gl.int64)
+    offs_qr = gl.arange(0, R, layout=gl.SliceLayout(0, q_l))
+    q_lat = gl.load(q_lat_ptr + q_rows[:, None] * R + offs_qr[None, :], mask=(offs_qh < heads)[:, None], other=0.0)
+    q_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, R], q_sl, q_lat)
+    offs_ph = h0 + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, qpe_l))
+    offs_pp = gl.arange(0, P, layout=gl.SliceLayout(0, qpe_l))
+    q_pe = gl.load(
+        q_pe_ptr + (t * heads + offs_ph).to(gl.int64)[:, None] * P + offs_pp[None, :],
+        mask=(offs_ph < heads)[:, None],
+        other=0.0,
+    )
+    qpe_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, P], pe_sl, q_pe)
+    c_smem = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_N, R], q_sl)
+    pe_smem = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_N, P], pe_sl)
+
+    j0 = sp * split_len
+    j1 = gl.minimum(j0 + split_len, topk)
+    span = split_len
+    if TRIM:
+        # End the loop at the last valid entry of this part of the list (a decode graph's lists
+        # are as wide as its context bucket, -1 padded).
+        trim_l: gl.constexpr = gl.BlockedLayout([TRIM_LEN // (32 * NUM_WARPS)], [32], [NUM_WARPS], [0])
+        offs_all = j0 + gl.arange(0, TRIM_LEN, layout=trim_l)
+        row = gl.load(idx_ptr + t.to(gl.int64) * idx_stride + offs_all, mask=offs_all < j1, other=-1)
+        span = gl.max(gl.where(row >= 0, offs_all - j0 + 1, 0), axis=0)
+    n_blocks = gl.cdiv(span, BLOCK_N)
+
+    # Block 0 into buffer 0.
+    if FP8:
+        _fill_fp8(c_smem.index(0), pe_smem.index(0), cache_ptr, cache_f32_ptr, cache_bf16_ptr, idx_ptr, t, idx_stride, j0, j1,
+                  R, P, G, ROW_BYTES, BLOCK_N)  # fmt: skip
+    else:
+        _gather_bf16(c_smem.index(0), pe_smem.index(0), cache_ptr, idx_ptr, t, idx_stride, j0, j1, R, P, BLOCK_N)
+    async_copy.commit_group()
+
+    m_i = gl.full([BLOCK_H], -1.0e30, gl.float32, layout=gl.SliceLayout(1, s_l))  # finite: an all-masked block adds 0
+    l_i = gl.zeros([BLOCK_H], gl.float32, layout=gl.SliceLayout(1, s_l))
+    # Carried as an in-flight MMA accumulator: each block's PV is waited for under the next QK^T.
+    acc = warpgroup_mma_init(gl.zeros([BLOCK_H, R], gl.float32, layout=o_l))
+    s_zero = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=s_l)
+    for i in range(n_blocks):
+        buf = i % 2
+        j = j0 + i * BLOCK_N
+        # Block i's rows are in buffer `buf` once every thread's copies and stores have landed and
+        # are fenced for the async proxy the MMA reads shared memory through.
+        async_copy.wait_group(0)
+        fence_async_shared()
+        gl.thread_barrier()
+        c_buf = c_smem.index(buf)
+        pe_buf = pe_smem.index(buf)
+        s = warpgroup_mma(q_smem, c_buf.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        s = warpgroup_mma(qpe_smem, pe_buf.permute((1, 0)), s, is_async=True)
+        # Also waits for block i - 1's PV, the last reader of the other buffer ...
+        s, acc = warpgroup_mma_wait(num_outstanding=0, deps=(s, acc))
+        # ... in both warpgroups, before block i + 1 is written into it.
+        gl.thread_barrier()
+        nxt = 1 - buf
+        if not FP8:
+            # The copies run while this block's softmax and PV do.
+            _gather_bf16(
+                c_smem.index(nxt), pe_smem.index(nxt), cache_ptr, idx_ptr, t, idx_stride, j + BLOCK_N, j1, R, P, BLOCK_N
+            )
+            async_copy.commit_group()
+
+        valid, _ = _load_slots(idx_ptr, t, idx_stride, j, j1, BLOCK_N, gl.SliceLayout(0, s_l))
+        s = gl.where(valid[None, :], s * scale_log2, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, axis=1))
+        alpha = gl.exp2(m_i - m_new)
+        p = gl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + gl.sum(p, axis=1)
+        m_i = m_new
+        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_l))[:, None]
+        p_op = gl.convert_layout(p.to(gl.bfloat16), p_l)
+        acc = warpgroup_mma(p_op, c_buf, acc, is_async=True)
+        if FP8:
+            # Dequantised by the warps themselves, so after the PV issue: it runs meanwhile. (Codes
+            # loaded before the softmax and stored here measured slower at batch >= 256: 317
+            # against 294 us at 256, bench/results/2026-12-02-gluon-sparse-mla-v2.)
+            _fill_fp8(c_smem.index(nxt), pe_smem.index(nxt), cache_ptr, cache_f32_ptr, cache_bf16_ptr, idx_ptr, t, idx_stride,
+                      j + BLOCK_N, j1, R, P, G, ROW_BYTES, BLOCK_N)  # fmt: skip
+            async_copy.commit_group()
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+    async_copy.wait_group(0)
+
+    l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_l))
+    has = l_o > 0.0
+    out = acc / gl.where(has, l_o, 1.0)[:, None]
+    offs_h = h0 + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, o_l))
+    offs_r = gl.arange(0, R, layout=gl.SliceLayout(0, o_l))
+    hmask = offs_h < heads
+    if SPLIT:
+        part = (t * num_splits + sp).to(gl.int64) * heads + offs_h
+        gl.store(o_ptr + part[:, None] * R + offs_r[None, :], out, mask=hmask[:, None])
+        m_o = gl.convert_layout(m_i, gl.SliceLayout(1, o_l))
+        gl.store(lse_ptr + part, gl.where(has, m_o + gl.log2(l_o), float("-inf")), mask=hmask)
+    else:
+        rows = (t * heads + offs_h).to(gl.int64)
+        gl.store(o_ptr + rows[:, None] * R + offs_r[None, :], out.to(o_ptr.dtype.element_ty), mask=hmask[:, None])
+
+
+def supports(q_lat: torch.Tensor, q_pe: torch.Tensor, latent_cache: torch.Tensor) -> bool:
+    """Whether this kernel takes the call: a Hopper GPU, bf16 queries, a latent rank that splits
+    into two warpgroups' MMA columns (a multiple of 128, <= 512: the FP8 row's groups of 128) and
+    a rope part of 16 to 64."""
+    if not q_lat.is_cuda or torch.cuda.get_device_capability(q_lat.device)[0] != 9:
+        return False
+    rank, rope = q_lat.shape[2], q_pe.shape[2]
+    ok_cache = latent_cache.dtype == torch.uint8 or latent_cache.dtype == torch.bfloat16
+    return (
+        q_lat.dtype == torch.bfloat16
+        and q_pe.dtype == torch.bfloat16
+        and ok_cache
+        and rank % 128 == 0
+        and rank <= 512
+        and rope in (16, 32, 64)
+    )
+
+
+def sparse_mla_decode_gluon(
+    q_lat: torch.Tensor,  # bf16 [T, H, R]
+    q_pe: torch.Tensor,  # bf16 [T, H, P]
+    latent_cache: torch.Tensor,  # [slots, R + P] bf16, or uint8 [..., R + 4 R/G + 2 P]
+    indices: torch.Tensor,  # int [T, K]: physical slots, -1 for none
+    softmax_scale: float,
+    num_splits: int | None = None,
+    block_n: int | None = None,
+    trim: bool = False,
+    out_dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """-> o_lat [T, H, R] in out_dtype; the arguments as triton_sparse_mla.sparse_mla_decode's
+    (physical slots only). Device-only (no host sync): CUDA-graph capturable."""
+    tokens, heads, rank = q_lat.shape
+    out = torch.empty(tokens, heads, rank, dtype=out_dtype, device=q_lat.device)
+    if tokens == 0:
+        return out
+    rope, topk = q_pe.shape[2], indices.shape[1]
+    fp8, row_bytes, cache, f32_view, bf16_view = cache_views(latent_cache)
+    head_blocks = triton.cdiv(heads, BLOCK_H)
+    # A single (token, head block) splits its list over every multiprocessor: 32-row blocks keep
+    # two of them per split (batch 1: 16.4 against 18.3 us with 64 rows).
+    block_n = block_n or (32 if tokens * head_blocks == 1 else 64)
+    num_splits, split_len, o_part, lse = plan_splits(out, head_blocks, topk, block_n, num_splits)
+    split = num_splits > 1
+    trim_len = max(TRIM_SCAN, triton.next_power_of_2(split_len))
+    _sparse_mla_gluon_kernel[(tokens, num_splits, head_blocks)](
+        q_lat.contiguous(), q_pe.contiguous(), cache, f32_view, bf16_view, indices.contiguous(), o_part, lse,
+        heads, topk, topk, num_splits, softmax_scale * 1.4426950408889634, split_len,
+        R=rank, P=rope, G=min(128, rank), ROW_BYTES=row_bytes, BLOCK_N=block_n, FP8=fp8, SPLIT=split,
+        TRIM=trim, TRIM_LEN=trim_len, num_warps=NUM_WARPS,
+    )  # fmt: skip
+    if split:
+        combine_splits(o_part, lse, out)
+    return out
