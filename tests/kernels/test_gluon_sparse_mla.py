@@ -6,16 +6,17 @@ import pytest
 import torch
 
 pytest.importorskip("triton")
-if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
-    pytest.skip("the Gluon kernel needs a Hopper GPU", allow_module_level=True)
 
 from test_triton_sparse_mla import make_case, rel_err  # noqa: E402
 
 from nsaserve.kernels import triton_sparse_mla  # noqa: E402
-from nsaserve.kernels.gluon_sparse_mla import sparse_mla_decode_gluon, supports  # noqa: E402
+from nsaserve.kernels.gluon_sparse_mla import sparse_mla_decode_gluon, supports, takes_shapes  # noqa: E402
 from nsaserve.kernels.indexer import topk_to_slots  # noqa: E402
 from nsaserve.kernels.registry import get_backend  # noqa: E402
 from nsaserve.kernels.sparse_mla import sparse_mla_torch  # noqa: E402
+
+HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+hopper = pytest.mark.skipif(not HOPPER, reason="the Gluon kernel needs a Hopper GPU")
 
 RANK, ROPE, TOPK, SCALE = 512, 64, 2048, 0.0625
 
@@ -27,12 +28,13 @@ def case(tokens, heads, fp8, seed):
     return [x.cuda() for x in (q_lat, q_pe, cache, slots)], want
 
 
+@hopper
 @pytest.mark.parametrize("fp8", [False, True])
 @pytest.mark.parametrize("heads", [64, 128, 16])
 @pytest.mark.parametrize("num_splits", [None, 1, 3])
 def test_matches_reference_and_triton(fp8, heads, num_splits):
     (q_lat, q_pe, cache, slots), want = case(5, heads, fp8, seed=heads + fp8 + (num_splits or 0))
-    assert supports(q_lat, q_pe, cache)
+    assert supports(q_lat, q_pe, cache) == (heads % 64 == 0)  # 16 heads: the Triton kernel's (padding)
     got = sparse_mla_decode_gluon(q_lat, q_pe, cache, slots, SCALE, num_splits=num_splits)
     tri = triton_sparse_mla.sparse_mla_decode(q_lat, q_pe, cache, slots, SCALE, num_splits=num_splits)
     assert got.dtype == torch.float32 and torch.isfinite(got).all()
@@ -41,6 +43,7 @@ def test_matches_reference_and_triton(fp8, heads, num_splits):
     assert rel_err(got, tri) < 2e-3
 
 
+@hopper
 @pytest.mark.parametrize("fp8", [False, True])
 def test_one_token_takes_32_row_blocks(fp8):
     """A single (token, head block) runs 32-row blocks over 32 splits (the batch-1 launch)."""
@@ -50,6 +53,7 @@ def test_one_token_takes_32_row_blocks(fp8):
     assert rel_err(got, sparse_mla_decode_gluon(q_lat, q_pe, cache, slots, SCALE, block_n=64)) < 2e-3
 
 
+@hopper
 @pytest.mark.parametrize("fp8", [False, True])
 def test_trimmed_rows(fp8):
     """Rows -1 padded after their valid entries (a decode graph's context bucket) give the same with
@@ -64,6 +68,7 @@ def test_trimmed_rows(fp8):
             assert rel_err(got.cpu(), want) < 1e-2, (trim, num_splits)
 
 
+@hopper
 @pytest.mark.parametrize("fp8", [False, True])
 def test_model_dtype_output_is_the_float32_output_rounded(fp8):
     (q_lat, q_pe, cache, slots), _ = case(3, 64, fp8, seed=11)
@@ -72,6 +77,7 @@ def test_model_dtype_output_is_the_float32_output_rounded(fp8):
     assert torch.equal(bf16, f32.bfloat16())
 
 
+@hopper
 @pytest.mark.parametrize("fp8", [False, True])
 def test_graph_replay_with_new_lists(fp8):
     """Captured once, replayed with other queries and lists copied into the captured buffers."""
@@ -90,6 +96,7 @@ def test_graph_replay_with_new_lists(fp8):
     assert torch.equal(out, sparse_mla_decode_gluon(q_lat, q_pe, cache, slots, SCALE, trim=True))
 
 
+@hopper
 @pytest.mark.parametrize("tokens", [5, 300])
 def test_registry_backend_takes_it(monkeypatch, tokens):
     """Decode steps and prompt chunks (from PREFILL_TOKENS tokens, loops trimmed) alike."""
@@ -106,3 +113,14 @@ def test_registry_backend_takes_it(monkeypatch, tokens):
     got = get_backend("attention", "triton")(q_lat, q_pe, cache, slots, SCALE, whole_contexts=tokens < 100)
     assert len(calls) == 1 and calls[0]["trim"] is True
     assert got.dtype == q_lat.dtype and rel_err(got.float().cpu(), want) < 1e-2
+
+
+def test_shape_rule():
+    """What the registry backend hands the Gluon kernel, checked on any machine."""
+    bf16, u8 = torch.bfloat16, torch.uint8
+    assert takes_shapes(64, 512, 64, bf16, bf16, u8) and takes_shapes(128, 512, 64, bf16, bf16, bf16)
+    assert not takes_shapes(16, 512, 64, bf16, bf16, u8)  # tensor-parallel ranks with fewer heads
+    assert not takes_shapes(64, 512, 64, torch.float16, torch.float16, u8)
+    assert not takes_shapes(64, 96, 64, bf16, bf16, u8) and not takes_shapes(64, 1024, 64, bf16, bf16, u8)
+    assert not takes_shapes(64, 512, 48, bf16, bf16, u8)
+    assert not supports(*(torch.zeros(1, 64, d, dtype=bf16) for d in (512, 64)), torch.zeros(4, 656, dtype=u8))  # CPU

@@ -252,17 +252,22 @@ def _sparse_mla_gluon_kernel(
 
 
 def supports(q_lat: torch.Tensor, q_pe: torch.Tensor, latent_cache: torch.Tensor) -> bool:
-    """Whether this kernel takes the call: a Hopper GPU, bf16 queries, a latent rank that splits
-    into two warpgroups' MMA columns (a multiple of 128, <= 512: the FP8 row's groups of 128) and
-    a rope part of 16 to 64."""
+    """Whether this kernel takes the call: a Hopper GPU and the shapes of takes_shapes."""
     if not q_lat.is_cuda or torch.cuda.get_device_capability(q_lat.device)[0] != 9:
         return False
-    rank, rope = q_lat.shape[2], q_pe.shape[2]
-    ok_cache = latent_cache.dtype == torch.uint8 or latent_cache.dtype == torch.bfloat16
+    return takes_shapes(q_lat.shape[1], q_lat.shape[2], q_pe.shape[2], q_lat.dtype, q_pe.dtype, latent_cache.dtype)
+
+
+def takes_shapes(heads: int, rank: int, rope: int, q_dtype, pe_dtype, cache_dtype) -> bool:
+    """bf16 queries; whole blocks of 64 heads (fewer, as under tensor parallelism without
+    data-parallel attention, would pad the MMA's M side with zero rows: the Triton kernel takes
+    those); a latent rank that splits into two warpgroups' MMA columns (a multiple of 128, <= 512:
+    the FP8 row's groups of 128); a rope part of 16 to 64; an FP8 (uint8 rows) or bf16 cache."""
     return (
-        q_lat.dtype == torch.bfloat16
-        and q_pe.dtype == torch.bfloat16
-        and ok_cache
+        q_dtype == torch.bfloat16
+        and pe_dtype == torch.bfloat16
+        and cache_dtype in (torch.uint8, torch.bfloat16)
+        and heads % BLOCK_H.value == 0
         and rank % 128 == 0
         and rank <= 512
         and rope in (16, 32, 64)
