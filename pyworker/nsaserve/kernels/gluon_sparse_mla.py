@@ -1,4 +1,5 @@
-"""Sparse MLA decode in Gluon (Triton's explicit-layout dialect), Hopper only.
+"""Sparse MLA in Gluon (Triton's explicit-layout dialect), Hopper only: decode steps, and prompt
+chunks launched the same way without splits.
 
 Same math and outputs as triton_sparse_mla.sparse_mla_decode (and so sparse_mla.sparse_mla_torch):
     s[t, h, j] = scale * (q_lat[t, h] . c[slot_tj] + q_pe[t, h] . k_pe[slot_tj]),  o = softmax(s) @ c
@@ -13,10 +14,11 @@ tensor-core work and ~430 KB of shared-memory operand reads per 64 rows are spen
 - PV: P (64 x BLOCK_N, bf16, through shared memory to both warpgroups) times the same rows,
   which the warpgroups split by output columns (256 of the 512 each).
 
-Pipeline (two buffers of rows in shared memory): block i+1's rows are gathered (cp.async for a
-bf16 cache; for the FP8 cache, codes loaded into registers an iteration earlier are dequantised
-and stored) while block i's softmax and PV run; PV of block i runs asynchronously under the next
-block's QK^T issue. Indices are physical slots, -1 for none (masked, never read).
+Pipeline (two buffers of rows in shared memory): block i+1's rows are gathered while block i's
+softmax and PV run (a bf16 cache by cp.async, issued before the softmax; the FP8 cache by the warps
+themselves, which load, dequantise and store it after issuing block i's PV). PV of block i is
+waited for together with block i+1's QK^T. Indices are physical slots, -1 for none (masked, never
+read).
 
 Gluon has no CPU interpreter: the CPU path (and every shape this kernel does not take) stays on
 the Triton kernel; the GPU tests compare the two and the torch reference.
