@@ -56,8 +56,8 @@ def test_one_token_takes_32_row_blocks(fp8):
 @hopper
 @pytest.mark.parametrize("fp8", [False, True])
 def test_trimmed_rows(fp8):
-    """Rows -1 padded after their valid entries (a decode graph's context bucket) give the same with
-    and without trim, with and without splits."""
+    """Rows -1 padded after their valid entries (a decode graph's context bucket) match the
+    reference with and without trim, with and without splits."""
     (q_lat, q_pe, cache, slots), _ = case(3, 64, fp8, seed=7)
     for t, n in enumerate([TOPK, 1000, 1]):
         slots[t, n:] = -1

@@ -337,9 +337,9 @@ DECODE_OPTIONS: dict = {}
 PREFILL_OPTIONS: dict = {}
 # The kernel of the registry backend: "gluon" (gluon_sparse_mla: hand-chosen layouts, no
 # duplicated QK^T; Hopper only, this file's kernels take every call it does not) or "triton". On
-# the H200 at GLM-5 shapes (bench/results/2026-12-02-gluon-sparse-mla): 1.25-1.34x this file's
-# decode launch at batch 64-256, the same at batch 1. NSASERVE_SPARSE_MLA_KERNEL=triton selects
-# this file's kernels (for A/B runs).
+# the H200 at GLM-5 shapes (bench/results/2026-12-02-gluon-sparse-mla-v2): 1.23-1.35x this file's
+# decode launch at batch 64-1024, 1.13x at batch 1, 1.48-1.59x its prefill launch on 2048-token
+# chunks. NSASERVE_SPARSE_MLA_KERNEL=triton selects this file's kernels (for A/B runs).
 KERNEL = os.environ.get("NSASERVE_SPARSE_MLA_KERNEL", "gluon")
 
 
