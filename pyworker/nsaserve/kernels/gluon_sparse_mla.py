@@ -55,20 +55,28 @@ def _load_slots(idx_ptr, t, idx_stride, j, j1, BLOCK_N: gl.constexpr, layout: gl
 
 
 @gluon.jit
+def _gather_pe(pe_buf, ptr, idx_ptr, t, idx_stride, j, j1,
+               ROW: gl.constexpr, AT: gl.constexpr, P: gl.constexpr, BLOCK_N: gl.constexpr):  # fmt: skip
+    """cp.async the block rows' bf16 k_pe (P values at element AT of rows of ROW bf16 elements from
+    ptr: the bf16 row's tail, or the FP8 row's after its codes and scales) into pe_buf [BLOCK_N, P]."""
+    pe_l: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (P // 8), P // 8], [NUM_WARPS, 1], [1, 0])
+    valid, slot = _load_slots(idx_ptr, t, idx_stride, j, j1, BLOCK_N, gl.SliceLayout(1, pe_l))
+    offs_p = gl.arange(0, P, layout=gl.SliceLayout(0, pe_l))
+    async_copy.async_copy_global_to_shared(
+        pe_buf, ptr + slot[:, None] * ROW + AT + offs_p[None, :], mask=valid[:, None]
+    )
+
+
+@gluon.jit
 def _gather_bf16(c_buf, pe_buf, cache_ptr, idx_ptr, t, idx_stride, j, j1,
                  R: gl.constexpr, P: gl.constexpr, BLOCK_N: gl.constexpr):  # fmt: skip
     """cp.async block rows (c | k_pe, model dtype) into c_buf [BLOCK_N, R] and pe_buf [BLOCK_N, P]."""
     rows_l: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [NUM_WARPS, 1], [1, 0])
-    pe_l: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (P // 8), P // 8], [NUM_WARPS, 1], [1, 0])
     valid, slot = _load_slots(idx_ptr, t, idx_stride, j, j1, BLOCK_N, gl.SliceLayout(1, rows_l))
     offs_r = gl.arange(0, R, layout=gl.SliceLayout(0, rows_l))
     row = cache_ptr + slot[:, None] * (R + P)
     async_copy.async_copy_global_to_shared(c_buf, row + offs_r[None, :], mask=valid[:, None])
-    valid_p, slot_p = _load_slots(idx_ptr, t, idx_stride, j, j1, BLOCK_N, gl.SliceLayout(1, pe_l))
-    offs_p = gl.arange(0, P, layout=gl.SliceLayout(0, pe_l))
-    async_copy.async_copy_global_to_shared(
-        pe_buf, cache_ptr + slot_p[:, None] * (R + P) + R + offs_p[None, :], mask=valid_p[:, None]
-    )
+    _gather_pe(pe_buf, cache_ptr, idx_ptr, t, idx_stride, j, j1, R + P, R, P, BLOCK_N)
 
 
 @gluon.jit
@@ -104,7 +112,9 @@ def _fill_fp8(c_buf, pe_buf, cache_ptr, cache_f32_ptr, cache_bf16_ptr, idx_ptr, 
     before the first use, and the block is dequantised a quarter at a time: the float32 values of a
     whole block (128 registers a thread) next to the accumulator would spill."""
     Q: gl.constexpr = BLOCK_N // 4
-    _gather_fp8_pe(pe_buf, cache_bf16_ptr, idx_ptr, t, idx_stride, j, j1, R, P, G, ROW_BYTES, BLOCK_N)
+    _gather_pe(
+        pe_buf, cache_bf16_ptr, idx_ptr, t, idx_stride, j, j1, ROW_BYTES // 2, (R + 4 * (R // G)) // 2, P, BLOCK_N
+    )
     c0, s0 = _load_fp8_codes(cache_ptr, cache_f32_ptr, idx_ptr, t, idx_stride, j, j1, R, G, ROW_BYTES, Q)
     c1, s1 = _load_fp8_codes(cache_ptr, cache_f32_ptr, idx_ptr, t, idx_stride, j + Q, j1, R, G, ROW_BYTES, Q)
     c2, s2 = _load_fp8_codes(cache_ptr, cache_f32_ptr, idx_ptr, t, idx_stride, j + 2 * Q, j1, R, G, ROW_BYTES, Q)
@@ -113,19 +123,6 @@ def _fill_fp8(c_buf, pe_buf, cache_ptr, cache_f32_ptr, cache_bf16_ptr, idx_ptr, 
     _store_fp8_rows(c_buf, c1, s1, Q, R, Q)
     _store_fp8_rows(c_buf, c2, s2, 2 * Q, R, Q)
     _store_fp8_rows(c_buf, c3, s3, 3 * Q, R, Q)
-
-
-@gluon.jit
-def _gather_fp8_pe(pe_buf, cache_bf16_ptr, idx_ptr, t, idx_stride, j, j1,
-                   R: gl.constexpr, P: gl.constexpr, G: gl.constexpr, ROW_BYTES: gl.constexpr, BLOCK_N: gl.constexpr):  # fmt: skip
-    """cp.async the bf16 k_pe part of an FP8 row (after the codes and the scales) into pe_buf."""
-    pe_l: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (P // 8), P // 8], [NUM_WARPS, 1], [1, 0])
-    valid, slot = _load_slots(idx_ptr, t, idx_stride, j, j1, BLOCK_N, gl.SliceLayout(1, pe_l))
-    offs_p = gl.arange(0, P, layout=gl.SliceLayout(0, pe_l))
-    pe_at: gl.constexpr = (R + 4 * (R // G)) // 2
-    async_copy.async_copy_global_to_shared(
-        pe_buf, cache_bf16_ptr + slot[:, None] * (ROW_BYTES // 2) + pe_at + offs_p[None, :], mask=valid[:, None]
-    )
 
 
 # The list length and its split are runtime values (not specialised), as in the Triton kernel.
