@@ -59,6 +59,18 @@ def test_ue8m0_scales_are_powers_of_two():
     assert (q.weight_scale_inv * 448 >= w.reshape(1, 128, 2, 128).abs().amax(dim=(1, 3))).all()
 
 
+def test_ue8m0_scale_just_above_a_power_of_two_rounds_up():
+    """float32 log2 of 1024 * (1 + 2^-23) rounds to 10 exactly, so exp2(ceil(log2(s))) gave 1024, a
+    scale below amax / 448 (the codes would saturate); the scale is read off the bits instead."""
+    from nsaserve.kernels.quant.fp8 import fp8_scale_from_amax, pow2_ceil
+
+    s = torch.tensor([1024.0, 0.75, 3.0]).nextafter(torch.tensor(float("inf")))
+    assert torch.equal(pow2_ceil(s), torch.tensor([2048.0, 1.0, 4.0]))
+    assert torch.equal(pow2_ceil(torch.tensor([1024.0, 2.0**-13])), torch.tensor([1024.0, 2.0**-13]))
+    amax = s * 448
+    assert bool((fp8_scale_from_amax(amax, "ue8m0") * 448 >= amax).all())
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_linear_matches_dense_matmul(device):
     g = torch.Generator().manual_seed(3)

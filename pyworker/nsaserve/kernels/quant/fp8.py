@@ -27,8 +27,17 @@ def fp8_scale_from_amax(amax: torch.Tensor, scale_fmt: str = "float") -> torch.T
     if scale_fmt == "float":
         return torch.where(scale > 0, scale, torch.ones_like(scale))
     if scale_fmt == "ue8m0":
-        return torch.exp2(torch.ceil(torch.log2(scale.clamp_min(UE8M0_SCALE_FLOOR))))
+        return pow2_ceil(scale.clamp_min(UE8M0_SCALE_FLOOR))
     raise ValueError(f"unknown FP8 scale format {scale_fmt!r} (expected 'float' or 'ue8m0')")
+
+
+def pow2_ceil(x: torch.Tensor) -> torch.Tensor:
+    """The least power of two >= x, for normal positive float32 x, read off its bits: exact, as the
+    kernels compute it (exp2(ceil(log2(x))) can round log2 of a value just above a power of two
+    down to that power)."""
+    bits = x.float().contiguous().view(torch.int32)
+    up = ((bits & 0x7FFFFF) != 0).to(torch.int32)
+    return (((bits >> 23) + up) << 23).view(torch.float32)
 
 
 def to_e4m3(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
