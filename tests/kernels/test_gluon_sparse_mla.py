@@ -97,6 +97,34 @@ def test_graph_replay_with_new_lists(fp8):
 
 
 @hopper
+def test_fp8_rows_dequantise_exactly():
+    """Every finite e4m3 code (subnormals and both zeros among them) under group scales from 2^-14
+    to 2^22, powers of two and not: each token selects one row, so the output is that row
+    dequantised, and must equal code x scale in float32 rounded to bf16 (kv_cache_format's
+    reading) bit for bit."""
+    from nsaserve.kernels import kv_cache_format as fmt
+
+    exps = [-13, -7, 0, 7, 8, 20]
+    codes = torch.tensor([b for b in range(256) if b & 0x7F != 0x7F], dtype=torch.uint8)  # 0x7F / 0xFF: NaN
+    rows = []
+    for i, e in enumerate(exps):
+        row = torch.zeros(fmt.latent_fp8_row_bytes(RANK, ROPE), dtype=torch.uint8)
+        row[:RANK] = codes.roll(37 * i).repeat(3)[:RANK]
+        group_scales = torch.tensor([m * 2.0 ** (e + g - 1) for g, m in enumerate((1, 1.37, 1.9, 1.0001))])
+        row[RANK : RANK + 16] = group_scales.view(torch.uint8)
+        rows.append(row)
+    cache = torch.stack(rows)
+    tokens = len(rows)
+    slots = torch.full((tokens, 64), -1, dtype=torch.int32)
+    slots[:, 5] = torch.arange(tokens)  # one valid entry per list, not the first
+    q_lat = torch.randn(tokens, 64, RANK).bfloat16()
+    q_pe = torch.zeros(tokens, 64, ROPE, dtype=torch.bfloat16)
+    want = fmt.unpack_latent_fp8(cache, RANK)[0].bfloat16().float()  # [tokens, R]
+    got = sparse_mla_decode_gluon(q_lat.cuda(), q_pe.cuda(), cache.cuda(), slots.cuda(), SCALE, num_splits=1)
+    assert torch.equal(got.cpu(), want[:, None, :].expand(-1, 64, -1))
+
+
+@hopper
 @pytest.mark.parametrize("tokens", [5, 300])
 def test_registry_backend_takes_it(monkeypatch, tokens):
     """Decode steps and prompt chunks (from PREFILL_TOKENS tokens, loops trimmed) alike."""
@@ -122,5 +150,6 @@ def test_shape_rule():
     assert not takes_shapes(16, 512, 64, bf16, bf16, u8)  # tensor-parallel ranks with fewer heads
     assert not takes_shapes(64, 512, 64, torch.float16, torch.float16, u8)
     assert not takes_shapes(64, 96, 64, bf16, bf16, u8) and not takes_shapes(64, 1024, 64, bf16, bf16, u8)
+    assert not takes_shapes(64, 384, 64, bf16, bf16, u8)  # three groups of 128: not a power of two
     assert not takes_shapes(64, 512, 48, bf16, bf16, u8)
     assert not supports(*(torch.zeros(1, 64, d, dtype=bf16) for d in (512, 64)), torch.zeros(4, 656, dtype=u8))  # CPU

@@ -260,15 +260,15 @@ def supports(q_lat: torch.Tensor, q_pe: torch.Tensor, latent_cache: torch.Tensor
 def takes_shapes(heads: int, rank: int, rope: int, q_dtype, pe_dtype, cache_dtype) -> bool:
     """bf16 queries; whole blocks of 64 heads (fewer, as under tensor parallelism without
     data-parallel attention, would pad the MMA's M side with zero rows: the Triton kernel takes
-    those); a latent rank that splits into two warpgroups' MMA columns (a multiple of 128, <= 512:
-    the FP8 row's groups of 128); a rope part of 16 to 64; an FP8 (uint8 rows) or bf16 cache."""
+    those); a latent rank that splits into two warpgroups' MMA columns and whole FP8 groups of 128,
+    in a power-of-two count (128, 256 or 512: the codes' layout spreads the groups over a warp's
+    lanes); a rope part of 16 to 64; an FP8 (uint8 rows) or bf16 cache."""
     return (
         q_dtype == torch.bfloat16
         and pe_dtype == torch.bfloat16
         and cache_dtype in (torch.uint8, torch.bfloat16)
         and heads % BLOCK_H.value == 0
-        and rank % 128 == 0
-        and rank <= 512
+        and rank in (128, 256, 512)
         and rope in (16, 32, 64)
     )
 
