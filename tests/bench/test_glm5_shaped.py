@@ -321,3 +321,8 @@ def test_decode_report_uses_full_decode_steps_and_targets_read_it(ckpt):
     # The TTFT of requests that joined a running batch is shown beside the criterion, not in it.
     doc["phases"]["sweep"][0]["bench"]["summary"]["ttft_after_first_wave"] = {"p50_ms": 30.0}
     assert targets(doc)["ttft_p50_64_within_2x_prefill_alone"] == {"ratio": 2.5, "met": False, "after_first_wave_ratio": 1.5}
+    # Levels run in another order (256 first): the throughput still compares by concurrency.
+    doc["phases"]["sweep"] = [level(256, 300.0, 80.0), level(1024, 500.0, 90.0), level(64, 100.0, 50.0)]
+    assert targets(doc)["throughput_rises_with_concurrency"]["met"]
+    doc["phases"]["sweep"][1] = level(1024, 250.0, 90.0)
+    assert not targets(doc)["throughput_rises_with_concurrency"]["met"]
