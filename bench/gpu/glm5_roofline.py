@@ -199,8 +199,21 @@ def decode_step_report(steps: list[dict], roofline: DecodeRoofline, bandwidth: f
         "roofline_ms_median": roof,
         "ratio_median": median([r[0] / r[1] for r in rows]),
         "bytes_at_median_gb": {k: round(v / 1e9, 3) for k, v in mid[2].items()},
+        # The device's own timeline (step logs on CUDA, worker/step_log.py): the step's work,
+        # the uploads queued ahead of it, and the device's idle time before it.
+        **{f"{k}_median": median([s[k] for s in use if k in s]) for k in ("gpu_ms", "prep_ms", "gap_ms")},
         "prompt_steps": prompt_step_report(mixed),
     }
+
+
+def slow_steps(steps: list[dict], limit_ms: float = 1000.0, keep: int = 20) -> dict:
+    """Steps of a whole run (the worker's step log) that took over limit_ms. At GLM-5 shapes on one
+    H200 a step of ~16K prompt tokens takes ~330 ms, so a step past a second is one that waited
+    for something else: a kernel variant compiled while serving (a 6 s stall seen on 2026-12-02),
+    or the allocator flushing its cache."""
+    slow = [s for s in steps if s["ms"] > limit_ms]
+    fields = ("step", "mode", "reqs", "tokens", "ctx", "ms", "gpu_ms", "mallocs", "retries")
+    return {"limit_ms": limit_ms, "count": len(slow), "first": [{k: s[k] for k in fields if k in s} for s in slow[:keep]]}
 
 
 def prompt_step_report(mixed: list[dict]) -> dict:

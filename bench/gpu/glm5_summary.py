@@ -38,8 +38,8 @@ def targets(doc: dict) -> dict:
 
 
 def summary_table(doc: dict) -> str:
-    rows = ["| concurrency | prompts | ok | failed | out tok/s | total tok/s | TTFT p50 ms | TPOT p50 ms | decode batch | step ms | roofline ms | ratio | prefix hits |",
-            "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+    rows = ["| concurrency | prompts | ok | failed | out tok/s | total tok/s | TTFT p50 ms | TPOT p50 ms | decode batch | step ms | device work ms | device idle ms | roofline ms | ratio | prefix hits |",
+            "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
 
     def f(v, d=1):
         return "n/a" if v is None else f"{v:,.{d}f}"
@@ -48,7 +48,8 @@ def summary_table(doc: dict) -> str:
         s, d = e["bench"]["summary"], e["decode"]
         rows.append(f"| {e['concurrency']} | {e['num_prompts']} | {s['completed']} | {s['failed']} | {f(s['output_throughput'])} | "
                     f"{f(s['total_throughput'])} | {f(s['ttft']['p50_ms'])} | {f(s['tpot']['p50_ms'])} | {d.get('batch_median', 'n/a')} | "
-                    f"{f(d.get('step_ms_median'))} | {f(d.get('roofline_ms_median'), 2)} | {f(d.get('ratio_median'))} | "
+                    f"{f(d.get('step_ms_median'))} | {f(d.get('gpu_ms_median'), 2)} | {f(d.get('gap_ms_median'), 2)} | "
+                    f"{f(d.get('roofline_ms_median'), 2)} | {f(d.get('ratio_median'))} | "
                     f"{f(e['bench'].get('prefix_hit_rate'), 2)} |")  # fmt: skip
     p = doc["phases"]
     lines = ["\n".join(rows)]

@@ -31,7 +31,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from glm5_roofline import DecodeRoofline, decode_step_report, measure_copy_bandwidth  # noqa: E402
+from glm5_roofline import DecodeRoofline, decode_step_report, measure_copy_bandwidth, slow_steps  # noqa: E402
 from glm5_serving import Server, finite_logits_check, gpu_memory, random_flags  # noqa: E402
 from glm5_summary import summary_table, targets  # noqa: E402
 
@@ -307,7 +307,8 @@ def phase_serving(run: Run, model_path: str, roofline: DecodeRoofline, bandwidth
                             f"vs roofline {d['roofline_ms_median']:.2f} ms ({d['ratio_median']:.1f}x), "
                             f"{d['graph_steps']} of {d['full_steps'] or d['decode_steps']} replayed graphs; "
                             f"{d['prefill_or_mixed_steps']} prefill/mixed steps, median {d['prefill_or_mixed_ms_median']} ms "
-                            f"for {d['prefill_or_mixed_tokens_median']} tokens; {d['between_steps_ms_median']} ms between steps")  # fmt: skip
+                            f"for {d['prefill_or_mixed_tokens_median']} tokens; {d['between_steps_ms_median']} ms between steps; "
+                            f"device: {d.get('gpu_ms_median')} ms of work, {d.get('gap_ms_median')} ms idle before it")  # fmt: skip
                     ps = d["prompt_steps"]
                     run.say(f"level {level} prompt steps (ms mean / median / max): "
                             + "; ".join(f"{k} {v['steps']}" + (f" ({v['ms_mean']} / {v['ms_median']} / {v['ms_max']})" if v["steps"] else "")
@@ -321,6 +322,9 @@ def phase_serving(run: Run, model_path: str, roofline: DecodeRoofline, bandwidth
             doc = bench(run, server, "shared-prefix", flags, model_path)
             if doc:
                 run.doc["phases"]["shared_prefix"] = doc["runs"][0]
+        slow = run.doc["slow_steps"] = slow_steps(server.steps())
+        run.say(f"steps over {slow['limit_ms']:.0f} ms in the whole run: {slow['count']}"
+                + "".join(f"; step {s['step']} ({s['mode']}, {s['tokens']} tokens) {s['ms']} ms" for s in slow["first"][:5]))  # fmt: skip
     finally:
         server.stop()
 
@@ -470,6 +474,8 @@ def main(argv=None) -> int:
         run.save()
         if model_path and not args.keep_model and not args.model_path:
             shutil.rmtree(model_path, ignore_errors=True)
+        for log in run.work.glob("steps-*.jsonl"):  # the workers' step logs, for per-step analysis
+            shutil.copy(log, Path(args.out) / log.name)
         shutil.rmtree(run.work, ignore_errors=True)
     table = summary_table(run.doc)
     run.log_file.write(table + "\n")

@@ -302,6 +302,14 @@ def test_decode_report_uses_full_decode_steps_and_targets_read_it(ckpt):
     # Old step logs (no dense / allocator fields): sparse steps without allocations.
     assert r["prompt_steps"]["all"] == r["prompt_steps"]["sparse"] == r["prompt_steps"]["without_device_allocations"]
     assert r["prompt_steps"]["all"]["ms_mean"] == 700.0 and r["prompt_steps"]["dense"] == {"steps": 0}
+    assert r["gpu_ms_median"] is None and r["gap_ms_median"] is None  # step logs without device times
+    from glm5_roofline import slow_steps
+
+    slow = slow_steps(steps, limit_ms=600.0)
+    assert slow["count"] == 1 and slow["first"][0]["ms"] == 900.0 and slow["first"][0]["mode"] == "prefill"
+    timed = [{**s, "gpu_ms": s["ms"] - 0.25, "prep_ms": 0.05, "gap_ms": 0.2} for s in steps]
+    r = decode_step_report(timed, roof, bw, 256)
+    assert (r["gpu_ms_median"], r["prep_ms_median"], r["gap_ms_median"]) == (3.75, 0.05, 0.2)
     # Steps whose contexts all fit the top-k log idx 0: the indexer read no key, the bound drops.
     unscored = decode_step_report([{**s, "idx": 0} for s in steps], roof, bw, 256)
     no_index_ms = 1e3 * roof.step_bytes(256, 0, 256 * 32)["total"] / bw

@@ -2,9 +2,13 @@
 roofline reads, the indexer's scored contexts among them."""
 
 import json
+import time
+
+import pytest
+import torch
 
 from nsaserve.protocol.builder import RequestSpec, build_plan
-from nsaserve.worker.step_log import StepLog
+from nsaserve.worker.step_log import DeviceMarks, StepLog
 
 
 def line_for(tmp_path, contexts: list[int], index_topk: int = 8) -> dict:
@@ -41,3 +45,27 @@ def test_a_line_says_whether_the_step_attended_densely(tmp_path):
     lines = [json.loads(x) for x in path.read_text().splitlines()]
     assert [x["dense"] for x in lines] == [1, 0, 0, 0]
     assert "mallocs" not in lines[0]  # allocator counters: CUDA only
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA events")
+def test_device_times_split_the_work_from_the_idle_time_before_it(tmp_path):
+    """Two steps queued back to back: the second's gap is ~0; a host pause before the third
+    shows as the third's gap, not as its work."""
+    path = tmp_path / "steps.jsonl"
+    log = StepLog(str(path), index_topk=8, device=torch.device("cuda"))
+    plan = build_plan(1, 4, [RequestSpec(0, [5], 10, list(range(3)))])
+    a = torch.randn(4096, 4096, device="cuda")
+    marks = []
+    for pause in (0.0, 0.0, 0.2):
+        time.sleep(pause)
+        m = DeviceMarks()
+        m.forward.record()
+        for _ in range(20):
+            a = (a @ a).clamp_(-1, 1)
+        m.end.record()
+        marks.append(m)
+    for m in marks:
+        log.record(plan, step_ms=1.0, marks=m)
+    lines = [json.loads(x) for x in path.read_text().splitlines()]
+    assert "gap_ms" not in lines[0] and all(x["gpu_ms"] > 0 for x in lines)
+    assert lines[1]["gap_ms"] < 5.0 < lines[2]["gap_ms"]

@@ -15,7 +15,7 @@ from .batch import InputPatch, prompt_logprob_rows, sample_rows
 from .pipeline import LaunchedStep
 from .sampler import SamplingBatch, prompt_logprobs, sample
 from .sampling_results import prompt_entries, sampled_entries, token_entries
-from .step_log import StepLog
+from .step_log import DeviceMarks, StepLog
 
 
 def resolve_model_path(path: str | None) -> str:
@@ -103,12 +103,15 @@ class ModelExecutor:
         of its tokens to pinned host memory) without waiting for it. patch: input tokens already
         on the device (the previous step's samples, worker/pipeline.py)."""
         t0 = time.perf_counter()
+        marks = DeviceMarks() if self.step_log is not None and is_rank0 and self.device.type == "cuda" else None
         # The sampling parameters go to the device before the forward is queued: their
         # host-to-device copies wait for the stream, so built after it they held the host until
         # the whole forward had run, and the sampler's launches then left the GPU idle.
         n_sample = len(sample_rows(plan)) if is_rank0 else 0
         sb = SamplingBatch.from_plan(plan, self.device) if n_sample else None
         graph = self.graphs is not None and self.graphs.fits(plan)
+        if marks is not None:
+            marks.forward.record()
         if graph:
             logits = self.graphs.run(plan, patch)  # a decode step: one row per request, all sampling
         else:
@@ -119,6 +122,7 @@ class ModelExecutor:
         )
         if not is_rank0:
             return step
+        step.marks = marks
         # [rows, vocab] float32: kept past the launch only for prompt logprobs (a pipelined step's
         # logits would otherwise live beside the next step's).
         step.logits = logits if prompt_rows else None
@@ -130,6 +134,8 @@ class ModelExecutor:
                 step.tokens_host.copy_(step.sampled.tokens, non_blocking=True)
                 step.copied = torch.cuda.Event()
                 step.copied.record()
+        if marks is not None:
+            marks.end.record()
         return step
 
     def finish(self, step: LaunchedStep) -> StepResult:
@@ -155,7 +161,7 @@ class ModelExecutor:
         result.forward_ms = (now - max(step.t0, self._last_finish)) * 1e3
         self._last_finish = now
         if self.step_log is not None:
-            self.step_log.record(plan, result.forward_ms, step.graph)
+            self.step_log.record(plan, result.forward_ms, step.graph, step.marks)
         return result
 
     def _prompt_logprobs(self, plan: Plan, i: int, rows: torch.Tensor) -> PromptLogprobs:

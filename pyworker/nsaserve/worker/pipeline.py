@@ -51,6 +51,7 @@ class LaunchedStep:
     sampled: object | None = None  # SampleOutput
     tokens_host: torch.Tensor | None = None  # pinned copy of the sampled tokens (tokens-only steps)
     copied: object | None = None  # torch.cuda.Event after that copy
+    marks: object | None = None  # step_log.DeviceMarks, when a step log is kept on CUDA
 
     @property
     def can_wait(self) -> bool:

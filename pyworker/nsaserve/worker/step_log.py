@@ -11,7 +11,13 @@ forward replayed a decode CUDA graph, "dense": how many of its requests attended
 (model/dense_prefill.py; the others of the step attended sparsely),
 and on CUDA "mallocs" / "retries": the caching allocator's device allocations and its
 flush-and-retry passes (a cudaFree of every cached block, a synchronisation) since the previous
-line, so that slow steps can be told apart from steps that grew the memory pool}.
+line, so that slow steps can be told apart from steps that grew the memory pool, and on CUDA
+the device's own timeline from events recorded around the step's queued work: "gpu_ms" from
+its forward (the forward's own input uploads first) to the end of its sampling, "prep_ms" before
+that (the sampling parameters' uploads), and "gap_ms" from the end of the previous step's
+work to the start of this one's (the device idled for want of this launch, or ~0 when it was
+queued in time). In a steady pipeline "ms" is about gap + prep + gpu: this tells a slow step
+(gpu_ms) from a late host (gap_ms)}.
 
 idx and sel are what a decode step's memory roofline needs (the indexer reads every cached key
 it scores, sparse attention reads `sel` latent rows); bench/gpu/glm5_roofline.py turns them into bytes.
@@ -30,6 +36,18 @@ from ..model.dense_prefill import dense_requests
 ENV = "NSASERVE_STEP_LOG"
 
 
+class DeviceMarks:
+    """Timing events recorded on the step's stream at its launch's start, just before its forward
+    is queued, and after its sampling. Recording an event queues nothing that waits, so the
+    pipeline's overlap is unchanged; an event completes when the device reaches it."""
+
+    def __init__(self):
+        import torch
+
+        self.start, self.forward, self.end = (torch.cuda.Event(enable_timing=True) for _ in range(3))
+        self.start.record()
+
+
 class StepLog:
     def __init__(self, path: str, index_topk: int, dense_prefill: bool = False, device=None):
         """dense_prefill: the model's switch (the step log repeats its per-step choice); device:
@@ -38,6 +56,7 @@ class StepLog:
         self.dense_prefill = dense_prefill
         self.device = device if device is not None and device.type == "cuda" else None
         self._allocator = self._allocator_counts()
+        self._last_end = None  # the previous recorded step's DeviceMarks.end
         self._file = open(path, "a", buffering=1)  # line-buffered: readable while the server runs
 
     @classmethod
@@ -53,7 +72,16 @@ class StepLog:
         stats = torch.cuda.memory_stats(self.device)
         return stats.get("num_device_alloc", 0), stats.get("num_alloc_retries", 0)
 
-    def record(self, plan, step_ms: float, graph: bool = False) -> None:
+    def _device_times(self, marks: DeviceMarks) -> dict:
+        marks.end.synchronize()  # already done when the step's tokens are back
+        times = {"gpu_ms": round(marks.forward.elapsed_time(marks.end), 3),
+                 "prep_ms": round(marks.start.elapsed_time(marks.forward), 3)}  # fmt: skip
+        if self._last_end is not None:
+            times["gap_ms"] = round(self._last_end.elapsed_time(marks.start), 3)
+        self._last_end = marks.end  # steps are recorded in launch order
+        return times
+
+    def record(self, plan, step_ms: float, graph: bool = False, marks: DeviceMarks | None = None) -> None:
         ctx = plan.cached_lens.astype(np.int64) + np.diff(plan.query_start.astype(np.int64))
         line = {
             "step": int(plan.step),
@@ -74,4 +102,6 @@ class StepLog:
             now = self._allocator_counts()
             line["mallocs"], line["retries"] = now[0] - self._allocator[0], now[1] - self._allocator[1]
             self._allocator = now
+        if marks is not None:
+            line.update(self._device_times(marks))
         self._file.write(json.dumps(line) + "\n")
