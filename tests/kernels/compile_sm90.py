@@ -64,9 +64,10 @@ def indexer_cases():
     sig_s = {k: sig.get(k, "*i32") for k in names}  # the sampled kernel adds an int32 scratch row
     consts = dict(CHUNK=4096, SAMPLES=256, MARGIN=16, CAND=1024, BITS=6)
     yield "topk sampled", tk._topk_sampled_kernel, sig_s, consts, 8
-    consts = dict(SUB=2048, SAMPLES=256, MARGIN=16, CAND=1024, BITS=4, WTILES=1, NSUB=4)
+    # Compiled, the streamed kernel's loops run to each row's own piece count (NSUB: interpreter only).
+    consts = dict(SUB=512, SAMPLES=256, MARGIN=16, CAND=1024, BITS=4, WTILES=4, NSUB=0, INTERPRET=False)
     yield "topk streamed", tk._topk_streamed_kernel, sig_s, consts, 4
-    consts = dict(SUB=1024, SAMPLES=256, MARGIN=16, CAND=1024, BITS=4, WTILES=2, NSUB=8)
+    consts = dict(SUB=1024, SAMPLES=256, MARGIN=16, CAND=1024, BITS=4, WTILES=2, NSUB=0, INTERPRET=False)
     yield "topk streamed, one warp a row", tk._topk_streamed_kernel, sig_s, consts, 1
     # A tiny test model's rows (tens of keys).
     consts = dict(CHUNK=32, SAMPLES=32, MARGIN=16, CAND=32, BITS=4)

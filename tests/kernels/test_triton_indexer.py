@@ -211,6 +211,34 @@ def test_streamed_topk_select_sizes():
     assert_same_sets(got, select_topk(x, pos.long(), k))
 
 
+def compiled_variants(kernel) -> int:
+    """How many variants a Triton kernel has compiled (all devices)."""
+    return sum(len(cache[0]) for cache in kernel.device_caches.values())
+
+
+@pytest.mark.skipif(not GPU, reason="counts compiled GPU variants")
+def test_streamed_topk_compiles_once_for_any_row_length():
+    """A serving step's longest row is any length: each must reuse the compiled kernel, not
+    compile a variant (6 s on the H200, in the middle of serving) per 512 keys of it."""
+    from nsaserve.kernels.indexer import select_topk
+
+    g = torch.Generator().manual_seed(29)
+    k = 2048
+    seen = None
+    for n in (2176, 2700, 3300, 4100, 9000):
+        # Rows padded to a multiple of 16 floats, as indexer_logits lays them out (the row stride's
+        # divisibility is the one property of it the kernels specialise on).
+        padded = torch.randn(3, -(-n // 16) * 16, generator=g).to(DEV)
+        x = padded[:, :n]
+        pos = torch.tensor([n - 1, n // 2, 100], dtype=torch.int32)
+        got = triton_topk.topk_of_logits(x, pos.to(DEV), k, stream=512).cpu()
+        x = x.cpu()
+        assert_same_sets(got, select_topk(x, pos.long(), k))
+        now = compiled_variants(triton_topk._topk_streamed_kernel)
+        assert seen is None or now == seen, (n, seen, now)
+        seen = now
+
+
 def _fp8_case(seq_lens, new, seed):
     heads, dim, page_size = (32, 128, 64) if GPU else (4, 32, 8)
     return make_case(seq_lens, new, heads, dim, page_size, True, seed), page_size

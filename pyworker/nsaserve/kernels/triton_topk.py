@@ -248,14 +248,17 @@ def _topk_sampled_kernel(
         tl.store(out_row + offs, tl.full([CHUNK], -1, tl.int64), mask=(offs >= k_eff) & (offs < width))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["out_stride", "width"])
 def _topk_streamed_kernel(
     logits_ptr, row_pos_ptr, out_ptr, scratch_ptr, logits_stride, out_stride, topk, width,
     SUB: tl.constexpr, SAMPLES: tl.constexpr, MARGIN: tl.constexpr, CAND: tl.constexpr, BITS: tl.constexpr,
-    WTILES: tl.constexpr, NSUB: tl.constexpr,
+    WTILES: tl.constexpr, NSUB: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
-    """(WTILES = cdiv(width, SUB), NSUB = cdiv(longest row, SUB): loop bounds; a row skips the pieces
-    past its own length. Constants, because Triton's CPU interpreter takes no runtime loop bound.)
+    """(WTILES = cdiv(width, SUB) <= cdiv(topk, SUB): the output's pieces. Compiled, a row walks its
+    own pieces, a runtime count: a constant bound from the step's longest row made every 512 keys
+    of it a new variant, a 6 s compile in the middle of serving on the H200. NSUB = cdiv(longest
+    row, SUB) bounds the loops only under Triton's CPU interpreter, which takes no runtime loop
+    bound (0 when compiled).)
     The sampled select for long rows at a throughput: the row is streamed in SUB-key pieces
     (only as many as the row has: work follows its length, registers follow SUB, so several rows
     share a multiprocessor). Pass 1 counts keys above / inside the samples' bracket and compacts
@@ -274,7 +277,7 @@ def _topk_streamed_kernel(
         scratch_row = scratch_ptr + tl.program_id(0).to(tl.int64) * CAND
         n_above = 0
         n_inside = 0
-        for c in range(NSUB):
+        for c in range(NSUB if INTERPRET else nsub):  # pieces past nsub: skipped
             if c < nsub:
                 u, valid = _order_keys(row_logits, c * SUB + offs, pos)
                 above_hi = valid & (u > hi)
@@ -297,10 +300,10 @@ def _topk_streamed_kernel(
             else:
                 thr, k_rem = _select_in_bracket(scratch_row, n_inside, k_in, lo, hi, CAND, BITS)
         else:
-            thr, k_rem = _radix_select_chunks(row_logits, offs, pos, k_eff, NSUB, SUB, BITS)
+            thr, k_rem = _radix_select_chunks(row_logits, offs, pos, k_eff, NSUB if INTERPRET else nsub, SUB, BITS)
         gt_seen = 0
         eq_seen = 0
-        for c in range(NSUB):
+        for c in range(NSUB if INTERPRET else nsub):  # pieces past nsub: skipped
             if c < nsub:
                 p = c * SUB + offs
                 u, valid = _order_keys(row_logits, p, pos)
@@ -339,10 +342,11 @@ def topk_of_logits(
         sub = min(stream, triton.next_power_of_2(max(max_len, 16)))
         cand = 1024 if sub >= 256 else sub
         scratch = torch.empty((rows, cand), dtype=torch.int32, device=logits.device)
+        interp = logits.device.type != "cuda"
         _topk_streamed_kernel[(rows,)](
             logits, row_pos, out, scratch, logits.stride(0), out.stride(0), topk, width,
-            SUB=sub, SAMPLES=min(sub, 256), MARGIN=STREAM_MARGIN, CAND=cand, BITS=bits, WTILES=triton.cdiv(width, sub), NSUB=triton.cdiv(max_len, sub),
-            num_warps=num_warps or (8 if sub >= 4096 else 4),
+            SUB=sub, SAMPLES=min(sub, 256), MARGIN=STREAM_MARGIN, CAND=cand, BITS=bits, WTILES=triton.cdiv(width, sub),
+            NSUB=triton.cdiv(max_len, sub) if interp else 0, INTERPRET=interp, num_warps=num_warps or (8 if sub >= 4096 else 4),
         )  # fmt: skip
         return out
     chunk = min(CHUNK, triton.next_power_of_2(max_len))
