@@ -52,3 +52,28 @@ def test_a_context_past_the_top_k_scores_the_step(tmp_path):
     make_checkpoint("glm_moe_dsa", str(tmp_path), seed=6, index_topk=16)
     _, calls = run(str(tmp_path), "auto", (20, 5), decode_steps=1)
     assert calls == 2 * 2  # both steps score (one request is past 16), in both full indexer layers
+
+
+def test_whole_context_slots_are_built_once_a_step(tmp_path, monkeypatch):
+    """Every indexer layer of a step selects the same whole contexts: the first builds their
+    slots (StepMeta.whole_slots), the others read them."""
+    import nsaserve.model.attention as attention
+
+    built = [0]
+    real = attention.topk_to_slots
+
+    def counting(*args):
+        built[0] += 1
+        return real(*args)
+
+    monkeypatch.setattr(attention, "topk_to_slots", counting)
+    make_checkpoint("glm_moe_dsa", str(tmp_path), seed=5, index_topk=40)
+    runner = ModelRunner(str(tmp_path), device=torch.device("cpu"), dtype=None, num_pages=64, page_size=4,
+                         show_progress=False)  # fmt: skip
+    layers = sum(layer.self_attn.indexer is not None for layer in runner.model.model.layers)
+    assert layers >= 2
+    s = Session(runner, seed=2)
+    last = s.step([(0, list(range(1, 12))), (1, [5, 6, 7])])
+    assert built[0] == 1
+    s.step([(i, [int(lg.argmax())]) for i, lg in enumerate(last)])
+    assert built[0] == 2  # one more step, one more build

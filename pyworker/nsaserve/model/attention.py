@@ -70,7 +70,9 @@ class Indexer(nn.Module):
             # No row of the step sees more than top-k keys, so each selects its whole causal
             # context whatever the scores: only the keys are needed (for later, longer steps).
             # Skips the query and weight projections, the logits and the top-k.
-            return topk_to_slots(whole_context(plan.row_pos, plan.max_len), meta.token_kv_base, batch.kv_slots)
+            if meta.whole_slots is None:
+                meta.whole_slots = topk_to_slots(whole_context(plan.row_pos, plan.max_len), meta.token_kv_base, batch.kv_slots)
+            return meta.whole_slots
         q = rope(self.wq_b(qr).view(num_tokens, self.n_heads, self.head_dim), meta.cos, meta.sin, self.interleaved)
         if pool.fp8:
             q = hadamard_rotate(q)

@@ -31,6 +31,10 @@ class StepMeta:
     dense: bool = False
     # A split step (some requests dense, some not): the tokens of the sparse ones, int64 on the device.
     sparse_rows: torch.Tensor | None = None
+    # Under whole_contexts: the slots of every row's whole context, built by the first indexer
+    # layer that needs them and read by the others (each layer built the same [T, top-k] tensor:
+    # ~8 small kernels a layer, 4 MB each at 256 rows).
+    whole_slots: torch.Tensor | None = None
 
 
 def build_step_meta(
