@@ -151,3 +151,21 @@ def test_serve_passes_the_warm_up_shape_to_every_worker_unless_skipped():
     ranks = worker_args("--max-prefill-tokens=8192", "--max-running-requests=512")
     assert [(a.warmup_tokens, a.warmup_batch) for a in ranks] == [(8192, 512)] * 2
     assert [a.warmup_tokens for a in worker_args("--skip-server-warmup")] == [0, 0]
+
+
+def test_the_sampler_warm_up_covers_each_kind_of_pick_and_keeps_the_default_generator():
+    """The fused pick is specialised on (greedy rows present, temperature divided inside it); the
+    warm-up's batches take every combination, and draw from a generator of their own."""
+    from nsaserve.worker.sampler import plain_sampling
+    from nsaserve.worker.sampling_batch import SamplingBatch
+    from nsaserve.worker.warmup import sampler_plans, warm_up_sampler
+
+    kinds = set()
+    for plan in sampler_plans(page_size=4):
+        sb = SamplingBatch.from_plan(plan, "cpu")
+        assert not sb.all_greedy  # an all-greedy batch takes argmax, no pick
+        kinds.add((sb.any_greedy, plain_sampling(sb)))
+    assert kinds == {(False, True), (True, True), (False, False), (True, False)}
+    state = torch.get_rng_state()
+    warm_up_sampler(torch.device("cpu"), VOCAB, 4)
+    assert torch.equal(state, torch.get_rng_state())

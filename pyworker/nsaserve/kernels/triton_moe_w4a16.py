@@ -455,7 +455,7 @@ def _moe_align_kernel(
 # The chunked align: the same sorted slots and blocks as _moe_align_kernel (slots in input order
 # within each expert) in O(slots + experts x chunks) work, three launches. A chunk is SLOT_CHUNK
 # consecutive slots; the tables hold one row of E_P2 per chunk.
-@triton.jit(do_not_specialize=["n_slots"])
+@triton.jit(do_not_specialize=["n_slots", "n_chunks"])
 def _moe_align_count_kernel(
     ids_ptr, chunk_count_ptr, chunk_before_ptr, total_ptr, x_ptr, xp_ptr, n_slots, first_expert, num_local, n_chunks,
     E_P2: tl.constexpr, SLOT_CHUNK: tl.constexpr, HIDDEN: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -478,7 +478,9 @@ def _moe_align_count_kernel(
     tl.atomic_add(total_ptr + offs_e, counts, mask=offs_e < num_local)
 
 
-@triton.jit(do_not_specialize=["max_blocks", "expert_block_chunks", "block_chunks", "chunk_blocks"])
+# n_chunks too: as a specialised integer (divisible by 16 or not) it compiled a variant in the
+# middle of serving for a prompt step whose chunk count the warm-up's powers of two never had.
+@triton.jit(do_not_specialize=["n_chunks", "max_blocks", "expert_block_chunks", "block_chunks", "chunk_blocks"])
 def _moe_align_runs_kernel(
     total_ptr, chunk_count_ptr, chunk_before_ptr, chunk_base_ptr, sorted_slot_ptr, block_expert_ptr,
     n_chunks, max_blocks, expert_block_chunks, block_chunks, chunk_blocks,

@@ -13,13 +13,16 @@ instead of 40-600 ms. The warm-up runs one step per bucket a server can meet:
   key-span buckets of the indexer and its top-k, the sparse MLA prefill path);
 - prompt chunks of several requests after cached prefixes (a radix-cache hit's step);
 - decode batches of 1, 2, 4, ... requests up to the most that run at once, past the top-k (the
-  decode path of every kernel, eagerly: CUDA graphs cover only their own batch sizes);
+  decode path of every kernel, eagerly: CUDA graphs cover only their own batch sizes), at each
+  power-of-two context bucket of the decode top-k up to its single chunk;
 - whole prompts of 128, 256, ... tokens up to the top-k (the dense prompt path, or the unscored
   selection where it is off);
 - one decode over a context longer than the top-k kernel's single chunk;
 - each of the prompt and decode paths once more with a top-k list whose length is not a multiple
   of 16 (the sparse MLA kernel specialises its index row stride on that), one of them a whole
-  prompt, whose top-k is its whole context.
+  prompt, whose top-k is its whole context;
+- the sampler on random logits, once for each kind of rows a step can sample (SAMPLER_MIXES):
+  its fused pick compiled on the first temperature request otherwise (0.7 s on the H200).
 
 Triton keeps what it compiled on disk, so a restart on the same machine compiles nothing and the
 warm-up costs the steps alone. KV: the steps write and read garbage in the pool's first pages
@@ -34,7 +37,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..protocol.builder import RequestSpec, build_plan
+from ..protocol.builder import RequestSpec, SamplingSpec, build_plan
 from ..protocol.messages import Plan
 
 # The top-k kernel's single chunk (kernels/triton_topk.CHUNK): longer contexts take its chunked form.
@@ -112,7 +115,11 @@ def warmup_steps(shape: WarmupShape, num_pages: int, page_size: int, vocab_size:
     if cached > 0:
         reqs = max(1, min(32, shape.max_tokens // new))
         steps.append((f"{reqs} chunks of {new} after {cached}", plan(len(steps), [(ids(new), cached)] * reqs)))
-    for context in sorted({min(2 * shape.index_topk - 1, usable - 1), min(ODD_CONTEXT, usable - 1)}, reverse=True):
+    # Decode contexts past the top-k at every power-of-two bucket of the decode top-k's single
+    # chunk (its kernel is specialised on next_power_of_2(longest context) up to TOPK_CHUNK:
+    # 4096 and 8192 at GLM-5's top-k), and one of an odd list length.
+    past_topk = [min(c - 1, usable - 1) for c in _powers_of_two(2 * shape.index_topk, TOPK_CHUNK) if c <= TOPK_CHUNK]
+    for context in sorted({*past_topk, min(ODD_CONTEXT, usable - 1)}, reverse=True):
         if context > 0:
             for b in _powers_of_two(1, max(1, shape.max_batch)):
                 steps.append((f"decode of {b} at {context}", plan(len(steps), [(ids(1), context)] * b)))
@@ -122,13 +129,49 @@ def warmup_steps(shape: WarmupShape, num_pages: int, page_size: int, vocab_size:
     return steps
 
 
+# The sampler's kernel variants follow which kinds of rows a step samples: plain temperature rows
+# (the pick divides by the temperature itself), greedy rows among them, and rows with filters,
+# penalties, seeds or logprobs (the logits processed first). One small batch of each kind.
+SAMPLER_MIXES: tuple[tuple[SamplingSpec, ...], ...] = (
+    (SamplingSpec(), SamplingSpec(temperature=0.7)),
+    (SamplingSpec(temperature=0.0), SamplingSpec(temperature=0.7)),
+    (SamplingSpec(top_p=0.9), SamplingSpec(top_k=20, seed=7)),
+    (SamplingSpec(temperature=0.0), SamplingSpec(top_k=20, min_p=0.05, repetition_penalty=1.1, top_logprobs=3)),
+)
+
+
+def sampler_plans(page_size: int) -> list[Plan]:
+    """One decode plan (a request per row, on page 0, with a token history for the penalties) for
+    each of SAMPLER_MIXES."""
+    return [
+        build_plan(i, page_size, [RequestSpec(r, [1 + r], 3, [0], sampling=spec, history=[1, 2, 3, 1 + r], history_prompt_len=3)
+                                  for r, spec in enumerate(mix)])  # fmt: skip
+        for i, mix in enumerate(SAMPLER_MIXES)
+    ]
+
+
+def warm_up_sampler(device, vocab_size: int, page_size: int) -> None:
+    """Samples random logits once per SAMPLER_MIXES batch, with a generator of its own (the
+    default generator, which seeds a launch's unseeded draws, is left as it was)."""
+    import torch
+
+    from .sampler import SamplingBatch, sample
+
+    g = torch.Generator(device=device).manual_seed(0)
+    for plan in sampler_plans(page_size):
+        sb = SamplingBatch.from_plan(plan, device)
+        logits = torch.randn(sb.num_rows, vocab_size, device=device, generator=g)
+        sample(logits, sb, generator=g)
+
+
 def warm_up(runner, shape: WarmupShape, log=None) -> tuple[int, float]:
     """Runs the warm-up steps through runner.forward_plan (every rank runs the same steps, so their
-    collectives pair up). -> (steps run, seconds)."""
+    collectives pair up), then the sampler's kinds of rows. -> (model steps run, seconds)."""
     t0 = time.perf_counter()
     steps = warmup_steps(shape, runner.num_pages, runner.page_size, runner.vocab_size, getattr(runner, "dp_size", 1))
     for _, plan in steps:
         runner.forward_plan(plan)
+    warm_up_sampler(runner.device, runner.vocab_size, runner.page_size)
     if runner.device.type == "cuda":
         import torch
 
