@@ -65,25 +65,41 @@ def variant_counts(kernels: dict[str, object]) -> dict[str, int]:
     return {name: sum(len(cache[0]) for cache in fn.device_caches.values()) for name, fn in kernels.items()}
 
 
+def pool_pages(a, limits: tuple[int, int]) -> int:
+    """Pages random_plans needs: the shared prefix pages of the longest context, and each step's
+    private pages (those its new tokens are written to)."""
+    max_tokens, max_batch = limits
+    return -(-(a.max_context + 1) // a.page_size) + max_tokens // a.page_size + 2 * (max_batch + 8) + 8
+
+
 def random_plans(a, limits: tuple[int, int], vocab: int, num_pages: int):
     """(description, plan) of random steps inside the warm-up's limits (max tokens a step, max
-    requests), over contexts up to --max-context. Requests share the pool's first pages, as the
-    warm-up's do: the steps read garbage, and only timing and compiles matter here."""
+    requests), over contexts up to --max-context. Requests read the same first pages of the pool
+    (their cached prefixes: garbage, as the warm-up's are; timing and compiles are the point) and
+    write their new tokens to pages of their own, so that every plan is one the worker would
+    accept (no two tokens of a step write one slot)."""
     from nsaserve.protocol.builder import RequestSpec, build_plan
 
     max_tokens, max_batch = limits
     rng = np.random.default_rng(a.seed)
-    top = min(a.max_context, num_pages * a.page_size - 1)
-    pages = list(range(-(-(top + 1) // a.page_size)))
+    ps = a.page_size
+    shared_pages = -(-(a.max_context + 1) // ps)
+    top = min(a.max_context, shared_pages * ps) - 1
+    assert num_pages >= pool_pages(a, limits), "the pool is too small for random_plans"
+    private = [shared_pages]  # the next page of the step's own
 
     def req(i: int, n_new: int, cached: int) -> RequestSpec:
-        n = -(-(cached + n_new + 1) // a.page_size)
-        return RequestSpec(i, rng.integers(0, vocab, n_new).tolist(), cached, pages[:n])
+        shared = cached // ps  # whole pages of the prefix only: the one it ends in is written to
+        own = -(-(cached + n_new) // ps) - shared
+        pages = list(range(shared)) + list(range(private[0], private[0] + own))
+        private[0] += own
+        return RequestSpec(i, rng.integers(0, vocab, n_new).tolist(), cached, pages)
 
     def log_uniform(lo: int, hi: int) -> int:
         return int(np.exp(rng.uniform(np.log(lo), np.log(max(lo + 1, hi)))))
 
     for step in range(a.steps):
+        private[0] = shared_pages
         # This step's longest context, log-uniform (short and long steps both come up); its
         # requests' contexts spread below it.
         cap = log_uniform(16, top)
@@ -118,7 +134,9 @@ def main(argv=None) -> int:
     from nsaserve.worker.main import parse_args as worker_args
     from nsaserve.worker.model_executor import ModelExecutor
 
-    num_pages = -(-(a.max_context + 2) // a.page_size) + 8
+    args_limits = worker_args(["--rank=0", "--tp-size=1", *a.worker_flags])
+    limits = (max(16, args_limits.warmup_tokens), max(1, args_limits.warmup_batch))
+    num_pages = pool_pages(a, limits)
     flags = ["--rank=0", "--tp-size=1", f"--model-path={a.model_path}", "--device=cuda", f"--kv-cache-dtype={a.kv_cache_dtype}",
              f"--page-size={a.page_size}", f"--load-format={a.load_format}", f"--num-pages={num_pages}"]  # fmt: skip
     args = worker_args(flags + list(a.worker_flags))
@@ -128,7 +146,6 @@ def main(argv=None) -> int:
     executor = ModelExecutor.from_args(args)  # loads, captures graphs, warms up
     ready_s = time.perf_counter() - t0
     after_warmup = variant_counts(kernels)
-    limits = (max(16, args.warmup_tokens), max(1, args.warmup_batch))
     rows = []
     for desc, plan in random_plans(a, limits, executor.vocab_size, num_pages):
         before = variant_counts(kernels)
