@@ -118,8 +118,9 @@ def warmup_steps(shape: WarmupShape, num_pages: int, page_size: int, vocab_size:
     # Decode contexts past the top-k at every power-of-two bucket of the decode top-k's single
     # chunk (its kernel is specialised on next_power_of_2(longest context) up to TOPK_CHUNK:
     # 4096 and 8192 at GLM-5's top-k), and one of an odd list length.
-    past_topk = [min(c - 1, usable - 1) for c in _powers_of_two(2 * shape.index_topk, TOPK_CHUNK) if c <= TOPK_CHUNK]
-    for context in sorted({*past_topk, min(ODD_CONTEXT, usable - 1)}, reverse=True):
+    past_topk = {2 * shape.index_topk, *_powers_of_two(2 * shape.index_topk, TOPK_CHUNK)}
+    contexts = {min(c - 1, usable - 1) for c in past_topk} | {min(ODD_CONTEXT, usable - 1)}
+    for context in sorted(contexts, reverse=True):
         if context > 0:
             for b in _powers_of_two(1, max(1, shape.max_batch)):
                 steps.append((f"decode of {b} at {context}", plan(len(steps), [(ids(1), context)] * b)))
