@@ -16,6 +16,7 @@ from triton.experimental.gluon._runtime import GluonASTSource
 
 from nsaserve.kernels import gluon_sparse_mla as gm
 from nsaserve.kernels import triton_indexer as ti
+from nsaserve.kernels import triton_kv_store as tkv
 from nsaserve.kernels import triton_moe_w4a16 as tw
 from nsaserve.kernels import triton_sample_pick as tsp
 from nsaserve.kernels import triton_sparse_mla as tm
@@ -189,10 +190,29 @@ def sample_pick_cases():
         yield f"sample pick greedy={greedy} temperature={temp} logits {x_ty[1:]}", tsp._sample_pick_kernel, sig, consts, 8
 
 
+def kv_store_cases():
+    # The indexer key's fused norm, rope, rotation and store at GLM-5's 128 dims (64 roped).
+    for fp8, rotate, interleaved in ((True, True, False), (True, True, True), (False, False, True), (True, False, False)):
+        cache = "*u8" if fp8 else "*bf16"
+        sig = {
+            "k_ptr": "*bf16", "slots_ptr": "*i64", "cache_ptr": cache, "cache_f32_ptr": F32 if fp8 else cache,
+            "k_stride": "i32", "page_size": "i32", "w_ptr": "*bf16", "b_ptr": "*bf16", "cos_ptr": F32,
+            "sin_ptr": F32, "cs_stride": "i32", "eps": "fp32", "rot_scale": "fp32",
+        }  # fmt: skip
+        consts = dict(
+            D=128, HALF=32, BLOCK_REST=64, FP8=fp8, ROTATE=rotate, SCALE_FMT=0, INTERLEAVED=interleaved, INTERPRET=False
+        )  # fmt: skip
+        name = f"index key prep+store fp8={fp8} rotate={rotate} interleaved={interleaved}"
+        yield name, tkv._index_k_prep_store_kernel, sig, consts, 4 if rotate else 1
+
+
 def main() -> int:
     assert not os.environ.get("TRITON_INTERPRET"), "run without TRITON_INTERPRET"
     failed = 0
-    cases = [*indexer_cases(), *sparse_mla_cases(), *gluon_sparse_mla_cases(), *moe_cases(), *sample_pick_cases()]
+    cases = [
+        *indexer_cases(), *sparse_mla_cases(), *gluon_sparse_mla_cases(), *moe_cases(), *sample_pick_cases(),
+        *kv_store_cases(),
+    ]  # fmt: skip
     for name, fn, sig, consts, warps, *extra in cases:
         opts = extra[0] if extra else {}
         try:

@@ -43,6 +43,10 @@ ALLOWED = {
     },
     "triton_indexer._logits_kernel": {"out_stride": PADDED, "heads": MODEL_CONSTANT, "scale": FLOAT},
     "triton_kv_store._index_k_store_kernel": {"k_stride": MODEL_CONSTANT, "page_size": MODEL_CONSTANT},
+    "triton_kv_store._index_k_prep_store_kernel": {
+        "k_stride": MODEL_CONSTANT, "page_size": MODEL_CONSTANT, "cs_stride": MODEL_CONSTANT, "eps": FLOAT,
+        "rot_scale": FLOAT,
+    },  # fmt: skip
     "triton_kv_store._latent_store_kernel": {
         "c_stride": MODEL_CONSTANT, "pe_stride": MODEL_CONSTANT, "cs_stride": MODEL_CONSTANT, "eps": FLOAT,
     },  # fmt: skip

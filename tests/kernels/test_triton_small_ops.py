@@ -188,3 +188,69 @@ def test_132_byte_index_keys_match_quant_module(scale_fmt):
     write_indexer_k(want, slots, k, scale_fmt)
     store_index_k(cache, slots, k, page_size, scale_fmt)
     assert torch.equal(cache, want), SEED
+
+
+@pytest.mark.parametrize("fp8", [True, False])
+@pytest.mark.parametrize("interleaved", [True, False])
+@pytest.mark.parametrize("rotate", [True, False])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_index_key_store_prep_matches_torch(fp8, interleaved, rotate, dtype):
+    """The indexer's key path in one launch (LayerNorm, RoPE of the first dims, the Hadamard
+    rotation, the store) against the torch composition. Only summation orders differ (the norm's
+    statistics, the rotation's sums), so a rare element rounds to a neighbouring bf16 or fp8 value."""
+    from nsaserve.kernels.rope import rope_cos_sin
+    from nsaserve.kernels.small_ops import IndexKeyPrep
+
+    # GPU: GLM-5's indexer (128 dims, the first 64 roped); CPU: a tiny model's 32 with 8 roped (the
+    # unroped rest, 24, is not a power of two) and a whole-row rope.
+    n, pages, page_size, dim, rope = (300, 128, 64, 128, 64) if GPU else (6, 4, 4, 32, 8)
+    cache = fmt.alloc_index_k(pages, page_size, dim, fp8, dtype, DEV)
+    cache.copy_(_poisoned(cache.shape, cache.dtype, 24))
+    wide = randn(n, dim + 16, seed=25, dtype=dtype, scale=3.0)
+    k = wide[:, 16:]  # strided rows, as a slice of a wider projection
+    weight = randn(dim, seed=26, dtype=dtype) + 1
+    bias = randn(dim, seed=27, dtype=dtype, scale=0.1)
+    pos = torch.randint(0, 100000, (n,), generator=gen(28), device=DEV)
+    cos, sin = rope_cos_sin(pos, 1e4 ** (-torch.arange(0, rope, 2, dtype=torch.float32, device=DEV) / rope))
+    prep = IndexKeyPrep(weight, bias, 1e-6, cos, sin, interleaved, rotate)
+    slots = _scattered_slots(n, pages * page_size, 29)
+    want = cache.clone()
+    get_backend("index_key_store", "torch")(want, slots, k, page_size, prep=prep)
+    get_backend("index_key_store", "triton")(cache, slots, k, page_size, prep=prep)
+    got_k, want_k = fmt.gather_index_k(cache, slots, page_size), fmt.gather_index_k(want, slots, page_size)
+    assert rel_err(got_k, want_k) < (2e-2 if fp8 else 4e-3), SEED
+    if fp8:
+        pages_of = slots // page_size
+        others = torch.ones(pages, dtype=torch.bool, device=DEV)
+        others[pages_of] = False
+        assert torch.equal(cache[others], want[others]), SEED  # pages with no new key untouched
+        # (Compare codes: a scale one unit apart changes every dequantised value of its row.)
+        got_codes = fmt._index_regions(cache)[0][slots // page_size, slots % page_size]
+        want_codes = fmt._index_regions(want)[0][slots // page_size, slots % page_size]
+        assert (got_codes == want_codes).float().mean() > 0.97, SEED
+    else:
+        others = torch.ones(pages * page_size, dtype=torch.bool, device=DEV)
+        others[slots] = False
+        assert torch.equal(cache.view(-1, dim)[others], want.view(-1, dim)[others]), SEED
+        if dtype == torch.bfloat16:
+            assert (got_k == want_k).float().mean() > 0.97, SEED
+
+
+def test_index_key_store_prep_whole_row_rope():
+    """A rope over the whole key (no unroped rest), fp8 with the rotation."""
+    from nsaserve.kernels.rope import rope_cos_sin
+    from nsaserve.kernels.small_ops import IndexKeyPrep
+
+    n, pages, page_size, dim = (64, 16, 64, 64) if GPU else (5, 4, 4, 16)
+    cache = fmt.alloc_index_k(pages, page_size, dim, True, torch.bfloat16, DEV)
+    k = randn(n, dim, seed=30, dtype=torch.bfloat16, scale=2.0)
+    pos = torch.randint(0, 1000, (n,), generator=gen(31), device=DEV)
+    cos, sin = rope_cos_sin(pos, 1e4 ** (-torch.arange(0, dim, 2, dtype=torch.float32, device=DEV) / dim))
+    ones = torch.ones(dim, dtype=torch.bfloat16, device=DEV)
+    prep = IndexKeyPrep(ones, ones * 0, 1e-6, cos, sin, False, True)
+    slots = _scattered_slots(n, pages * page_size, 32)
+    want = cache.clone()
+    get_backend("index_key_store", "torch")(want, slots, k, page_size, prep=prep)
+    get_backend("index_key_store", "triton")(cache, slots, k, page_size, prep=prep)
+    got_k, want_k = fmt.gather_index_k(cache, slots, page_size), fmt.gather_index_k(want, slots, page_size)
+    assert rel_err(got_k, want_k) < 2e-2, SEED

@@ -10,8 +10,10 @@ Kinds (every backend of a kind takes these arguments and returns this):
                        -> None: kv is kv_a_proj_with_mqa's output; stores RMSNorm(kv[:, :R]) * weight
                        and RoPE(kv[:, R:]) as the MLA latent rows, in place (fp8 rows are quantised;
                        kv_cache_format's layout)
-    "index_key_store": (index_k_cache, slots [N], k [N, D], page_size) -> None: stores indexer keys
-                       in place (fp8: DeepGEMM's paged layout, one scale per key)
+    "index_key_store": (index_k_cache, slots [N], k [N, D], page_size, prep=None) -> None: stores
+                       indexer keys in place (fp8: DeepGEMM's paged layout, one scale per key);
+                       with prep (an IndexKeyPrep), k is wk's output and is first normalised, roped
+                       and (fp8) rotated as the indexer does (index_key_prep_torch)
 
 The torch functions are the definitions (kernels.norms, kernels.rope, kernels.kv_cache_format);
 fused GPU versions of the same four live in triton_norm_rope.py and triton_kv_store.py.
@@ -19,10 +21,13 @@ fused GPU versions of the same four live in triton_norm_rope.py and triton_kv_st
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from . import kv_cache_format as fmt
-from .norms import rms_norm
+from .hadamard import hadamard_rotate
+from .norms import layer_norm, rms_norm
 from .registry import register
 from .rope import apply_rope
 
@@ -50,6 +55,30 @@ def kv_store_torch(cache, slots, kv, weight, eps, cos, sin, interleaved) -> None
     fmt.write_latent(cache, slots, c, apply_rope(kv[:, rank:], cos, sin, interleaved))
 
 
+class IndexKeyPrep(NamedTuple):
+    """What the indexer does to a key between wk and the cache: LayerNorm (weight, bias, eps) in
+    float32 rounded to k's dtype; RoPE of the first 2 * cos.shape[1] dims (rounded again); then, if
+    rotate (the fp8 caches), the Hadamard rotation in float32 before the quantiser sees it."""
+
+    weight: torch.Tensor
+    bias: torch.Tensor
+    eps: float
+    cos: torch.Tensor
+    sin: torch.Tensor
+    interleaved: bool
+    rotate: bool
+
+
+def index_key_prep_torch(k: torch.Tensor, prep: IndexKeyPrep) -> torch.Tensor:
+    """The key the cache stores, from wk's output k [N, D] (the definition the fused stores match)."""
+    k = rope_torch(layer_norm(k, prep.weight, prep.bias, prep.eps), prep.cos, prep.sin, prep.interleaved)
+    return hadamard_rotate(k) if prep.rotate else k
+
+
 @register("index_key_store", "torch")
-def index_key_store_torch(cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, page_size: int) -> None:
+def index_key_store_torch(
+    cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, page_size: int, prep: IndexKeyPrep | None = None
+) -> None:
+    if prep is not None:
+        k = index_key_prep_torch(k, prep)
     fmt.write_index_k(cache, slots, k, page_size)

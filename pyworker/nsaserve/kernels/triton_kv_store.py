@@ -4,7 +4,8 @@ One program per token: it reads the token's values once, computes each group's s
 codes, scales (and, for the latent, the bf16 k_pe) straight to the token's slot, where the torch
 references (kv_cache_format.write_latent / write_index_k) take several launches and temporaries.
 The model's latent store also applies kv_a_layernorm to the latent and RoPE to k_pe on the way
-(three ops of the reference in one launch).
+(three ops of the reference in one launch), and its indexer-key store the key's LayerNorm, RoPE and
+(fp8) Hadamard rotation (small_ops.IndexKeyPrep: nine launches of the reference a layer, one here).
 Layouts are kv_cache_format's (and, with scale_fmt="ue8m0" and R = 512, P = 64, D = 128,
 kernels.quant's 656-byte MLA row and 132-byte paged indexer key):
 
@@ -22,6 +23,7 @@ import triton
 import triton.language as tl
 
 from .kv_cache_format import latent_group
+from .small_ops import IndexKeyPrep
 from .triton_rounding import cast, quantize_groups, scale_code
 
 
@@ -105,6 +107,94 @@ def _index_k_store_kernel(
         tl.store(cache_ptr + slot * D + offs, cast(k.to(tl.float32), cache_ptr.dtype.element_ty, INTERPRET))
 
 
+@triton.jit
+def _parity(v):
+    """Parity of the set bits of each (non-negative, < 2^32) integer: 0 or 1."""
+    v = v ^ (v >> 16)
+    v = v ^ (v >> 8)
+    v = v ^ (v >> 4)
+    v = v ^ (v >> 2)
+    v = v ^ (v >> 1)
+    return v & 1
+
+
+@triton.jit
+def _spread(v, dims, offs_d, ROTATE: tl.constexpr):
+    """Contribution of values v at dims to the row's D columns: the unnormalised Sylvester-Hadamard
+    product (entry (i, j) is -1 to the parity of i & j) if ROTATE, else v placed at its dims."""
+    if ROTATE:
+        m = 1.0 - 2.0 * _parity(dims[:, None] & offs_d[None, :]).to(tl.float32)
+    else:
+        m = (dims[:, None] == offs_d[None, :]).to(tl.float32)
+    return tl.sum(v[:, None] * m, axis=0)
+
+
+@triton.jit
+def _layer_norm_at(row_ptr, dims, mask, mean, rstd, w_ptr, b_ptr, x_dtype: tl.constexpr, INTERPRET: tl.constexpr):
+    """LayerNorm of the row's elements at dims, rounded to the input dtype (as norms.layer_norm)."""
+    x = tl.load(row_ptr + dims, mask=mask, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + dims, mask=mask, other=0.0).to(tl.float32)
+    b = tl.load(b_ptr + dims, mask=mask, other=0.0).to(tl.float32)
+    return cast((x - mean) * rstd * w + b, x_dtype, INTERPRET).to(tl.float32)
+
+
+@triton.jit
+def _index_k_prep_store_kernel(
+    k_ptr, slots_ptr, cache_ptr, cache_f32_ptr, k_stride, page_size,
+    w_ptr, b_ptr, cos_ptr, sin_ptr, cs_stride, eps, rot_scale,
+    D: tl.constexpr, HALF: tl.constexpr, BLOCK_REST: tl.constexpr, FP8: tl.constexpr, ROTATE: tl.constexpr,
+    SCALE_FMT: tl.constexpr, INTERLEAVED: tl.constexpr, INTERPRET: tl.constexpr,
+):  # fmt: skip
+    """One token: LayerNorm of wk's output row, RoPE of its first 2 HALF dims, the Hadamard rotation
+    (ROTATE), then the store (fp8: quantised). The row is handled as three pieces (the rotation
+    pairs' first and second members, the unroped rest), which the rotation or the store reassemble."""
+    t = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slots_ptr + t).to(tl.int64)
+    row = k_ptr + t * k_stride
+    x_dtype = k_ptr.dtype.element_ty
+    offs_d = tl.arange(0, D)
+    x = tl.load(row + offs_d).to(tl.float32)
+    mean = tl.sum(x, axis=0) / D
+    xc = x - mean
+    rstd = 1.0 / tl.sqrt_rn(tl.sum(xc * xc, axis=0) / D + eps)
+    i = tl.arange(0, HALF)
+    if INTERLEAVED:
+        dims_a, dims_b = 2 * i, 2 * i + 1
+    else:
+        dims_a, dims_b = i, HALF + i
+    whole = i < HALF
+    a = _layer_norm_at(row, dims_a, whole, mean, rstd, w_ptr, b_ptr, x_dtype, INTERPRET)
+    b = _layer_norm_at(row, dims_b, whole, mean, rstd, w_ptr, b_ptr, x_dtype, INTERPRET)
+    cos = tl.load(cos_ptr + t * cs_stride + i)
+    sin = tl.load(sin_ptr + t * cs_stride + i)
+    ra = cast(a * cos - b * sin, x_dtype, INTERPRET).to(tl.float32)
+    rb = cast(b * cos + a * sin, x_dtype, INTERPRET).to(tl.float32)
+    dims_r = 2 * HALF + tl.arange(0, BLOCK_REST)
+    in_row = dims_r < D
+    rest = _layer_norm_at(row, dims_r, in_row, mean, rstd, w_ptr, b_ptr, x_dtype, INTERPRET)
+    if FP8 or ROTATE:
+        # The whole row in one vector (rotated: every column takes every piece). The rest's padding
+        # lanes hold zeros (weight and bias loaded as 0), so they add nothing to any column.
+        v = _spread(ra, dims_a, offs_d, ROTATE) + _spread(rb, dims_b, offs_d, ROTATE)
+        v += _spread(rest, dims_r, offs_d, ROTATE)
+        if ROTATE:
+            v = v * rot_scale
+        if FP8:
+            page = slot // page_size
+            off = slot - page * page_size
+            base = page * page_size * (D + 4)
+            codes, scale = quantize_groups(v, 1, D, SCALE_FMT, INTERPRET)
+            tl.store(cache_ptr + base + off * D + offs_d, codes)
+            tl.store(cache_f32_ptr + (base + page_size * D) // 4 + off + tl.arange(0, 1), scale)
+        else:
+            tl.store(cache_ptr + slot * D + offs_d, cast(v, cache_ptr.dtype.element_ty, INTERPRET))
+    else:
+        dtype = cache_ptr.dtype.element_ty
+        tl.store(cache_ptr + slot * D + dims_a, cast(ra, dtype, INTERPRET))
+        tl.store(cache_ptr + slot * D + dims_b, cast(rb, dtype, INTERPRET))
+        tl.store(cache_ptr + slot * D + dims_r, cast(rest, dtype, INTERPRET), mask=in_row)
+
+
 def _pow2(n: int, what: str) -> None:
     if n <= 0 or n & (n - 1):
         raise ValueError(f"the Triton KV store needs {what} to be a power of two, got {n}")
@@ -162,9 +252,11 @@ def store_latent(
 
 
 def store_index_k(
-    cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, page_size: int, scale_fmt: str = "cache"
-) -> None:
-    """Index keys k [N, D] into the fp8 paged layout (uint8 [pages, page_size, D + 4]) or [slots, D]."""
+    cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, page_size: int, scale_fmt: str = "cache",
+    prep: IndexKeyPrep | None = None,
+) -> None:  # fmt: skip
+    """Index keys k [N, D] into the fp8 paged layout (uint8 [pages, page_size, D + 4]) or [slots, D].
+    prep: k is wk's output, normalised, roped and (prep.rotate) rotated on the way (one launch)."""
     n, dim = k.shape
     if n == 0:
         return
@@ -173,9 +265,28 @@ def store_index_k(
     if fp8 and (cache.dim() != 3 or cache.shape[1] != page_size or cache.shape[2] != dim + 4):
         raise ValueError(f"fp8 index-key cache must be [pages, {page_size}, {dim + 4}], got {tuple(cache.shape)}")
     k = _rows(k)
+    if prep is not None:
+        _store_index_k_prepped(cache, slots, k, page_size, scale_fmt, prep, fp8)
+        return
     _index_k_store_kernel[(n,)](
         k, slots, cache, cache.view(torch.float32) if fp8 else cache, k.stride(0), page_size,
         D=dim, FP8=fp8, SCALE_FMT=scale_code(scale_fmt), INTERPRET=k.device.type != "cuda", num_warps=1,
+    )  # fmt: skip
+
+
+def _store_index_k_prepped(cache, slots, k, page_size, scale_fmt, prep: IndexKeyPrep, fp8: bool) -> None:
+    n, dim = k.shape
+    half = prep.cos.shape[-1]
+    _pow2(half, "half the indexer's rope dim")
+    if 2 * half > dim:
+        raise ValueError(f"the indexer ropes {2 * half} dims of a {dim}-dim key")
+    cos, sin = prep.cos.float().contiguous(), prep.sin.float().contiguous()
+    _index_k_prep_store_kernel[(n,)](
+        k, slots, cache, cache.view(torch.float32) if fp8 else cache, k.stride(0), page_size,
+        prep.weight, prep.bias, cos, sin, cos.stride(0), prep.eps, float(dim**-0.5),
+        D=dim, HALF=half, BLOCK_REST=triton.next_power_of_2(max(dim - 2 * half, 1)), FP8=fp8,
+        ROTATE=bool(prep.rotate), SCALE_FMT=scale_code(scale_fmt), INTERLEAVED=bool(prep.interleaved),
+        INTERPRET=k.device.type != "cuda", num_warps=4 if prep.rotate else 1,
     )  # fmt: skip
 
 
@@ -186,6 +297,6 @@ def kv_store_triton(cache, slots, kv, weight, eps, cos, sin, interleaved) -> Non
     store_latent(cache, slots, kv[:, :rank], kv[:, rank:], norm=(weight, eps), rope=(cos, sin, interleaved))
 
 
-def index_key_store_triton(cache, slots, k, page_size) -> None:
+def index_key_store_triton(cache, slots, k, page_size, prep: IndexKeyPrep | None = None) -> None:
     """The registry's ("index_key_store", "triton") backend: same as small_ops.index_key_store_torch."""
-    store_index_k(cache, slots, k, page_size)
+    store_index_k(cache, slots, k, page_size, prep=prep)

@@ -19,8 +19,8 @@ from torch import nn
 
 from ..kernels.hadamard import hadamard_rotate
 from ..kernels.indexer import topk_to_slots, whole_context
-from ..kernels.norms import layer_norm
 from ..kernels.registry import get_backend
+from ..kernels.small_ops import IndexKeyPrep
 from .dense_prefill import dense_attention
 from .linear import Linear, Norm, stacked_weight
 from .rope_params import mla_softmax_scale
@@ -52,18 +52,15 @@ class Indexer(nn.Module):
     def forward(self, x, qr, layer, batch, meta, pool, backends):
         num_tokens = x.shape[0]
         backend = backends["indexer"]
-        rope = get_backend("rope", backends["rope"])
         plan = meta.indexer  # row metadata built once per step (model/step_meta.py), shared by the layers
-        # The indexer ropes the FIRST rope_dim dims of its heads (MLA ropes the last ones): the rope
-        # kernels rotate the first 2 * cos.shape[1] dims and pass the rest through.
-        k = rope(
-            layer_norm(self.wk(x), self.k_norm.weight, self.k_norm.bias, INDEXER_NORM_EPS),
-            meta.cos, meta.sin, self.interleaved,
+        # The key's LayerNorm, RoPE and, for the fp8 cache, the Hadamard rotation (as DeepSeek's
+        # reference does before fp8-quantising the keys: same scores, smaller error) happen in the
+        # store backend: one launch in the fused kernel where the reference takes nine.
+        prep = IndexKeyPrep(
+            self.k_norm.weight, self.k_norm.bias, INDEXER_NORM_EPS, meta.cos, meta.sin, self.interleaved, pool.fp8
         )  # fmt: skip
-        if pool.fp8:
-            # As DeepSeek's reference does before fp8-quantising the keys: same scores, smaller error.
-            k = hadamard_rotate(k)
-        pool.write_index_k(layer, batch.out_slots, k, get_backend("index_key_store", backends["index_key_store"]))
+        store = get_backend("index_key_store", backends["index_key_store"])
+        pool.write_index_k(layer, batch.out_slots, self.wk(x), store, prep=prep)
         if meta.dense:
             return None  # dense attention selects nothing: only the keys are needed (for later steps)
         if meta.whole_contexts and self.skip_scoring_when_all_fit:
@@ -73,6 +70,9 @@ class Indexer(nn.Module):
             if meta.whole_slots is None:
                 meta.whole_slots = topk_to_slots(whole_context(plan.row_pos, plan.max_len), meta.token_kv_base, batch.kv_slots)
             return meta.whole_slots
+        # The indexer ropes the FIRST rope_dim dims of its heads (MLA ropes the last ones): the rope
+        # kernels rotate the first 2 * cos.shape[1] dims and pass the rest through.
+        rope = get_backend("rope", backends["rope"])
         q = rope(self.wq_b(qr).view(num_tokens, self.n_heads, self.head_dim), meta.cos, meta.sin, self.interleaved)
         if pool.fp8:
             q = hadamard_rotate(q)

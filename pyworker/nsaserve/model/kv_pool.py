@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from ..kernels import kv_cache_format as fmt
+from ..kernels.small_ops import index_key_store_torch
 
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3")
 
@@ -62,5 +63,8 @@ class KVPool:
 
     # `store` is an "index_key_store" kernel backend (kernels.small_ops); the default is the torch
     # reference. (The latent store goes through the "kv_store" backend, which also norms and ropes.)
-    def write_index_k(self, layer: int, slots: torch.Tensor, k: torch.Tensor, store=None) -> None:
+    def write_index_k(self, layer: int, slots: torch.Tensor, k: torch.Tensor, store=None, prep=None) -> None:
+        if prep is not None:  # (the format's writer takes finished keys only)
+            (store or index_key_store_torch)(self.index_k[layer], slots, k, self.page_size, prep=prep)
+            return
         (store or fmt.write_index_k)(self.index_k[layer], slots, k, self.page_size)
