@@ -1,6 +1,6 @@
-"""Triton small ops (RMSNorm + residual, RoPE, KV-cache stores with FP8 quantisation) and the MoE
-router's logits on the tensor cores ("bf16x3") against their torch references, at GLM-5 shapes on
-one GPU.
+"""Triton small ops (RMSNorm + residual, RoPE, KV-cache stores with FP8 quantisation, the indexer
+key's norm + rope + rotation + store) and the MoE router's logits on the tensor cores ("bf16x3")
+against their torch references, at GLM-5 shapes on one GPU.
 
     PYTHONPATH=pyworker python bench/kernels/bench_small_ops.py [--out bench/results] [--tokens 1,64,1024,16384]
 
@@ -23,6 +23,7 @@ from nsaserve.kernels import kv_cache_format as fmt
 from nsaserve.kernels.registry import get_backend
 from nsaserve.kernels.rope import rope_cos_sin
 from nsaserve.kernels.router_logits import split_bf16x3
+from nsaserve.kernels.small_ops import IndexKeyPrep
 
 HIDDEN, Q_LORA, KV_LORA, ROPE, NOPE, HEADS, IDX_HEADS, IDX_DIM = 6144, 2048, 512, 64, 192, 64, 32, 128
 EXPERTS = 256
@@ -74,6 +75,14 @@ def cases(n: int):
     yield (
         "index_key_store fp8 132 B", n * IDX_DIM * 2 + n * 8 + n * (IDX_DIM + 4),
         lambda: (index_fp8, slots(), rnd(n, IDX_DIM), PAGE), "index_key_store",
+    )  # fmt: skip
+    # The indexer key from wk's output: LayerNorm + RoPE of the first 64 dims + Hadamard rotation +
+    # the fp8 store (torch: the composition of the reference ops, nine launches).
+    k_norm = (w(IDX_DIM), rnd(IDX_DIM) * 0.1)
+    yield (
+        "index_key_store fp8 132 B (norm+rope+rotate+store)", n * IDX_DIM * 2 + n * 8 + n * ROPE * 4 + n * (IDX_DIM + 4),
+        lambda: (index_fp8, slots(), rnd(n, IDX_DIM), PAGE, IndexKeyPrep(*k_norm, 1e-6, *cs(), True, True)),
+        "index_key_store",
     )  # fmt: skip
     # The router: x bf16 against the float32 weight (torch: a float32 GEMM) or its three bf16 parts.
     router_w = torch.randn(EXPERTS, HIDDEN, device="cuda") * HIDDEN**-0.5
