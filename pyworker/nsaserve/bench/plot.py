@@ -20,6 +20,7 @@ def plot_sweep(runs: list[dict], path: str, title: str) -> None:
     matplotlib.use("Agg")  # files only; never needs a display
     import matplotlib.pyplot as plt
 
+    runs = sorted(runs, key=lambda r: r["max_concurrency"])  # a sweep may run its levels in any order
     levels = [r["max_concurrency"] for r in runs]
     summ = [r["summary"] for r in runs]
     fig, (tput, lat) = plt.subplots(1, 2, figsize=(12, 4.5))
