@@ -67,6 +67,10 @@ def cases(n: int):
         "rope indexer q 32x128 (first 64)", n * IDX_HEADS * IDX_DIM * 2 * 2 + n * ROPE * 4,
         lambda: (rnd(n, IDX_HEADS, IDX_DIM), *cs(), True), "rope",
     )  # fmt: skip
+    yield (
+        "rope + rotation indexer q 32x128 (fp8 cache; float32 out)", n * IDX_HEADS * IDX_DIM * (2 + 4) + n * ROPE * 4,
+        lambda: (rnd(n, IDX_HEADS, IDX_DIM), *cs(), True, True), "rope",
+    )  # fmt: skip
     # kv_store = kv_a_layernorm of the latent + RoPE of k_pe + the store (kv_a_proj output in).
     store_in = n * (KV_LORA + ROPE) * 2 + n * 8 + n * ROPE * 4
     kv_args = lambda cache: (cache, slots(), rnd(n, KV_LORA + ROPE), w(KV_LORA), 1e-6, *cs(), True)  # noqa: E731

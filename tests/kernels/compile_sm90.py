@@ -18,6 +18,7 @@ from nsaserve.kernels import gluon_sparse_mla as gm
 from nsaserve.kernels import triton_indexer as ti
 from nsaserve.kernels import triton_kv_store as tkv
 from nsaserve.kernels import triton_moe_w4a16 as tw
+from nsaserve.kernels import triton_norm_rope as tnr
 from nsaserve.kernels import triton_sample_pick as tsp
 from nsaserve.kernels import triton_sparse_mla as tm
 from nsaserve.kernels import triton_topk as tk
@@ -204,6 +205,14 @@ def kv_store_cases():
         )  # fmt: skip
         name = f"index key prep+store fp8={fp8} rotate={rotate} interleaved={interleaved}"
         yield name, tkv._index_k_prep_store_kernel, sig, consts, 4 if rotate else 1
+    # The indexer query's RoPE + rotation (32 heads x 128, 64 roped; bf16 and float32 inputs).
+    for x_ty, interleaved in (("*bf16", True), ("*bf16", False), (F32, True)):
+        sig = {
+            "x_ptr": x_ty, "cos_ptr": F32, "sin_ptr": F32, "out_ptr": F32, "heads": "i32", "x_stride_t": "i32",
+            "x_stride_h": "i32", "cs_stride": "i32", "rot_scale": "fp32",
+        }  # fmt: skip
+        consts = dict(D=128, HALF=32, BLOCK_HALF=32, BLOCK_REST=64, BLOCK_H=32, INTERLEAVED=interleaved, INTERPRET=False)
+        yield f"rope+rotation x {x_ty[1:]} interleaved={interleaved}", tnr._rope_rotate_kernel, sig, consts, 4
 
 
 def main() -> int:

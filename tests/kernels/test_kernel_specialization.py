@@ -66,6 +66,10 @@ ALLOWED = {
     "triton_norm_rope._rope_kernel": {
         "heads": MODEL_CONSTANT, "x_stride_t": MODEL_CONSTANT, "x_stride_h": MODEL_CONSTANT, "cs_stride": MODEL_CONSTANT,
     },  # fmt: skip
+    "triton_norm_rope._rope_rotate_kernel": {
+        "heads": MODEL_CONSTANT, "x_stride_t": MODEL_CONSTANT, "x_stride_h": MODEL_CONSTANT, "cs_stride": MODEL_CONSTANT,
+        "rot_scale": FLOAT,
+    },  # fmt: skip
     "triton_sample_pick._sample_pick_kernel": {
         "vocab": MODEL_CONSTANT, "stride_x": MODEL_CONSTANT, "stride_u": MODEL_CONSTANT,
         "piece": "a multiple of the pick's block: one value class",

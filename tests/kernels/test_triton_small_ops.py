@@ -203,7 +203,8 @@ def test_index_key_store_prep_matches_torch(fp8, interleaved, rotate, dtype):
 
     # GPU: GLM-5's indexer (128 dims, the first 64 roped); CPU: a tiny model's 32 with 8 roped (the
     # unroped rest, 24, is not a power of two) and a whole-row rope.
-    n, pages, page_size, dim, rope = (300, 128, 64, 128, 64) if GPU else (6, 4, 4, 32, 8)
+    # (21 keys: a whole block of 16 and a partial one.)
+    n, pages, page_size, dim, rope = (300, 128, 64, 128, 64) if GPU else (21, 8, 4, 32, 8)
     cache = fmt.alloc_index_k(pages, page_size, dim, fp8, dtype, DEV)
     cache.copy_(_poisoned(cache.shape, cache.dtype, 24))
     wide = randn(n, dim + 16, seed=25, dtype=dtype, scale=3.0)
@@ -254,3 +255,29 @@ def test_index_key_store_prep_whole_row_rope():
     get_backend("index_key_store", "triton")(cache, slots, k, page_size, prep=prep)
     got_k, want_k = fmt.gather_index_k(cache, slots, page_size), fmt.gather_index_k(want, slots, page_size)
     assert rel_err(got_k, want_k) < 2e-2, SEED
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("interleaved", [True, False])
+def test_rope_then_rotation_matches_torch(dtype, interleaved):
+    """The indexer's fp8-cache query: RoPE of the first dims, then the Hadamard rotation, float32
+    out, in one launch (the MMA against the signs), against rope + hadamard_rotate."""
+    from nsaserve.kernels.rope import rope_cos_sin
+
+    # GPU: GLM-5's indexer query (32 heads x 128, 64 roped); CPU: a tiny model's (4 x 32, 8 roped:
+    # fewer than the MMA's 16 on every side, padded).
+    tokens, heads, dim, rope = (41, 32, 128, 64) if GPU else (5, 4, 32, 8)
+    pos = torch.randint(0, 100000, (tokens,), generator=gen(33), device=DEV)
+    cos, sin = rope_cos_sin(pos, 1e4 ** (-torch.arange(0, rope, 2, dtype=torch.float32, device=DEV) / rope))
+    wide = randn(tokens, heads * dim + 8, seed=34, dtype=dtype, scale=2.0)
+    x = wide[:, 8:].view(tokens, heads, dim)  # strided rows, as a view of a projection
+    want = get_backend("rope", "torch")(x, cos, sin, interleaved, rotate=True)
+    got = get_backend("rope", "triton")(x, cos, sin, interleaved, rotate=True)
+    assert got.dtype == torch.float32 and got.shape == want.shape
+    # The roped values round to x's dtype in both; then only the rotation's summation order differs
+    # (and in bf16 the rare roped element that rounds the other way).
+    assert rel_err(got, want) < (1e-6 if dtype == torch.float32 else 1e-3), SEED
+    if dtype == torch.bfloat16:
+        assert ((got - want).abs() <= 1e-5 * want.abs().amax(-1, keepdim=True)).float().mean() > 0.95, SEED
+    unrotated = get_backend("rope", "triton")(x, cos, sin, interleaved)
+    assert unrotated.dtype == dtype  # (rotate off: the plain RoPE, unchanged)

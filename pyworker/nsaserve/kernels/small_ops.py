@@ -3,9 +3,10 @@
 Kinds (every backend of a kind takes these arguments and returns this):
     "rmsnorm":         (x [N, H], weight [H], eps, residual=None) -> y, or with a residual
                        (y, s) where s = x + residual is the new residual stream and y = RMSNorm(s)
-    "rope":            (x [T, d] or [T, heads, d], cos [T, r/2], sin [T, r/2], interleaved) -> x with its
-                       first r <= d dims roped and the rest as they were (r = d for MLA; the
-                       indexer ropes the first half of its head dim)
+    "rope":            (x [T, d] or [T, heads, d], cos [T, r/2], sin [T, r/2], interleaved, rotate=False)
+                       -> x with its first r <= d dims roped and the rest as they were (r = d for
+                       MLA; the indexer ropes the first half of its head dim); rotate: then the
+                       Hadamard rotation (hadamard.py), float32 out (the indexer's fp8-cache query)
     "kv_store":        (latent_cache, slots [N], kv [N, R + P], weight [R], eps, cos, sin, interleaved)
                        -> None: kv is kv_a_proj_with_mqa's output; stores RMSNorm(kv[:, :R]) * weight
                        and RoPE(kv[:, R:]) as the MLA latent rows, in place (fp8 rows are quantised;
@@ -41,11 +42,15 @@ def rmsnorm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: t
 
 
 @register("rope", "torch")
-def rope_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
+def rope_torch(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool, rotate: bool = False
+) -> torch.Tensor:
     rot = 2 * cos.shape[-1]
     if rot == x.shape[-1]:
-        return apply_rope(x, cos, sin, interleaved)
-    return torch.cat((apply_rope(x[..., :rot], cos, sin, interleaved), x[..., rot:]), dim=-1)
+        out = apply_rope(x, cos, sin, interleaved)
+    else:
+        out = torch.cat((apply_rope(x[..., :rot], cos, sin, interleaved), x[..., rot:]), dim=-1)
+    return hadamard_rotate(out) if rotate else out
 
 
 @register("kv_store", "torch")

@@ -11,3 +11,27 @@ def mma_operand(x, INTERPRET: tl.constexpr):
     if INTERPRET:
         return x.to(tl.bfloat16).to(tl.float32)
     return x.to(tl.bfloat16)
+
+
+@triton.jit
+def parity(v):
+    """Parity of the set bits of each (non-negative, < 2^32) integer: 0 or 1."""
+    v = v ^ (v >> 16)
+    v = v ^ (v >> 8)
+    v = v ^ (v >> 4)
+    v = v ^ (v >> 2)
+    v = v ^ (v >> 1)
+    return v & 1
+
+
+@triton.jit
+def times_hadamard(piece, dims, offs_d, BF16: tl.constexpr, INTERPRET: tl.constexpr):
+    """piece [R, K] (the values of R rows at row dims `dims` [K]) times rows `dims` of the
+    unnormalised Sylvester-Hadamard matrix (entry (i, j) is -1 to the parity of i & j), as an MMA:
+    -> float32 [R, D]. BF16: the values are exact in bf16, so bf16 operands give exact products
+    (the signs are exact too) and float32 sums; else a float32 product. R, K and D at least 16."""
+    sign = 1.0 - 2.0 * parity(dims[:, None] & offs_d[None, :]).to(tl.float32)
+    if BF16:
+        return tl.dot(mma_operand(piece, INTERPRET), mma_operand(sign, INTERPRET))
+    return tl.dot(piece, sign, input_precision="ieee")
+

@@ -24,6 +24,7 @@ import triton.language as tl
 
 from .kv_cache_format import latent_group
 from .small_ops import IndexKeyPrep
+from .triton_common import parity
 from .triton_rounding import cast, quantize_groups, scale_code
 
 
@@ -108,22 +109,11 @@ def _index_k_store_kernel(
 
 
 @triton.jit
-def _parity(v):
-    """Parity of the set bits of each (non-negative, < 2^32) integer: 0 or 1."""
-    v = v ^ (v >> 16)
-    v = v ^ (v >> 8)
-    v = v ^ (v >> 4)
-    v = v ^ (v >> 2)
-    v = v ^ (v >> 1)
-    return v & 1
-
-
-@triton.jit
 def _spread(v, dims, offs_d, ROTATE: tl.constexpr):
     """Contribution of values v at dims to the row's D columns: the unnormalised Sylvester-Hadamard
     product (entry (i, j) is -1 to the parity of i & j) if ROTATE, else v placed at its dims."""
     if ROTATE:
-        m = 1.0 - 2.0 * _parity(dims[:, None] & offs_d[None, :]).to(tl.float32)
+        m = 1.0 - 2.0 * parity(dims[:, None] & offs_d[None, :]).to(tl.float32)
     else:
         m = (dims[:, None] == offs_d[None, :]).to(tl.float32)
     return tl.sum(v[:, None] * m, axis=0)

@@ -17,7 +17,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..kernels.hadamard import hadamard_rotate
 from ..kernels.indexer import topk_to_slots, whole_context
 from ..kernels.registry import get_backend
 from ..kernels.small_ops import IndexKeyPrep
@@ -72,10 +71,10 @@ class Indexer(nn.Module):
             return meta.whole_slots
         # The indexer ropes the FIRST rope_dim dims of its heads (MLA ropes the last ones): the rope
         # kernels rotate the first 2 * cos.shape[1] dims and pass the rest through.
+        # With the fp8 cache the query is also Hadamard-rotated (as the keys are), float32 out.
         rope = get_backend("rope", backends["rope"])
-        q = rope(self.wq_b(qr).view(num_tokens, self.n_heads, self.head_dim), meta.cos, meta.sin, self.interleaved)
-        if pool.fp8:
-            q = hadamard_rotate(q)
+        q_raw = self.wq_b(qr).view(num_tokens, self.n_heads, self.head_dim)
+        q = rope(q_raw, meta.cos, meta.sin, self.interleaved, rotate=pool.fp8)
         weights = self.weights_proj(x.float()) * self.n_heads**-0.5
         if batch.static_kv_len is not None:  # no host lists (CUDA graphs): row metadata on the device
             topk_pos = get_backend("indexer_rows", backend)(
