@@ -31,7 +31,13 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from glm5_roofline import DecodeRoofline, decode_step_report, measure_copy_bandwidth, slow_steps  # noqa: E402
+from glm5_roofline import (  # noqa: E402
+    DecodeRoofline,
+    decode_path_split,
+    decode_step_report,
+    measure_copy_bandwidth,
+    slow_steps,
+)
 from glm5_serving import Server, finite_logits_check, gpu_memory, random_flags  # noqa: E402
 from glm5_summary import summary_table, targets  # noqa: E402
 
@@ -310,7 +316,7 @@ def phase_serving(run: Run, model_path: str, roofline: DecodeRoofline, bandwidth
                             f"for {d['prefill_or_mixed_tokens_median']} tokens; {d['between_steps_ms_median']} ms between steps; "
                             f"device: {d.get('gpu_ms_median')} ms of work, {d.get('gap_ms_median')} ms idle before it")  # fmt: skip
                     ps = d["prompt_steps"]
-                    run.say(f"level {level} prompt steps (ms mean / median / max): "
+                    run.say(f"level {level} prompt steps ({ps['time']} mean / median / max): "
                             + "; ".join(f"{k} {v['steps']}" + (f" ({v['ms_mean']} / {v['ms_median']} / {v['ms_max']})" if v["steps"] else "")
                                         for k, v in ps.items() if isinstance(v, dict))
                             + f"; allocator retries {ps['allocator_retries']}")  # fmt: skip
@@ -319,9 +325,14 @@ def phase_serving(run: Run, model_path: str, roofline: DecodeRoofline, bandwidth
                      "--max-concurrency", str(a.shared_concurrency), "--gsp-system-prompt-len", str(a.shared_system_len),
                      "--gsp-question-len", str(a.shared_question_len), "--gsp-output-len", str(a.shared_output_len),
                      "--gsp-num-turns", str(a.shared_turns)]  # fmt: skip
+            n_before = len(server.steps())
             doc = bench(run, server, "shared-prefix", flags, model_path)
             if doc:
                 run.doc["phases"]["shared_prefix"] = doc["runs"][0]
+                split = run.doc["phases"]["shared_prefix_decode"] = decode_path_split(server.steps()[n_before:])
+                run.say("shared prefix decode steps: " + ", ".join(
+                    f"{p} {v['steps']} (median {v['ms_median']} ms, {v['reqs_median']} requests)" for p, v in split.items()
+                ))  # fmt: skip
         slow = run.doc["slow_steps"] = slow_steps(server.steps())
         run.say(f"steps over {slow['limit_ms']:.0f} ms in the whole run: {slow['count']}"
                 + "".join(f"; step {s['step']} ({s['mode']}, {s['tokens']} tokens) {s['ms']} ms" for s in slow["first"][:5]))  # fmt: skip

@@ -185,13 +185,19 @@ def test_sweep_driver_at_tp2_with_random_weights_on_cpu(tmp_path):
 @pytest.mark.skipif(importlib.util.find_spec("nsaserve._router") is None, reason="router extension not built")
 def test_sweep_driver_serves_and_benches_on_cpu(ckpt, tmp_path):
     """The whole harness on CPU: serve the tiny checkpoint, a warm-up, then 10 requests (2 waves)
-    at concurrency 5, decode steps read from the worker's step log and set against the roofline."""
+    at concurrency 5, decode steps read from the worker's step log and set against the roofline;
+    then the shared-prefix workload, its decode steps split by path."""
     out = tmp_path / "out"
     cmd = [sys.executable, str(GPU_BENCH / "glm5_sweep.py"), "--out", str(out), "--device", "cpu", "--model-path", ckpt,
-           "--phases", "sweep", "--levels", "5", "--level-waves", "5:2", "--warmup-prompts", "2", "--input-len", "40", "--output-len", "4", "--prefill-probes", "0",
-           "--budget-s", "100", "--serve-arg=--max-total-tokens=4096"]  # fmt: skip
+           "--phases", "sweep,shared", "--levels", "5", "--level-waves", "5:2", "--warmup-prompts", "2", "--input-len", "40", "--output-len", "4", "--prefill-probes", "0",
+           "--shared-conversations", "2", "--shared-concurrency", "2", "--shared-system-len", "24", "--shared-question-len", "8",
+           "--shared-output-len", "3", "--budget-s", "100", "--serve-arg=--max-total-tokens=4096"]  # fmt: skip
     proc, doc = run_sweep(cmd, out)
     (level,) = doc["phases"]["sweep"]
+    assert doc["phases"]["shared_prefix"]["summary"]["completed"] == 4  # 2 conversations x 2 turns
+    split = doc["phases"]["shared_prefix_decode"]
+    assert split["eager"]["steps"] >= 1 and split["graph"]["steps"] == 0  # CPU: no graphs
+    assert "shared prefix decode steps: graph 0" in proc.stdout
     s = level["bench"]["summary"]
     assert (s["completed"], s["failed"]) == (10, 0)
     assert doc["phases"]["warmup"] == {"prompts": 2, "concurrency": 5}
@@ -244,6 +250,26 @@ def test_prompt_steps_split_by_attention_form_and_allocations():
     assert r["sparse"]["steps"] == 2 and r["sparse"]["ms_max"] == 90.0
     assert r["with_device_allocations"]["steps"] == 2 and r["with_device_allocations"]["ms_mean"] == 65.0
     assert r["without_device_allocations"]["ms_mean"] == 25.0 and r["allocator_retries"] == 1
+    assert r["time"] == "ms"  # (no device times in these lines)
+    # With device times logged they are what counts: a pipelined step's wall time may be another's.
+    timed = [{**s, "ms": 0.5 if i % 2 else 700.0, "gpu_ms": 300.0 + i} for i, s in enumerate(steps)]
+    r = prompt_step_report(timed)
+    assert r["time"] == "gpu_ms" and r["all"]["ms_max"] == 303.0 and r["all"]["ms_median"] == 302.0
+
+
+def test_decode_steps_split_by_graph_or_eager():
+    from glm5_roofline import decode_path_split
+
+    steps = [
+        {"mode": "decode", "reqs": 64, "ms": 14.0, "gpu_ms": 13.0, "graph": True},
+        {"mode": "decode", "reqs": 64, "ms": 41.0, "gpu_ms": 33.0, "graph": False},
+        {"mode": "decode", "reqs": 62, "ms": 40.0, "gpu_ms": 35.0, "graph": False},
+        {"mode": "mixed", "reqs": 64, "ms": 300.0, "gpu_ms": 290.0, "graph": False},
+    ]
+    split = decode_path_split(steps)
+    assert split["graph"] == {"steps": 1, "ms_median": 13.0, "reqs_median": 64}
+    assert split["eager"] == {"steps": 2, "ms_median": 35.0, "reqs_median": 64}
+    assert decode_path_split([])["eager"] == {"steps": 0, "ms_median": None, "reqs_median": None}
 
 
 def test_background_shard_writer_matches_the_reference_writer(tmp_path):
