@@ -139,6 +139,16 @@ def configs(batch: int, sweep: bool):
         c = {"gate_up": {"BLOCK_N": 128, "num_warps": 8, "num_stages": 3}, "down": {"num_warps": 8}}
         yield "tiled block_m 64 gate_up 128 w8 s3, down w8", c, 64, True, "tiled"
         return
+    if batch >= 512:
+        # Between decode and prompt sizes (16-64 rows per expert; 1024 concurrent decode steps sit at
+        # 32): the defaults give 32-row blocks, so about half the experts take two blocks and
+        # dequantise their weights twice. The 64-row prompt preset reads each expert once.
+        c = {"gate_up": {"BLOCK_N": 128, "num_warps": 8, "num_stages": 3}, "down": {"num_warps": 8}}
+        yield "tiled block_m 64 gate_up 128 w8 s3, down w8 (the 64-row preset)", c, 64, True, "tiled"
+        yield "tiled block_m 64, default blocks", {}, 64, True, "tiled"
+        c = {"gate_up": {"num_warps": 8}, "down": {"num_warps": 8}}
+        yield "tiled block_m 32 w8", c, 32, True, "tiled"
+        return
     # Decode-sized steps in tiles: occupancy. ncu at 256 tokens: gate/up issues on 64% of cycles with
     # 2 programs (8 warps) per multiprocessor, held there by registers (169 a thread); the down
     # kernel's 212 registers do the same. These tries fit 3-4 programs: register caps that ptxas meets
