@@ -76,8 +76,8 @@ class IndexKeyPrep(NamedTuple):
 
 def index_key_prep_torch(k: torch.Tensor, prep: IndexKeyPrep) -> torch.Tensor:
     """The key the cache stores, from wk's output k [N, D] (the definition the fused stores match)."""
-    k = rope_torch(layer_norm(k, prep.weight, prep.bias, prep.eps), prep.cos, prep.sin, prep.interleaved)
-    return hadamard_rotate(k) if prep.rotate else k
+    k = layer_norm(k, prep.weight, prep.bias, prep.eps)
+    return rope_torch(k, prep.cos, prep.sin, prep.interleaved, rotate=prep.rotate)
 
 
 @register("index_key_store", "torch")

@@ -34,4 +34,3 @@ def times_hadamard(piece, dims, offs_d, BF16: tl.constexpr, INTERPRET: tl.conste
     if BF16:
         return tl.dot(mma_operand(piece, INTERPRET), mma_operand(sign, INTERPRET))
     return tl.dot(piece, sign, input_precision="ieee")
-
