@@ -55,6 +55,7 @@ def compare_graph_to_eager(r, graphs, steps, exact, seed=None, dp_size=1):
         outputs.append(got.cpu())
         want = r.forward_plan(plan)
         assert got.shape == want.shape == (len(work), r.vocab_size)
+        assert got.dtype == want.dtype == torch.float32  # (the graphs keep the model's dtype inside)
         assert rel_err(got, want) < (1e-4 if exact else 3e-2), work
         at = np.array(sorted(rng.sample(range(len(work)), max(1, len(work) // 2))), dtype=np.int64)
         wrong = replace(plan, input_ids=plan.input_ids.copy())

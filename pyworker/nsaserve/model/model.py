@@ -156,14 +156,16 @@ class CausalLM(nn.Module):
         return names
 
     @torch.no_grad()
-    def forward(self, batch, pool, dp: DPStep | None = None) -> torch.Tensor:
+    def forward(self, batch, pool, dp: DPStep | None = None, float_logits: bool = True) -> torch.Tensor:
         """dp: under data-parallel attention, the step's layout (batch: this rank's requests, or None
-        when it has none this step)."""
+        when it has none this step). float_logits=False: the logits as lm_head computes them, in the
+        model's dtype (the decode graphs convert after the replay: the same values, half the bytes
+        copied inside the graph)."""
         if dp is not None:
-            return self._forward_dp(batch, pool, dp)
+            return self._forward_dp(batch, pool, dp, float_logits)
         cfg = self.cfg
         if batch.num_tokens == 0:
-            return torch.zeros(0, cfg.vocab_size, dtype=torch.float32, device=self.inv_freq.device)
+            return torch.zeros(0, cfg.vocab_size, dtype=self._logits_dtype(float_logits), device=self.inv_freq.device)
         kernels = self.kernels()
         meta = self._step_meta(batch)
         h = self.model.embed_tokens.weight[batch.input_ids]
@@ -176,21 +178,30 @@ class CausalLM(nn.Module):
             h = rms_norm(h[rows], self.model.norm.weight, cfg.rms_norm_eps)
         else:
             h = rms_norm(pending[rows], self.model.norm.weight, cfg.rms_norm_eps, h[rows])[0]
-        logits = torch.nn.functional.linear(h, self.lm_head.weight).float()
-        return self.tp.all_gather_rows(logits, self.vocab_share, cfg.vocab_size)
+        return self._logits(h, float_logits)
+
+    def _logits_dtype(self, float_logits: bool) -> torch.dtype:
+        return torch.float32 if float_logits else self.lm_head.weight.dtype
+
+    def _logits(self, h, float_logits: bool) -> torch.Tensor:
+        """lm_head on the final hidden rows (float32 unless asked otherwise), gathered over vocab shards."""
+        logits = torch.nn.functional.linear(h, self.lm_head.weight)
+        if float_logits:
+            logits = logits.float()
+        return self.tp.all_gather_rows(logits, self.vocab_share, self.cfg.vocab_size)
 
     def _step_meta(self, batch):
         return build_step_meta(
             batch, self.inv_freq, self.rope_attention_factor, self.dense_prefill, self.cfg.index_topk
         )
 
-    def _forward_dp(self, batch, pool, dp: DPStep) -> torch.Tensor:
+    def _forward_dp(self, batch, pool, dp: DPStep, float_logits: bool = True) -> torch.Tensor:
         """Data-parallel attention: attention on this rank's tokens, every MLP on all ranks' tokens,
         and the logit rows of all ranks in plan order. Every rank makes the same collective calls,
         whatever its share of the step (dp_attention.py)."""
         cfg, device = self.cfg, self.inv_freq.device
         if dp.max_tokens == 0:  # the same on every rank: no collective is skipped by one alone
-            return torch.zeros(0, cfg.vocab_size, dtype=torch.float32, device=device)
+            return torch.zeros(0, cfg.vocab_size, dtype=self._logits_dtype(float_logits), device=device)
         kernels = self.kernels()
         if batch is None:
             meta = None
@@ -207,7 +218,5 @@ class CausalLM(nn.Module):
             rows = batch.logits_index
             h = kernels.rmsnorm(pending[rows], self.model.norm.weight, cfg.rms_norm_eps, h[rows])[0]
         if max(dp.logit_rows) == 0:
-            return torch.zeros(0, cfg.vocab_size, dtype=torch.float32, device=device)
-        h = dp.gather_logit_rows(h)
-        logits = torch.nn.functional.linear(h, self.lm_head.weight).float()
-        return self.tp.all_gather_rows(logits, self.vocab_share, cfg.vocab_size)
+            return torch.zeros(0, cfg.vocab_size, dtype=self._logits_dtype(float_logits), device=device)
+        return self._logits(dp.gather_logit_rows(h), float_logits)

@@ -142,8 +142,11 @@ class DecodeGraphs:
         # Static input: one int64 buffer; each graph views its first `words` as its own layout.
         self.static = torch.zeros(words, dtype=torch.int64, device=dev)
         # Every graph ends by copying its logits here: one [max_bs, vocab] buffer for all graphs
-        # rather than one per graph (at a 150K vocabulary those add up to gigabytes).
-        self.out = torch.zeros(max_bs * self.dp, runner.vocab_size, dtype=torch.float32, device=dev)
+        # rather than one per graph (at a 150K vocabulary those add up to gigabytes). In the model's
+        # dtype, as lm_head computes them: run() converts the rows it returns to float32 once,
+        # where converting inside the graph and copying the float32 rows cost two more passes.
+        logits_dtype = runner.model.lm_head.weight.dtype
+        self.out = torch.zeros(max_bs * self.dp, runner.vocab_size, dtype=logits_dtype, device=dev)
         # Two pinned staging buffers, alternated, so that the host never rewrites one whose copy
         # may still be pending.
         cuda = dev.type == "cuda"
@@ -182,13 +185,13 @@ class DecodeGraphs:
             static_kv_len=length,
         )  # fmt: skip
         if self.dp == 1:
-            return self.runner.forward(batch)
+            return self.runner.forward(batch, float_logits=False)
         # Every rank runs bs rows (its requests, then padding), so every collective's block is bs
         # rows and the logits come back in rank blocks of bs (the plan order is restored in run()).
         n = self.dp
         dp = DPStep(group=self.runner.tp, local_plan=None, tokens=[bs] * n, logit_rows=[bs] * n,
                     logit_order=torch.arange(n * bs, device=dev))  # fmt: skip
-        return self.runner.model(batch, self.runner.pool, dp)
+        return self.runner.model(batch, self.runner.pool, dp, float_logits=False)
 
     def _fill_idle(self, g: _Graph) -> None:
         """Every row a padded one (what capture and warm-up run on)."""
@@ -312,5 +315,7 @@ class DecodeGraphs:
             g.graph.replay()
             self.replays += 1
             out = self.out[: g.bs * self.dp]
-        # A copy either way: the graphs' output buffer is overwritten by the next replay.
-        return out[: plan.num_reqs].clone() if order is None else out.index_select(0, order)
+        # A float32 copy either way: the graphs' output buffer is overwritten by the next replay.
+        if order is None:
+            return out[: plan.num_reqs].to(torch.float32, copy=True)
+        return out.index_select(0, order).float()
