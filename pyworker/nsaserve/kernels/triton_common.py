@@ -25,12 +25,19 @@ def parity(v):
 
 
 @triton.jit
+def hadamard_signs(dims, offs_d):
+    """Rows `dims` [K], columns `offs_d` [D] of the unnormalised Sylvester-Hadamard matrix: entry
+    (i, j) is -1 to the parity of i & j (hadamard.py builds the same matrix by doubling)."""
+    return 1.0 - 2.0 * parity(dims[:, None] & offs_d[None, :]).to(tl.float32)
+
+
+@triton.jit
 def times_hadamard(piece, dims, offs_d, BF16: tl.constexpr, INTERPRET: tl.constexpr):
-    """piece [R, K] (the values of R rows at row dims `dims` [K]) times rows `dims` of the
-    unnormalised Sylvester-Hadamard matrix (entry (i, j) is -1 to the parity of i & j), as an MMA:
-    -> float32 [R, D]. BF16: the values are exact in bf16, so bf16 operands give exact products
-    (the signs are exact too) and float32 sums; else a float32 product. R, K and D at least 16."""
-    sign = 1.0 - 2.0 * parity(dims[:, None] & offs_d[None, :]).to(tl.float32)
+    """piece [R, K] (the values of R rows at row dims `dims` [K]) times those rows of the
+    unnormalised Hadamard matrix (hadamard_signs), as an MMA: -> float32 [R, D]. BF16: the values
+    are exact in bf16, so bf16 operands give exact products (the signs are exact too) and float32
+    sums; else a float32 product. R, K and D at least 16."""
+    sign = hadamard_signs(dims, offs_d)
     if BF16:
         return tl.dot(mma_operand(piece, INTERPRET), mma_operand(sign, INTERPRET))
     return tl.dot(piece, sign, input_precision="ieee")

@@ -24,7 +24,7 @@ import triton.language as tl
 
 from .kv_cache_format import latent_group
 from .small_ops import IndexKeyPrep
-from .triton_common import parity
+from .triton_common import hadamard_signs
 from .triton_rounding import cast, quantize_groups, scale_code
 
 
@@ -110,10 +110,10 @@ def _index_k_store_kernel(
 
 @triton.jit
 def _spread(v, dims, offs_d, ROTATE: tl.constexpr):
-    """Contribution of values v at dims to the row's D columns: the unnormalised Sylvester-Hadamard
-    product (entry (i, j) is -1 to the parity of i & j) if ROTATE, else v placed at its dims."""
+    """Contribution of values v at dims to the row's D columns: the unnormalised Hadamard product
+    (triton_common.hadamard_signs) if ROTATE, else v placed at its dims."""
     if ROTATE:
-        m = 1.0 - 2.0 * parity(dims[:, None] & offs_d[None, :]).to(tl.float32)
+        m = hadamard_signs(dims, offs_d)
     else:
         m = (dims[:, None] == offs_d[None, :]).to(tl.float32)
     return tl.sum(v[:, None] * m, axis=0)
