@@ -59,6 +59,11 @@ def summary_table(doc: dict) -> str:
         s = p["shared_prefix"]["summary"]
         lines.append(f"shared prefix: {s['completed']} ok, {s['failed']} failed, out {f(s['output_throughput'])} tok/s, "
                      f"prefix hit rate {p['shared_prefix'].get('prefix_hit_rate')}")  # fmt: skip
+        split = p.get("shared_prefix_decode")
+        if split:  # eager decode steps are host-bound: say how many the phase had
+            lines.append("shared prefix decode steps: " + ", ".join(
+                f"{path} {v['steps']} (median {f(v['ms_median'], 2)} ms)" for path, v in split.items()
+            ))  # fmt: skip
     if "compare" in p and "ratio_output_throughput" in p["compare"]:
         c = p["compare"]
         lines.append(f"vs transformers ({c['moe_layers']} MoE layers, batch {c['batch']}): ours {f(c['ours']['output_throughput'])} / "

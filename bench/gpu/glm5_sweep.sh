@@ -18,6 +18,11 @@
 # What does not fit the budget is listed under "skipped"; a second call with --levels set to those
 # reuses the kept checkpoint. With the torch reference kernels only, shorten: --input-len 256
 # --output-len 8 --shared-output-len 8 --compare-batch 16 --compare-input-len 256 --compare-output-len 16.
+# --cuda-graph-max-context=2048 covers the 1K/1K levels only: the shared-prefix workload's contexts
+# (2K system prompt + turns, ~2.4K) then decode eagerly, bound by the host's launches (TPOT 26-37 ms
+# at 64 concurrent, where graph steps at 1.4K contexts took 12.7 ms, 2026-12-02). Use 4096 to measure
+# that phase on graphs, as a default server (graphs to the whole context length) runs it;
+# results.json's shared_prefix_decode says which ran.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 out=${OUT:?set OUT to the output directory}/glm5

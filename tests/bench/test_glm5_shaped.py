@@ -198,6 +198,9 @@ def test_sweep_driver_serves_and_benches_on_cpu(ckpt, tmp_path):
     split = doc["phases"]["shared_prefix_decode"]
     assert split["eager"]["steps"] >= 1 and split["graph"]["steps"] == 0  # CPU: no graphs
     assert "shared prefix decode steps: graph 0" in proc.stdout
+    from glm5_summary import summary_table
+
+    assert "shared prefix decode steps: graph 0 (median n/a ms), eager " in summary_table(doc)
     s = level["bench"]["summary"]
     assert (s["completed"], s["failed"]) == (10, 0)
     assert doc["phases"]["warmup"] == {"prompts": 2, "concurrency": 5}
