@@ -159,6 +159,12 @@ def measure_copy_bandwidth(device: str = "cuda", nbytes: int = 4 << 30, iters: i
     return 2 * nbytes * iters / seconds
 
 
+def _median(xs):
+    """The middle value (the upper one of an even count), or None for no values."""
+    xs = sorted(xs)
+    return xs[len(xs) // 2] if xs else None
+
+
 def decode_step_report(steps: list[dict], roofline: DecodeRoofline, bandwidth: float, level: int) -> dict:
     """Decode-only steps of one load level (lines of the worker's step log) against their rooflines.
 
@@ -169,11 +175,7 @@ def decode_step_report(steps: list[dict], roofline: DecodeRoofline, bandwidth: f
         return {"decode_steps": 0}
     full = [s for s in decode if s["reqs"] >= 0.9 * level]
     use = full or decode
-
-    def median(xs):
-        xs = sorted(xs)
-        return xs[len(xs) // 2] if xs else None
-
+    median = _median
     rows = []
     for s in use:
         b = roofline.step_bytes(s["reqs"], s.get("idx", s["ctx"]), s["sel"])  # step logs before "idx": ctx
@@ -227,16 +229,11 @@ def decode_path_split(steps: list[dict]) -> dict:
     """A phase's decode steps by path: replayed CUDA graphs or eager. Contexts past the graphs'
     largest context bucket (--cuda-graph-max-context) or batches past the largest graph decode
     eagerly, at a different speed; this says how many did. Times: device work where logged."""
-
-    def med(v):
-        v = sorted(v)
-        return v[len(v) // 2] if v else None
-
     out = {}
     for path, graph in (("graph", True), ("eager", False)):
         sel = [s for s in steps if s.get("mode") == "decode" and bool(s.get("graph")) == graph]
-        out[path] = {"steps": len(sel), "ms_median": med([_step_ms(s) for s in sel]),
-                     "reqs_median": med([s["reqs"] for s in sel])}  # fmt: skip
+        out[path] = {"steps": len(sel), "ms_median": _median([_step_ms(s) for s in sel]),
+                     "reqs_median": _median([s["reqs"] for s in sel])}  # fmt: skip
     return out
 
 

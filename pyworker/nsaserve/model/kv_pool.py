@@ -63,8 +63,6 @@ class KVPool:
 
     # `store` is an "index_key_store" kernel backend (kernels.small_ops); the default is the torch
     # reference. (The latent store goes through the "kv_store" backend, which also norms and ropes.)
+    # prep: k is wk's output, to be normalised, roped and (fp8) rotated first (small_ops.IndexKeyPrep).
     def write_index_k(self, layer: int, slots: torch.Tensor, k: torch.Tensor, store=None, prep=None) -> None:
-        if prep is not None:  # (the format's writer takes finished keys only)
-            (store or index_key_store_torch)(self.index_k[layer], slots, k, self.page_size, prep=prep)
-            return
-        (store or fmt.write_index_k)(self.index_k[layer], slots, k, self.page_size)
+        (store or index_key_store_torch)(self.index_k[layer], slots, k, self.page_size, prep=prep)
