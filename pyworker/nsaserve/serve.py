@@ -81,6 +81,7 @@ def worker_command(args, rank: int, runtime_dir: str | None, dist_init: str | No
         f"--kv-cache-dtype={args.kv_cache_dtype}",
         f"--load-format={args.load_format}",
         f"--attention-backend={args.attention_backend}",
+        f"--indexer-backend={args.indexer_backend}",
         f"--page-size={args.page_size}",
         f"--moe-backend={args.moe_backend}",
         f"--dense-prefill={args.dense_prefill}",

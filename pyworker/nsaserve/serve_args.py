@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import argparse
 
+# The "indexer" kernel backends of kernels/registry.py (a test keeps the two lists equal; the
+# registry is not imported here, so that parsing flags never imports torch).
+INDEXER_BACKENDS = ("torch", "triton", "torch_fp8q", "triton_fp8q")
+
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     m = p.add_argument_group("model")
@@ -26,6 +30,15 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     )
     m.add_argument("--context-length", type=int, default=None, help="prompt plus completion tokens at most (default: the model's own limit)")
     m.add_argument("--attention-backend", choices=["auto", "torch", "triton"], default="auto", help="sparse MLA and lightning-indexer kernels; auto = triton on CUDA for bf16/fp16 models, else torch")
+    m.add_argument(
+        "--indexer-backend",
+        choices=["auto", *INDEXER_BACKENDS],
+        default="auto",
+        help="lightning-indexer kernels (scores + top-k), instead of --attention-backend's; auto = the same as "
+        "--attention-backend. The _fp8q backends round the query to fp8 against an fp8 index-key cache "
+        "(--kv-cache-dtype fp8_e4m3), as DeepSeek-V3.2's own inference does: faster for long prompts (an 8K-token "
+        "prompt's indexer layer 0.99 against 1.66 ms on an H200), while the default keeps float32-exact scores",
+    )
     m.add_argument(
         "--dense-prefill",
         choices=("auto", "on", "off"),

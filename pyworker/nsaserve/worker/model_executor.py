@@ -74,8 +74,10 @@ class ModelExecutor:
             moe_backend = "triton" if device.type == "cuda" and _has_nvfp4_experts(runner) else "torch"
         for kind in ("moe_route", "moe_experts"):  # --moe-backend picks both MoE kernels
             runner.set_backend(kind, moe_backend)
-        for kind in ("attention", "indexer"):
-            runner.set_backend(kind, getattr(args, "attention_backend", "auto"))
+        attention_backend = getattr(args, "attention_backend", "auto")
+        indexer_backend = getattr(args, "indexer_backend", "auto")
+        runner.set_backend("attention", attention_backend)
+        runner.set_backend("indexer", attention_backend if indexer_backend == "auto" else indexer_backend)
         for kind in ("rmsnorm", "rope", "kv_store", "index_key_store", "router_logits"):  # small ops follow the device
             runner.set_backend(kind, "auto")
         executor = cls(runner, device, decode_graphs(runner, args))
