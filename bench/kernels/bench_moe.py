@@ -129,25 +129,45 @@ def configs(batch: int, sweep: bool):
         return
     yield "relayout tiled again", {}, None, True, "tiled"
     if batch >= PREFILL_BATCH:
-        # Prompt-sized batches (>= 64 rows per expert): larger token blocks and 8 warps. At 128 token
-        # rows two stages fit the 227 KB of shared memory, and 4 warps spill (ptxas: 255 registers
-        # and a 384-byte stack for the down kernel), so 8.
+        # Prompt-sized batches (>= 64 rows per expert): larger token blocks and 8 warps (the 64-row
+        # preset with 256-row down tiles is the model's since 2026-12-02; 128-row blocks were from
+        # 512 rows per expert before). At 128 token rows two stages fit the 227 KB of shared
+        # memory, and 4 warps spill (ptxas: 255 registers and a 384-byte stack for the down
+        # kernel), so 8.
         w8s2 = {"num_warps": 8, "num_stages": 2}
         yield "tiled block_m 128 gate_up 64 down 128 w8 s2", {"gate_up": w8s2, "down": w8s2}, 128, True, "tiled"
         c = {"gate_up": {**w8s2, "BLOCK_N": 128}, "down": w8s2}
         yield "tiled block_m 128 gate_up 128 down 128 w8 s2", c, 128, True, "tiled"
+        c = {"gate_up": {**w8s2, "BLOCK_N": 128}, "down": {**w8s2, "BLOCK_N": 256}}
+        yield "tiled block_m 128 gate_up 128 down 256 w8 s2", c, 128, True, "tiled"
         c = {"gate_up": {"BLOCK_N": 128, "num_warps": 8, "num_stages": 3}, "down": {"num_warps": 8}}
         yield "tiled block_m 64 gate_up 128 w8 s3, down w8", c, 64, True, "tiled"
+        c = {"gate_up": {"BLOCK_N": 128, "num_warps": 8, "num_stages": 3}, "down": {"num_warps": 8, "BLOCK_N": 256}}
+        yield "tiled block_m 64 gate_up 128 w8 s3, down 256 rows w8", c, 64, True, "tiled"
         return
     if batch >= 512:
         # Between decode and prompt sizes (16-64 rows per expert; 1024 concurrent decode steps sit at
-        # 32): the defaults give 32-row blocks, so about half the experts take two blocks and
-        # dequantise their weights twice. The 64-row prompt preset reads each expert once.
-        c = {"gate_up": {"BLOCK_N": 128, "num_warps": 8, "num_stages": 3}, "down": {"num_warps": 8}}
-        yield "tiled block_m 64 gate_up 128 w8 s3, down w8 (the 64-row preset)", c, 64, True, "tiled"
+        # 32): 32-row blocks leave about half the experts with two blocks, each dequantising the
+        # expert's weights; 64-row blocks read each expert once (the 64-row preset, the default
+        # from 32 rows per expert since 2026-12-02). Around that preset: pipeline depth, tile
+        # widths and warps. (Gate/up at 4 stages needs 236 KB of shared memory, past the 227 KB.)
+        preset = tm.PROMPT_PRESETS[-1][2]
+        yield "tiled block_m 64, the preset", preset, 64, True, "tiled"
+        yield "tiled block_m 32, default blocks (the default below 32 rows per expert)", {}, 32, True, "tiled"
         yield "tiled block_m 64, default blocks", {}, 64, True, "tiled"
         c = {"gate_up": {"num_warps": 8}, "down": {"num_warps": 8}}
         yield "tiled block_m 32 w8", c, 32, True, "tiled"
+        tries = (
+            ("gate_up s2", {"num_stages": 2}, {}),
+            ("down s2", {}, {"num_stages": 2}),
+            ("down s4", {}, {"num_stages": 4}),
+            ("down 128 rows (the preset before 2026-12-02)", {}, {"BLOCK_N": 128}),
+            ("down 64 rows w4", {}, {"BLOCK_N": 64, "num_warps": 4}),
+            ("gate_up 64 rows w4", {"BLOCK_N": 64, "num_warps": 4}, {}),
+        )
+        for name, gate_up, down in tries:
+            c = {"gate_up": {**preset["gate_up"], **gate_up}, "down": {**preset["down"], **down}}
+            yield f"tiled block_m 64 preset, {name}", c, 64, True, "tiled"
         return
     # Decode-sized steps in tiles: occupancy. ncu at 256 tokens: gate/up issues on 64% of cycles with
     # 2 programs (8 warps) per multiprocessor, held there by registers (169 a thread); the down
@@ -189,6 +209,8 @@ def run_batch(batch, stacks, gen, copy_bps, sweep, with_torch, rows, save):
     floor_us = nbytes / copy_bps * 1e6
     first = len(rows)
     for name, config, block_m, asm, relayout in configs(batch, sweep):
+        # An empty config without a block size is the model's own choice (prompt_preset included).
+        config = None if not config and block_m is None else config
         run = functools.partial(tm.moe_experts_nvfp4_triton, block_m=block_m, config=config, asm=asm,
                                 relayout=bool(relayout), tiled=relayout == "tiled")  # fmt: skip
         k13, k2 = stacks[relayout]

@@ -107,9 +107,9 @@ def test_tiny_matches_reference(num_tokens, skew, block_m, asm):
     assert rel_err(out, ref) < TOL
 
 
-@pytest.mark.parametrize("num_tokens,block_m", [(200, 64), (1600, 128)])
+@pytest.mark.parametrize("num_tokens,block_m", [(120, 64), (600, 64)])
 def test_tiny_prompt_presets_match_reference(num_tokens, block_m):
-    """Prompt-sized steps (>= 64 and >= 512 rows per expert) take PROMPT_PRESETS' blocks when no
+    """Steps with >= 32 rows per expert (here 40 and 200: several blocks an expert) take PROMPT_PRESETS' blocks when no
     config is given, and match the reference in both layouts."""
     gen = torch.Generator(DEV).manual_seed(num_tokens)
     e, h, i, k = TINY["num_experts"], TINY["hidden"], TINY["inter"], TINY["top_k"]
@@ -122,10 +122,26 @@ def test_tiny_prompt_presets_match_reference(num_tokens, block_m):
     assert rel_err(tm.moe_experts_nvfp4_triton(x, ids, weights, *relaid(w13), *relaid(w2), 0, relayout=True), ref) < TOL
 
 
-def test_prompt_presets_start_at_64_rows_per_expert():
-    assert tm.prompt_preset(63 * 256, 256) is None  # decode-sized: the defaults and pick_block_m
-    assert tm.prompt_preset(64 * 256, 256)[0] == 64 and tm.prompt_preset(511 * 256, 256)[0] == 64
-    assert tm.prompt_preset(512 * 256, 256)[0] == 128
+@pytest.mark.parametrize("asm", ASM_MODES)
+def test_tiny_preset_full_width_tiles_match_reference(asm):
+    """The preset at widths it uses whole: hidden 256 (its 256-row down tiles) and intermediate 256
+    (128-row gate/up tiles), in the tiled layout, 40 rows per expert."""
+    gen = torch.Generator(DEV).manual_seed(9)
+    e, h, i, k = 6, 256, 256, 2
+    assert tm.prompt_preset(120 * k, e)[1]["down"]["BLOCK_N"] == h
+    w13, w2 = random_stacks(e, h, i, gen, DEV)
+    x = torch.randn(120, h, generator=gen, device=DEV).to(torch.bfloat16)
+    ids, weights = route(120, e, k, torch.Generator().manual_seed(9))
+    r13, r2 = relaid(w13), relaid(w2)
+    t13, t2 = ((*tm.tile_nvfp4(s[0], s[1]), s[2]) for s in (r13, r2))
+    tiled = tm.moe_experts_nvfp4_triton(x, ids, weights, *t13, *t2, 0, asm=asm, relayout=True, tiled=True)
+    assert rel_err(tiled, reference(x, ids, weights, w13, w2, 0)) < TOL
+    assert torch.equal(tiled, tm.moe_experts_nvfp4_triton(x, ids, weights, *r13, *r2, 0, asm=asm, relayout=True))
+
+
+def test_presets_start_at_32_rows_per_expert():
+    assert tm.prompt_preset(31 * 256, 256) is None  # decode-sized: the defaults and pick_block_m
+    assert tm.prompt_preset(32 * 256, 256)[0] == 64 and tm.prompt_preset(4096 * 256, 256)[0] == 64
 
 
 @pytest.mark.parametrize("relayout", [False, True])

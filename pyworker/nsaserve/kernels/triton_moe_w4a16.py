@@ -758,20 +758,27 @@ def pick_block_m(num_slots: int, num_local: int) -> int:
     return 64
 
 
-# Prompt-sized steps (many rows per expert): the MMA work dominates, so larger token blocks, wider
-# gate/up tiles and 8 warps. (rows per expert from, tokens per block, config.) Measured on the H200
-# at GLM-5 shapes (bench/results/2026-12-01-triton-moe-prefill.md), whole routed-expert path:
-# 2048 tokens (64 rows per expert) 5887-6043 us with the defaults (32-row blocks) -> 4997 us;
-# 16384 tokens (512 per expert) 31363 us -> 27678 us (28554 us with the 64-row preset). At 128 rows
-# two stages fit the shared memory and 4 warps spill (ptxas), hence 8.
+# Steps with many rows per expert (prompts, and decode steps from 1024 rows): the MMA work grows
+# with the rows, so 64-token blocks (each expert's weights dequantised once per 64 rows), wider
+# gate/up tiles, 256-row down tiles and 8 warps. (rows per expert from, tokens per block, config.)
+# Measured on the H200 at GLM-5 shapes, whole routed-expert path, CUDA-graph replays, against the
+# defaults below 32 rows per expert (32-token blocks) and the 128-token-block preset that served
+# from 512 rows per expert until 2026-12-02 (bench/results/2026-12-02-triton-moe-presets.md):
+#   1024 tokens (32 rows per expert, the 1024-concurrent decode step): 2928 us against 3192-3206
+#   (32-token blocks); 2048: 4300 against 4531-4556 (64-token blocks, 128-row down tiles, the
+#   preset before) and 5887-6043 (32-token blocks, 2026-12-01); 4096: 7149 against 7389-7522;
+#   8192: 12899 against 13640-13647; 16384: 24359-24384 against 25879-25880 (128-token blocks);
+#   32768: 47016 against 49753. 256-row down tiles with 128-token blocks: 26539-26843 at 16384.
+# At 16 and 24 rows per expert the 32-token defaults stay ahead (2206 against 2647 us at 512
+# tokens, 2378 against 2842 at 768).
 PROMPT_PRESETS = (
-    (512, 128, {"gate_up": {"BLOCK_N": 128, "num_warps": 8, "num_stages": 2}, "down": {"num_warps": 8, "num_stages": 2}}),
-    (64, 64, {"gate_up": {"BLOCK_N": 128, "num_warps": 8, "num_stages": 3}, "down": {"num_warps": 8}}),
+    (32, 64, {"gate_up": {"BLOCK_N": 128, "num_warps": 8, "num_stages": 3}, "down": {"BLOCK_N": 256, "num_warps": 8}}),
 )
 
 
 def prompt_preset(num_slots: int, num_local: int) -> tuple[int, dict] | None:
-    """(tokens per block, config) for a prompt-sized step, or None (the defaults and pick_block_m)."""
+    """(tokens per block, config) for a step with at least 32 rows per expert, or None (the
+    defaults and pick_block_m)."""
     per_expert = num_slots / max(1, num_local)
     for least, block_m, config in PROMPT_PRESETS:
         if per_expert >= least:
