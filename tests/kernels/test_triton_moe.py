@@ -139,6 +139,31 @@ def test_tiny_preset_full_width_tiles_match_reference(asm):
     assert torch.equal(tiled, tm.moe_experts_nvfp4_triton(x, ids, weights, *r13, *r2, 0, asm=asm, relayout=True))
 
 
+def test_block_sizes_follow_the_rows_a_local_expert_can_expect():
+    """With expert parallelism a rank's experts get num_local / num_experts of the slots: one TP=8
+    rank with 32 of 256 experts sees ~8 rows an expert at 256 tokens, a decode size, not 64."""
+    assert tm.expected_local_slots(256 * 8, 32, 256) == 256
+    assert tm.expected_local_slots(256 * 8, 256, 256) == tm.expected_local_slots(256 * 8, 256, None) == 2048
+    assert tm.prompt_preset(256 * 8, 32) is not None  # what all the slots would have picked
+    assert tm.prompt_preset(tm.expected_local_slots(256 * 8, 32, 256), 32) is None
+    assert tm.pick_block_m(tm.expected_local_slots(256 * 8, 32, 256), 32) == 16
+    assert tm.prompt_preset(tm.expected_local_slots(1024 * 8, 32, 256), 32)[0] == 64  # 32 rows an expert
+
+
+@pytest.mark.parametrize("num_tokens", [5, 120])
+def test_tiny_expert_parallel_block_sizes_match_reference(num_tokens):
+    """A rank with 6 of 48 experts: blocks sized by its expected rows (5 tokens: 16-token blocks;
+    120: 2.5 rows an expert where all the slots would count 40 and take the preset), and every
+    token routed here still lands (the buffers stay sized for all slots being local)."""
+    gen = torch.Generator(DEV).manual_seed(num_tokens)
+    e, h, i, k = TINY["num_experts"], TINY["hidden"], TINY["inter"], TINY["top_k"]
+    w13, w2 = random_stacks(e, h, i, gen, DEV)
+    x = torch.randn(num_tokens, h, generator=gen, device=DEV).to(torch.bfloat16)
+    ids, weights = route(num_tokens, e, k, torch.Generator().manual_seed(num_tokens))  # all local: the worst case
+    out = tm.moe_experts_nvfp4_triton(x, ids + 12, weights, *w13, *w2, 12, num_experts=8 * e)
+    assert rel_err(out, reference(x, ids, weights, w13, w2, 0)) < TOL
+
+
 def test_presets_start_at_32_rows_per_expert():
     assert tm.prompt_preset(31 * 256, 256) is None  # decode-sized: the defaults and pick_block_m
     assert tm.prompt_preset(32 * 256, 256)[0] == 64 and tm.prompt_preset(4096 * 256, 256)[0] == 64

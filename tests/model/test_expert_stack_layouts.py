@@ -52,3 +52,19 @@ def test_tiled_refused_for_partial_tiles_and_backend_falls_back():
     assert w2.kernel_layout == CHECKPOINT
     stacks_to_kernel_layout(w13, w2, TILED)
     assert (w13.kernel_layout, w2.kernel_layout) == (RELAYOUT, RELAYOUT)
+
+
+def test_a_ranks_stacks_know_the_layers_experts_on_all_ranks():
+    """Rank 1 of 4 holds 2 of a tiny layer's 8 experts; its stacks carry both counts (the MoE
+    kernel sizes its blocks by the rows a local expert can expect)."""
+    from model_helpers import tiny_config
+
+    from nsaserve.model.mlp import MoE
+    from nsaserve.model.parallel import TPGroup
+    from nsaserve.model.weight_factory import WeightFactory
+
+    cfg = tiny_config("glm_moe_dsa")
+    moe = MoE(cfg, TPGroup(1, 4), WeightFactory(torch.float32, torch.device("cpu")), "model.layers.1.mlp.")
+    assert (moe.first_expert, moe.num_local) == (2, 2)
+    assert moe.w13.weight.shape[0] == moe.w2.weight.shape[0] == 2
+    assert moe.w13.num_experts == moe.w2.num_experts == cfg.n_routed_experts == 8

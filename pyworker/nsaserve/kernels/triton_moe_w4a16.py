@@ -776,6 +776,16 @@ PROMPT_PRESETS = (
 )
 
 
+def expected_local_slots(num_slots: int, num_local: int, num_experts: int | None) -> int:
+    """The (token, k) slots this rank's experts can expect of `num_slots` under uniform routing:
+    all of them without expert parallelism, num_local / num_experts of them with it. Block sizes
+    follow this (a TP=8 rank's 32 of 256 experts see 8 rows each at 256 tokens, not 64); buffers
+    stay sized for the worst case, every slot local (max_blocks)."""
+    if not num_experts or num_experts <= num_local:
+        return num_slots
+    return -(-num_slots * num_local // num_experts)
+
+
 def prompt_preset(num_slots: int, num_local: int) -> tuple[int, dict] | None:
     """(tokens per block, config) for a step with at least 32 rows per expert, or None (the
     defaults and pick_block_m)."""
@@ -910,10 +920,12 @@ def moe_experts_nvfp4_triton(
     asm: bool | None = None,
     relayout: bool = False,
     tiled: bool = False,
+    num_experts: int | None = None,
 ) -> torch.Tensor:
     """Sum over the token's chosen experts that live on this rank -> float32 [T, H]. relayout: the
     weights and scales are in relayout_nvfp4's layout (uint8 scales), not the checkpoint's; tiled:
-    and then in tile_nvfp4's tiles (hidden and intermediate sizes multiples of 256, K blocks of 256)."""
+    and then in tile_nvfp4's tiles (hidden and intermediate sizes multiples of 256, K blocks of 256).
+    num_experts: the layer's routed experts on all ranks (default: this rank's), for block sizes."""
     num_tokens, hidden = x.shape
     top_k = expert_ids.shape[1]
     num_local, two_inter, _ = w13.shape
@@ -921,8 +933,9 @@ def moe_experts_nvfp4_triton(
     if w2.shape != (num_local, hidden, inter // 2):
         raise ValueError(f"w2 shape {tuple(w2.shape)} does not match w13 {tuple(w13.shape)} and hidden {hidden}")
     n_slots = num_tokens * top_k
+    sizing_slots = expected_local_slots(n_slots, num_local, num_experts)
     if block_m is None and config is None:
-        block_m, config = prompt_preset(n_slots, num_local) or (None, None)
+        block_m, config = prompt_preset(sizing_slots, num_local) or (None, None)
     cfg = {k: {**v, **(config or {}).get(k, {})} for k, v in DEFAULT_CONFIG.items()}
     # K blocks of at least 128: each of the 8 partial dots of a block needs K >= 16.
     gu = {
@@ -954,7 +967,7 @@ def moe_experts_nvfp4_triton(
     layout = 2 if tiled else 1 if relayout else 0
     if n_slots == 0:
         return torch.zeros(num_tokens, hidden, dtype=torch.float32, device=x.device)
-    bm = block_m or pick_block_m(n_slots, num_local)
+    bm = block_m or pick_block_m(sizing_slots, num_local)
     if bm == 16 and "maxnreg" not in (config or {}).get("gate_up", {}):
         gu = {**gu, "maxnreg": DECODE_GATE_UP_MAXNREG}
     # Programmatic dependent launch is a CUDA launch option: never in the interpreter.
@@ -1052,5 +1065,5 @@ def moe_experts_triton(x, expert_ids, expert_weights, w13, w2, first_expert: int
         x, expert_ids, expert_weights,
         w13.weight, s13, w13.weight_scale_2,
         w2.weight, s2, w2.weight_scale_2,
-        first_expert, relayout=relayout, tiled=layout == "tiled",
+        first_expert, relayout=relayout, tiled=layout == "tiled", num_experts=w13.num_experts,
     )  # fmt: skip

@@ -53,10 +53,13 @@ class ExpertStack(nn.Module):
     """Stacked expert weights of one projection group; see the module docstring for the layouts."""
 
     def __init__(self, precision: str, parts: tuple[str, ...], rows: int, in_features: int, num_local: int, *,
-                 dtype, device):  # fmt: skip
+                 dtype, device, num_experts: int | None = None):  # fmt: skip
         super().__init__()
         self.precision, self.parts, self.rows, self.in_features = precision, parts, rows, in_features
         self.dtype = dtype
+        # The layer's routed experts on all ranks (num_local of them here): kernels size their
+        # blocks by the rows a local expert can expect.
+        self.num_experts = num_experts or num_local
         self.kernel_layout = CHECKPOINT  # or RELAYOUT / TILED: NVFP4 bytes re-laid out for the MoE kernel
         out = len(parts) * rows
         if precision == BF16:

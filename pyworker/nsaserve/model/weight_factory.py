@@ -48,4 +48,6 @@ class WeightFactory:
                 + ", ".join(f"{p} (e.g. {n})" for p, n in sorted(found.items()))
             )
         (precision,) = found
-        return ExpertStack(precision, parts, rows, in_features, num_local, dtype=self.dtype, device=self.device)
+        return ExpertStack(
+            precision, parts, rows, in_features, num_local, dtype=self.dtype, device=self.device, num_experts=num_experts
+        )
