@@ -53,7 +53,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--load-format", choices=["safetensors", "random"], default="safetensors", help="see nsaserve serve --help"
     )
-    p.add_argument("--attention-backend", default="auto", help="sparse MLA + indexer kernels: auto, torch, triton")
+    p.add_argument("--attention-backend", default="auto", help="sparse MLA kernels (and the indexer's under --indexer-backend auto): auto, torch, triton")
     p.add_argument("--indexer-backend", default="auto", help="indexer kernels; auto = --attention-backend's")
     p.add_argument("--page-size", type=int, default=64)
     p.add_argument("--moe-backend", default="auto")
