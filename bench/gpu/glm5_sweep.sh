@@ -11,18 +11,17 @@
 #     --warmup-prompts 64 --input-len 1024 --output-len 1024 --range-ratio 0.8 \
 #     --shared-conversations 64 --shared-concurrency 64 --shared-output-len 256 \
 #     --compare-moe-layers 1 --compare-batch 64 --compare-input-len 1024 --compare-output-len 256 \
-#     --serve-arg=--cuda-graph-max-bs=1024 --serve-arg=--cuda-graph-max-context=2048
+#     --serve-arg=--cuda-graph-max-bs=1024 --serve-arg=--cuda-graph-max-context=4096
 # For the TTFT target at 64 concurrent, run that level with 10 x concurrency prompts
 # (--levels 64 --level-waves 64:10: 640 prompts, ~170 s of load on one H200), the practice of the
 # InferenceX harness: with 4 waves the first burst of 64 prompts is a quarter of the TTFT sample.
 # What does not fit the budget is listed under "skipped"; a second call with --levels set to those
 # reuses the kept checkpoint. With the torch reference kernels only, shorten: --input-len 256
 # --output-len 8 --shared-output-len 8 --compare-batch 16 --compare-input-len 256 --compare-output-len 16.
-# --cuda-graph-max-context=2048 covers the 1K/1K levels only: the shared-prefix workload's contexts
-# (2K system prompt + turns, ~2.4K) then decode eagerly, bound by the host's launches (TPOT 26-37 ms
-# at 64 concurrent, where graph steps at 1.4K contexts took 12.7 ms, 2026-12-02). Use 4096 to measure
-# that phase on graphs, as a default server (graphs to the whole context length) runs it;
-# results.json's shared_prefix_decode says which ran.
+# --cuda-graph-max-context=4096 covers the shared-prefix workload's contexts (2K system prompt +
+# turns, ~2.4K) as a default server (graphs to the whole context length) does; with 2048 that phase
+# decodes eagerly, bound by the host's launches (TPOT 37.0 against 12.7 ms on graphs at 64
+# concurrent, 2026-12-02). results.json's shared_prefix_decode says which ran.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 out=${OUT:?set OUT to the output directory}/glm5
