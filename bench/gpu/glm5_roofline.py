@@ -159,7 +159,7 @@ def measure_copy_bandwidth(device: str = "cuda", nbytes: int = 4 << 30, iters: i
     return 2 * nbytes * iters / seconds
 
 
-def _median(xs):
+def median(xs):
     """The middle value (the upper one of an even count), or None for no values."""
     xs = sorted(xs)
     return xs[len(xs) // 2] if xs else None
@@ -175,7 +175,6 @@ def decode_step_report(steps: list[dict], roofline: DecodeRoofline, bandwidth: f
         return {"decode_steps": 0}
     full = [s for s in decode if s["reqs"] >= 0.9 * level]
     use = full or decode
-    median = _median
     rows = []
     for s in use:
         b = roofline.step_bytes(s["reqs"], s.get("idx", s["ctx"]), s["sel"])  # step logs before "idx": ctx
@@ -232,8 +231,8 @@ def decode_path_split(steps: list[dict]) -> dict:
     out = {}
     for path, graph in (("graph", True), ("eager", False)):
         sel = [s for s in steps if s.get("mode") == "decode" and bool(s.get("graph")) == graph]
-        out[path] = {"steps": len(sel), "ms_median": _median([_step_ms(s) for s in sel]),
-                     "reqs_median": _median([s["reqs"] for s in sel])}  # fmt: skip
+        out[path] = {"steps": len(sel), "ms_median": median([_step_ms(s) for s in sel]),
+                     "reqs_median": median([s["reqs"] for s in sel])}  # fmt: skip
     return out
 
 
