@@ -57,6 +57,15 @@ CONFIGS = {
     "gluon-trim": {"kernel": "gluon", "trim": True},
     "gluon-x1": {"kernel": "gluon", "num_splits": 1},
     "gluon-n32": {"kernel": "gluon", "block_n": 32},
+    # Splits against the default wave (132 SMs // (tokens x head blocks)): at 64 tokens that is 2
+    # splits, 128 programs; 3-4 give more, shorter programs (1.5-2 waves) and a larger combine.
+    "gluon-x2": {"kernel": "gluon", "num_splits": 2},
+    "gluon-x3": {"kernel": "gluon", "num_splits": 3},
+    "gluon-x4": {"kernel": "gluon", "num_splits": 4},
+    # FP8: the next block's rows staged in shared memory by cp.async before the softmax
+    # (gluon_sparse_mla.FP8_STAGE), against loads into registers after the PV issue
+    "gluon-stage": {"kernel": "gluon", "stage": True},
+    "gluon-nostage": {"kernel": "gluon", "stage": False},
 }
 PREFILL_TOKENS = 2048  # a prompt chunk after CTX cached positions: every row selects a full top-k
 

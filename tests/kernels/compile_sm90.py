@@ -181,6 +181,8 @@ def gluon_sparse_mla_cases():
             consts = dict(R=512, P=64, G=128, ROW_BYTES=656 if fp8 else 576, BLOCK_N=64, FP8=fp8, SPLIT=split, TRIM=trim, TRIM_LEN=2048)
             name = f"gluon sparse mla fp8={fp8} split={split} trim={trim}"
             yield name, gm._sparse_mla_gluon_kernel, sig, consts, 8, {"gluon": True}
+            if fp8:
+                yield name + " stage", gm._sparse_mla_gluon_kernel, sig, {**consts, "STAGE": True}, 8, {"gluon": True}
 
 
 def sample_pick_cases():

@@ -69,6 +69,23 @@ def test_trimmed_rows(fp8):
 
 
 @hopper
+@pytest.mark.parametrize("tokens, num_splits", [(5, None), (5, 1), (5, 3), (64, None), (1, None)])
+def test_staged_fp8_blocks_equal_the_register_path(tokens, num_splits):
+    """stage=True (the next block's FP8 rows by cp.async, dequantised from shared memory) gives the
+    default path's output bit for bit (the same dequantised operands, the same MMAs), -1 tails
+    and trimmed loops included, and matches the reference."""
+    (q_lat, q_pe, cache, slots), want = case(tokens, 64, True, seed=21 + tokens)
+    for t in range(0, tokens, 2):
+        slots[t, 700 + 37 * t :] = -1
+    want = sparse_mla_torch(q_lat.cpu(), q_pe.cpu(), cache.cpu(), slots.cpu(), SCALE)
+    for trim in (False, True):
+        kw = dict(num_splits=num_splits, trim=trim)
+        staged = sparse_mla_decode_gluon(q_lat, q_pe, cache, slots, SCALE, stage=True, **kw)
+        assert torch.equal(staged, sparse_mla_decode_gluon(q_lat, q_pe, cache, slots, SCALE, stage=False, **kw))
+        assert rel_err(staged.cpu(), want) < 1e-2
+
+
+@hopper
 @pytest.mark.parametrize("fp8", [False, True])
 def test_model_dtype_output_is_the_float32_output_rounded(fp8):
     (q_lat, q_pe, cache, slots), _ = case(3, 64, fp8, seed=11)
@@ -122,6 +139,14 @@ def test_fp8_rows_dequantise_exactly():
     want = fmt.unpack_latent_fp8(cache, RANK)[0].bfloat16().float()  # [tokens, R]
     got = sparse_mla_decode_gluon(q_lat.cuda(), q_pe.cuda(), cache.cuda(), slots.cuda(), SCALE, num_splits=1)
     assert torch.equal(got.cpu(), want[:, None, :].expand(-1, 64, -1))
+    # The valid entry in the second block: dequantised from the staged copy (stage=True).
+    slots2 = torch.full((tokens, 128), -1, dtype=torch.int32)
+    slots2[:, 64 + 5] = torch.arange(tokens)
+    for stage in (False, True):
+        got = sparse_mla_decode_gluon(
+            q_lat.cuda(), q_pe.cuda(), cache.cuda(), slots2.cuda(), SCALE, num_splits=1, stage=stage
+        )
+        assert torch.equal(got.cpu(), want[:, None, :].expand(-1, 64, -1)), stage
 
 
 @hopper

@@ -15,9 +15,10 @@ tensor-core work and ~430 KB of shared-memory operand reads per 64 rows are spen
   which the warpgroups split by output columns (256 of the 512 each).
 
 Pipeline (two buffers of rows in shared memory): block i+1's rows are gathered while block i's
-softmax and PV run (a bf16 cache by cp.async, issued before the softmax; the FP8 cache by the warps
-themselves, which load, dequantise and store it after issuing block i's PV). PV of block i is
-waited for together with block i+1's QK^T. Indices are physical slots, -1 for none (masked, never
+softmax and PV run (a bf16 cache by cp.async, issued before the softmax; an FP8 cache's stored
+bytes by cp.async into the same buffer, issued before the softmax, then dequantised in shared
+memory by the warps after issuing block i's PV: FP8_STAGE). PV of block i is waited for together
+with block i+1's QK^T. Indices are physical slots, -1 for none (masked, never
 read).
 
 Gluon has no CPU interpreter: the CPU path (and every shape this kernel does not take) stays on
@@ -42,6 +43,14 @@ from .triton_sparse_mla import TRIM_SCAN, cache_views, combine_splits, plan_spli
 
 BLOCK_H = gl.constexpr(64)  # heads per program: the MMA's M, one warpgroup's 4 x 16 rows
 NUM_WARPS = gl.constexpr(8)  # two warpgroups
+# FP8 cache: stage the next block's rows in shared memory by cp.async (issued before the softmax)
+# rather than load them into registers after the PV issue, where their gather latency sat in each
+# block's critical path. Same operands bit for bit. Measured on the H200 at GLM-5 shapes
+# (bench/results/2026-12-02-gluon-sparse-mla-fp8-staged): decode 84.8 against 90.7 us at 64 tokens,
+# 282 / 306 at 256, 1098 / 1169 at 1024; 2048-token prompt chunks 2206 / 2399 (causal 1244 / 1369);
+# in the model's graph-replayed decode step the sparse MLA family 1.78 against 1.95-1.98 ms at 256
+# rows, 6.97 against 7.56-7.70 at 1024. False restores the register path (for A/B runs).
+FP8_STAGE = True
 
 
 @gluon.jit
@@ -125,13 +134,64 @@ def _fill_fp8(c_buf, pe_buf, cache_ptr, cache_f32_ptr, cache_bf16_ptr, idx_ptr, 
     _store_fp8_rows(c_buf, c3, s3, 3 * Q, R, Q)
 
 
+@gluon.jit
+def _stage_fp8(stage_buf, sc_buf, pe_buf, cache_ptr, cache_f32_ptr, cache_bf16_ptr, idx_ptr, t, idx_stride, j, j1,
+               R: gl.constexpr, P: gl.constexpr, G: gl.constexpr, ROW_BYTES: gl.constexpr, BLOCK_N: gl.constexpr):  # fmt: skip
+    """STAGE: cp.async a block of FP8 rows as they are stored: the codes into stage_buf [BLOCK_N,
+    R / G, G] (uint8), the group scales into sc_buf [BLOCK_N, R / G] (float32), k_pe into pe_buf.
+    Nothing waits here: the copies land while the current block's softmax and PV run, and
+    _unstage_fp8 dequantises from shared memory (no global latency in its path)."""
+    _gather_pe(
+        pe_buf, cache_bf16_ptr, idx_ptr, t, idx_stride, j, j1, ROW_BYTES // 2, (R + 4 * (R // G)) // 2, P, BLOCK_N
+    )
+    codes_l: gl.constexpr = gl.BlockedLayout([1, 1, 16], [1, R // G, 32 // (R // G)], [NUM_WARPS, 1, 1], [2, 1, 0])
+    slot_l: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, codes_l))
+    valid, slot = _load_slots(idx_ptr, t, idx_stride, j, j1, BLOCK_N, slot_l)
+    offs_g = gl.arange(0, R // G, layout=gl.SliceLayout(0, gl.SliceLayout(2, codes_l)))
+    offs_e = gl.arange(0, G, layout=gl.SliceLayout(0, gl.SliceLayout(1, codes_l)))
+    at = slot[:, None] * ROW_BYTES + offs_g[None, :] * G
+    async_copy.async_copy_global_to_shared(
+        stage_buf, cache_ptr + at[:, :, None] + offs_e[None, None, :], mask=valid[:, None, None]
+    )
+    sc_l: gl.constexpr = gl.BlockedLayout([1, R // G], [32, 1], [NUM_WARPS, 1], [1, 0])
+    valid_s, slot_s = _load_slots(idx_ptr, t, idx_stride, j, j1, BLOCK_N, gl.SliceLayout(1, sc_l))
+    offs_sg = gl.arange(0, R // G, layout=gl.SliceLayout(0, sc_l))
+    async_copy.async_copy_global_to_shared(
+        sc_buf, cache_f32_ptr + slot_s[:, None] * (ROW_BYTES // 4) + R // 4 + offs_sg[None, :], mask=valid_s[:, None]
+    )
+
+
+@gluon.jit
+def _unstage_fp8(c_buf, stage_buf, sc_buf, R: gl.constexpr, G: gl.constexpr, BLOCK_N: gl.constexpr):
+    """Dequantise a staged block (_stage_fp8, landed and visible) into c_buf, which holds the
+    staging bytes themselves: every thread first reads all of its codes and scales (as bytes and
+    float32: the float32 values of a whole block would spill, as in _fill_fp8), then, after a
+    barrier, the bf16 rows overwrite them a quarter of the block at a time."""
+    Q: gl.constexpr = BLOCK_N // 4
+    codes_l: gl.constexpr = gl.BlockedLayout([1, 1, 16], [1, R // G, 32 // (R // G)], [NUM_WARPS, 1, 1], [2, 1, 0])
+    sc_l: gl.constexpr = gl.SliceLayout(2, codes_l)
+    c0 = stage_buf.slice(0, Q, dim=0).load(codes_l)
+    c1 = stage_buf.slice(Q, Q, dim=0).load(codes_l)
+    c2 = stage_buf.slice(2 * Q, Q, dim=0).load(codes_l)
+    c3 = stage_buf.slice(3 * Q, Q, dim=0).load(codes_l)
+    s0 = sc_buf.slice(0, Q, dim=0).load(sc_l)
+    s1 = sc_buf.slice(Q, Q, dim=0).load(sc_l)
+    s2 = sc_buf.slice(2 * Q, Q, dim=0).load(sc_l)
+    s3 = sc_buf.slice(3 * Q, Q, dim=0).load(sc_l)
+    gl.thread_barrier()
+    _store_fp8_rows(c_buf, c0, s0, 0, R, Q)
+    _store_fp8_rows(c_buf, c1, s1, Q, R, Q)
+    _store_fp8_rows(c_buf, c2, s2, 2 * Q, R, Q)
+    _store_fp8_rows(c_buf, c3, s3, 3 * Q, R, Q)
+
+
 # The list length and its split are runtime values (not specialised), as in the Triton kernel.
 @gluon.jit(do_not_specialize=["topk", "split_len"])
 def _sparse_mla_gluon_kernel(
     q_lat_ptr, q_pe_ptr, cache_ptr, cache_f32_ptr, cache_bf16_ptr, idx_ptr, o_ptr, lse_ptr,
     heads, topk, idx_stride, num_splits, scale_log2, split_len,
     R: gl.constexpr, P: gl.constexpr, G: gl.constexpr, ROW_BYTES: gl.constexpr, BLOCK_N: gl.constexpr,
-    FP8: gl.constexpr, SPLIT: gl.constexpr, TRIM: gl.constexpr, TRIM_LEN: gl.constexpr,
+    FP8: gl.constexpr, SPLIT: gl.constexpr, TRIM: gl.constexpr, TRIM_LEN: gl.constexpr, STAGE: gl.constexpr = False,
 ):  # fmt: skip
     t = gl.program_id(0)
     sp = gl.program_id(1)
@@ -164,6 +224,11 @@ def _sparse_mla_gluon_kernel(
     qpe_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, P], pe_sl, q_pe)
     c_smem = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_N, R], q_sl)
     pe_smem = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_N, P], pe_sl)
+    if FP8 and STAGE:
+        # The staged codes live in the bf16 buffer they are dequantised into (half of its bytes,
+        # plain row-major); the scales in a small buffer of their own (2 KB at 64 rows).
+        plain3: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[2, 1, 0])
+        sc_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_N, R // G], gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
 
     j0 = sp * split_len
     j1 = gl.minimum(j0 + split_len, topk)
@@ -207,6 +272,11 @@ def _sparse_mla_gluon_kernel(
         # ... in both warpgroups, before block i + 1 is written into it.
         gl.thread_barrier()
         nxt = 1 - buf
+        if FP8 and STAGE:
+            stage = c_smem.index(nxt)._reinterpret(gl.uint8, [2 * BLOCK_N, R // G, G], plain3).slice(0, BLOCK_N)
+            _stage_fp8(stage, sc_smem.index(nxt), pe_smem.index(nxt), cache_ptr, cache_f32_ptr, cache_bf16_ptr,
+                       idx_ptr, t, idx_stride, j + BLOCK_N, j1, R, P, G, ROW_BYTES, BLOCK_N)  # fmt: skip
+            async_copy.commit_group()
         if not FP8:
             # The copies run while this block's softmax and PV do.
             _gather_bf16(
@@ -224,7 +294,11 @@ def _sparse_mla_gluon_kernel(
         acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_l))[:, None]
         p_op = gl.convert_layout(p.to(gl.bfloat16), p_l)
         acc = warpgroup_mma(p_op, c_buf, acc, is_async=True)
-        if FP8:
+        if FP8 and STAGE:
+            async_copy.wait_group(0)
+            gl.thread_barrier()  # every thread's staged copies have landed
+            _unstage_fp8(c_smem.index(nxt), stage, sc_smem.index(nxt), R, G, BLOCK_N)
+        elif FP8:
             # Dequantised by the warps themselves, so after the PV issue: it runs meanwhile. (Codes
             # loaded before the softmax and stored here measured slower at batch >= 256: 317
             # against 294 us at 256, bench/results/2026-12-02-gluon-sparse-mla-v2.)
@@ -283,9 +357,12 @@ def sparse_mla_decode_gluon(
     block_n: int | None = None,
     trim: bool = False,
     out_dtype: torch.dtype = torch.float32,
+    stage: bool | None = None,
 ) -> torch.Tensor:
     """-> o_lat [T, H, R] in out_dtype; the arguments as triton_sparse_mla.sparse_mla_decode's
-    (physical slots only). Device-only (no host sync): CUDA-graph capturable."""
+    (physical slots only). Device-only (no host sync): CUDA-graph capturable. stage (FP8 cache;
+    default FP8_STAGE): the next block's rows come in by cp.async and are dequantised from shared
+    memory (_stage_fp8) instead of loaded into registers after the PV issue."""
     tokens, heads, rank = q_lat.shape
     out = torch.empty(tokens, heads, rank, dtype=out_dtype, device=q_lat.device)
     if tokens == 0:
@@ -303,7 +380,7 @@ def sparse_mla_decode_gluon(
         q_lat.contiguous(), q_pe.contiguous(), cache, f32_view, bf16_view, indices.contiguous(), o_part, lse,
         heads, topk, topk, num_splits, softmax_scale * 1.4426950408889634, split_len,
         R=rank, P=rope, G=min(128, rank), ROW_BYTES=row_bytes, BLOCK_N=block_n, FP8=fp8, SPLIT=split,
-        TRIM=trim, TRIM_LEN=trim_len, num_warps=NUM_WARPS,
+        TRIM=trim, TRIM_LEN=trim_len, STAGE=fp8 and (FP8_STAGE if stage is None else stage), num_warps=NUM_WARPS,
     )  # fmt: skip
     if split:
         combine_splits(o_part, lse, out)
