@@ -169,30 +169,27 @@ def configs(batch: int, sweep: bool):
             c = {"gate_up": {**preset["gate_up"], **gate_up}, "down": {**preset["down"], **down}}
             yield f"tiled block_m 64 preset, {name}", c, 64, True, "tiled"
         return
-    # Decode-sized steps in tiles: occupancy. ncu at 256 tokens: gate/up issues on 64% of cycles with
-    # 2 programs (8 warps) per multiprocessor, held there by registers (169 a thread); the down
-    # kernel's 212 registers do the same. These tries fit 3-4 programs: register caps that ptxas meets
-    # without spilling, TMA descriptor loads (148 / 198 registers uncapped), two stages where shared
-    # memory would be the next limit. (name, gate/up config, down config)
-    # gate/up maxnreg 168 became the default for 16-token blocks after the first of these runs
-    # (2026-12-02), and PDL up to 8 tokens after the second. Persistent gate/up and down kernels (a
-    # fixed grid striding over the used blocks' tiles) were timed with these tries at 0.72-0.96x the
-    # speed of one program per tile and removed (bench/results/2026-12-02-triton-moe-persistent.md).
-    tma = {"TMA": True}
+    # Decode-sized steps in tiles. ncu at 256 tokens: gate/up issues on 64% of cycles with 2 programs
+    # (8 warps) per multiprocessor, held there by registers (169 a thread); the down kernel's 212
+    # registers do the same. The first runs (2026-12-02) made gate/up maxnreg 168 the default for
+    # 16-token blocks and PDL the default up to 8 tokens; TMA loads (2-5 stages, with and without
+    # caps) and persistent kernels were never faster (bench/results/2026-12-02-triton-moe-occupancy,
+    # -persistent). The down kernel reads its weights at ~3.1 TB/s where gate/up reaches ~3.5, so
+    # these tries are about it: register caps without TMA, 8 warps (the 128 x 256 dequantised
+    # operand is 128 registers a thread with 4), 64- and 256-row tiles, depth.
+    # (name, gate/up config, down config)
     tries = (
         ("gate_up without register cap (the default before)", {"maxnreg": None}, {}),
-        ("PDL on", {"PDL": True}, {"PDL": True}),
-        ("PDL off", {"PDL": False}, {"PDL": False}),
-        ("gate_up TMA s3", {**tma, "maxnreg": None}, {}),
-        ("gate_up TMA s3 maxnreg 128", {**tma, "maxnreg": 128}, {}),
-        ("gate_up TMA s2", {**tma, "num_stages": 2, "maxnreg": None}, {}),
-        ("gate_up TMA s2 maxnreg 128", {**tma, "num_stages": 2, "maxnreg": 128}, {}),
-        ("down TMA s3 maxnreg 168", {}, {**tma, "maxnreg": 168}),
-        ("down TMA s2 maxnreg 168", {}, {**tma, "num_stages": 2, "maxnreg": 168}),
-        ("gate_up TMA s3 + down TMA s3 maxnreg 168 + PDL", {**tma, "maxnreg": None, "PDL": True},
-         {**tma, "maxnreg": 168, "PDL": True}),
-        ("gate_up TMA s2 maxnreg 128 + down TMA s3 maxnreg 168 + PDL",
-         {**tma, "num_stages": 2, "maxnreg": 128, "PDL": True}, {**tma, "maxnreg": 168, "PDL": True}),
+        ("down maxnreg 168", {}, {"maxnreg": 168}),
+        ("down maxnreg 128", {}, {"maxnreg": 128}),
+        ("down s4", {}, {"num_stages": 4}),
+        ("down s4 maxnreg 168", {}, {"num_stages": 4, "maxnreg": 168}),
+        ("down 256 rows w8", {}, {"BLOCK_N": 256, "num_warps": 8}),
+        ("down 256 rows w8 maxnreg 168", {}, {"BLOCK_N": 256, "num_warps": 8, "maxnreg": 168}),
+        ("down w8", {}, {"num_warps": 8}),
+        ("down 64 rows", {}, {"BLOCK_N": 64}),
+        ("gate_up 128 rows w8", {"BLOCK_N": 128, "num_warps": 8, "maxnreg": None}, {}),
+        ("gate_up s4", {"num_stages": 4}, {}),
     )  # fmt: skip
     for name, gate_up, down in tries:
         yield f"tiled {name}", {"gate_up": gate_up, "down": down}, None, True, "tiled"
