@@ -59,6 +59,7 @@ CONFIGS = {
     "gluon-n32": {"kernel": "gluon", "block_n": 32},
     # Splits against the default wave (132 SMs // (tokens x head blocks)): at 64 tokens that is 2
     # splits, 128 programs; 3-4 give more, shorter programs (1.5-2 waves) and a larger combine.
+    # Measured slower at 1, 64 and 128 tokens (bench/results/2026-12-02-gluon-sparse-mla-splits).
     "gluon-x2": {"kernel": "gluon", "num_splits": 2},
     "gluon-x3": {"kernel": "gluon", "num_splits": 3},
     "gluon-x4": {"kernel": "gluon", "num_splits": 4},
