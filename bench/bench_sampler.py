@@ -2,9 +2,14 @@
 
     PYTHONPATH=pyworker python bench/bench_sampler.py [--device cuda] [--iters 20] [--threads 1]
 
-Mixes: `greedy` (temperature 0), `sample` (temperature 0.7, top-k 50, top-p 0.9, min-p 0.05,
-the sort-heavy path), `full` (`sample` plus penalties over a 1000-token prompt and 200
-generated tokens, seeds, and 5 top logprobs). Prints one line per (mix, batch); writes nothing.
+Mixes: `greedy` (temperature 0), `plain` (temperature 0.7 alone: the pick divides by it),
+`sample` (temperature 0.7, top-k 50, top-p 0.9, min-p 0.05, the sort-heavy path), `full`
+(`sample` plus penalties over a 1000-token prompt and 200 generated tokens, seeds, and 5 top
+logprobs). Prints one line per (mix, batch); writes nothing.
+
+--graph-rows: the logits are bf16, as decode graphs leave them, and each line also times the
+path before 2026-12-02 (a float32 copy of the rows, then the sampler) beside sampling the bf16
+rows directly.
 """
 
 from __future__ import annotations
@@ -27,6 +32,9 @@ def requests(mix: str, n: int, rng: random.Random) -> list[SamplingRequest]:
     for i in range(n):
         if mix == "greedy":
             out.append(SamplingRequest(temperature=0.0))
+            continue
+        if mix == "plain":
+            out.append(SamplingRequest(temperature=0.7))
             continue
         r = SamplingRequest(temperature=0.7, top_k=50, top_p=0.9, min_p=0.05)
         if mix == "full":
@@ -57,8 +65,9 @@ def main() -> None:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--iters", type=int, default=None, help="timed calls per case (default 20 on GPU, 3 on CPU)")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 64, 256])
-    ap.add_argument("--mixes", nargs="+", default=["greedy", "sample", "full"])
+    ap.add_argument("--mixes", nargs="+", default=["greedy", "plain", "sample", "full"])
     ap.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's choice)")
+    ap.add_argument("--graph-rows", action="store_true", help="bf16 logits; also time a float32 copy + sampling")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -70,10 +79,16 @@ def main() -> None:
         for S in args.batches:
             plan = make_plan(requests(mix, S, rng))
             logits = torch.randn(S, VOCAB, device=device) * 4
+            if args.graph_rows:
+                logits = logits.bfloat16()
             sb = SamplingBatch.from_plan(plan, device)
             t_build = timed(lambda plan=plan: SamplingBatch.from_plan(plan, device), device, iters)
             t_sample = timed(lambda logits=logits, sb=sb: sample(logits, sb), device, iters)
-            print(f"{mix:>6} batch={S:<4} from_plan {t_build * 1e3:8.3f} ms   sample {t_sample * 1e3:9.3f} ms")
+            line = f"{mix:>6} batch={S:<4} from_plan {t_build * 1e3:8.3f} ms   sample {t_sample * 1e3:9.3f} ms"
+            if args.graph_rows:
+                t_copy = timed(lambda logits=logits, sb=sb: sample(logits.to(torch.float32, copy=True), sb), device, iters)
+                line += f"   float32 copy + sample {t_copy * 1e3:9.3f} ms"
+            print(line, flush=True)
 
 
 if __name__ == "__main__":

@@ -103,6 +103,43 @@ def test_graph_replay_equals_eager(dtype, kv, backends, tmp_path):
     assert graphs.replays == 2 * 12  # each step once as planned, once with patched input tokens
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_executor_samples_the_graph_rows_as_their_float32_copy(tmp_path, monkeypatch, dtype):
+    """The executor's graph path hands the sampler the rows in the model's dtype (after a replay, a
+    view of the graphs' output buffer) instead of a float32 copy. Through the graphs' static layout
+    run eagerly (capture=False, so on any machine): seeded sampling rows, a greedy row and logprobs
+    come out as they do from the float32 copy, token for token and number for number."""
+    from nsaserve.worker.cuda_graphs import DecodeGraphs
+    from nsaserve.worker.model_executor import ModelExecutor
+
+    make_checkpoint("glm_moe_dsa", str(tmp_path), seed=4, initializer_range=0.06, confident_embedding=0.12)
+    run_rows = DecodeGraphs.run
+    results = []
+    for copy in (True, False):
+        if copy:  # what the executor received before: a float32 copy of the rows
+            monkeypatch.setattr(DecodeGraphs, "run", lambda self, plan, patch=None, float32=True: run_rows(self, plan, patch))
+        else:
+            monkeypatch.setattr(DecodeGraphs, "run", run_rows)
+        r = graph_runner(str(tmp_path), "cpu", dtype, backends=GRAPH_SAFE)
+        ex = ModelExecutor(r, r.device, DecodeGraphs(r, max_bs=4, log=lambda m: None, capture=False))
+        s = Session(r, seed=5)
+        s.step([(0, list(range(20))), (1, list(range(30, 39))), (2, [5, 6])])
+        steps = []
+        for step in range(5):
+            plan = s.plan([(i, [steps[-1][i][0] if steps else i]) for i in range(3)], all_logits=False)
+            assert ex.graphs.fits(plan)
+            plan.temperature = np.array([0.9, 0.0, 1.3], dtype=np.float32)
+            plan.seed = np.array([11 + step, 0, 99 + step], dtype=np.uint64)
+            plan.has_seed = np.array([1, 0, 1], dtype=np.uint8)
+            plan.top_logprobs = np.array([3, 0, -1], dtype=np.int32)
+            out = ex.run(plan, is_rank0=True)
+            steps.append({rid: (tok, info) for rid, tok, info in out.sampled})
+            for i in range(3):
+                s.reqs[i].cached += 1
+        results.append(steps)
+    assert results[0] == results[1]
+
+
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 def test_executor_samples_the_same_with_graphs(tmp_path):
     from nsaserve.worker.model_executor import ModelExecutor, decode_graphs

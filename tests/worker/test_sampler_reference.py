@@ -148,6 +148,32 @@ def test_plain_batches_fold_the_temperature_into_the_pick(seed, device):
         assert out.tokens[row].item() == pick_tokens(x, noise, sb)[row].item()
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("seed", range(80, 92))
+@pytest.mark.parametrize("plain", [False, True])
+def test_bf16_logits_sample_as_their_float32_copy(seed, plain, device):
+    """Decode graphs hand the sampler lm_head's bf16 rows, not a float32 copy of them: every path
+    (the pick dividing by the temperature itself, penalties and filters, greedy rows, logprobs)
+    gives the same tokens and the same numbers as on the exact float32 upcast, with the same noise."""
+    rng = random.Random(seed)
+    vocab = rng.choice([257, 1000])
+    reqs = [random_request(rng, vocab) for _ in range(rng.randint(1, 24))]
+    if plain:
+        for r in reqs:
+            r.top_k, r.top_p, r.min_p = 0, 1.0, 0.0
+            r.repetition_penalty, r.frequency_penalty, r.presence_penalty = 1.0, 0.0, 0.0
+    plan = make_plan(reqs)
+    sb = SamplingBatch.from_plan(plan, device)
+    assert plain_sampling(sb) or not plain
+    gen = torch.Generator().manual_seed(seed)
+    rows = (torch.randn(sb.num_rows, vocab, generator=gen) * 3).bfloat16().to(device)
+    got = sample(rows, sb, torch.Generator(device).manual_seed(seed))
+    want = sample(rows.float(), sb, torch.Generator(device).manual_seed(seed))
+    for field in ("tokens", "logprobs", "top_ids", "top_logprobs"):
+        a, b = getattr(got, field), getattr(want, field)
+        assert a.dtype == b.dtype and torch.equal(a.nan_to_num(nan=-7.0), b.nan_to_num(nan=-7.0)), field
+
+
 def test_filters_and_penalties_are_not_plain():
     rng = random.Random(5)
     base = dict(top_k=0, top_p=1.0, min_p=0.0)

@@ -143,8 +143,8 @@ class DecodeGraphs:
         self.static = torch.zeros(words, dtype=torch.int64, device=dev)
         # Every graph ends by copying its logits here: one [max_bs, vocab] buffer for all graphs
         # rather than one per graph (at a 150K vocabulary those add up to gigabytes). In the model's
-        # dtype, as lm_head computes them: run() converts the rows it returns to float32 once,
-        # where converting inside the graph and copying the float32 rows cost two more passes.
+        # dtype, as lm_head computes them: run() returns a float32 copy of the rows, or (for the
+        # executor's sampler, which reads them before the next replay) the rows themselves.
         logits_dtype = runner.model.lm_head.weight.dtype
         self.out = torch.zeros(max_bs * self.dp, runner.vocab_size, dtype=logits_dtype, device=dev)
         # Two pinned staging buffers, alternated, so that the host never rewrites one whose copy
@@ -282,11 +282,14 @@ class DecodeGraphs:
             src = np.minimum(start[:, None] + col[None, :], max(len(plan.page_table) - 1, 0))
             page_table[:n] = np.where(take, plan.page_table[src] if len(plan.page_table) else 0, self.scratch_page)
 
-    def run(self, plan: Plan, patch=None) -> torch.Tensor:
+    def run(self, plan: Plan, patch=None, float32: bool = True) -> torch.Tensor:
         """Logits float32 [num_reqs, vocab] of a plan that fits, in plan order (a fresh tensor).
         patch: input tokens already on the device (worker/batch.InputPatch); a decode plan's token
         i is request i, which the static layout keeps at input_ids[i] (under data-parallel
-        attention the layout holds this rank's requests, so the patch is cut to those)."""
+        attention the layout holds this rank's requests, so the patch is cut to those).
+        float32=False: the rows in the model's dtype, as lm_head computed them, without the float32
+        copy; after a replay they are a view of the graphs' shared output buffer, valid until the
+        next run() (work queued on this stream before it reads them safely)."""
         ranks = self._ranks(plan)
         g = self._pick(plan, ranks)
         k = self.turn
@@ -315,7 +318,9 @@ class DecodeGraphs:
             g.graph.replay()
             self.replays += 1
             out = self.out[: g.bs * self.dp]
-        # A float32 copy either way: the graphs' output buffer is overwritten by the next replay.
+        # A float32 copy unless the caller reads the rows before the next replay overwrites them.
         if order is None:
-            return out[: plan.num_reqs].to(torch.float32, copy=True)
-        return out.index_select(0, order).float()
+            rows = out[: plan.num_reqs]
+            return rows.to(torch.float32, copy=True) if float32 else rows
+        rows = out.index_select(0, order)
+        return rows.float() if float32 else rows

@@ -68,7 +68,8 @@ def draw_uniform(
 
 
 def sample(logits: torch.Tensor, sb: SamplingBatch, generator: torch.Generator | None = None) -> SampleOutput:
-    """Samples one token per row of `logits` [S, V] (row i = row i of `sb`).
+    """Samples one token per row of `logits` [S, V] (row i = row i of `sb`), float32 or the model's
+    dtype (decode graphs hand over lm_head's bf16 rows): every computation reads them as float32.
 
     `generator` drives the unseeded rows; by default torch's default generator of the device,
     so seeding torch once at worker launch makes a launch deterministic.
