@@ -88,18 +88,34 @@ def _gather_bf16(c_buf, pe_buf, cache_ptr, idx_ptr, t, idx_stride, j, j1,
     _gather_pe(pe_buf, cache_ptr, idx_ptr, t, idx_stride, j, j1, R + P, R, P, BLOCK_N)
 
 
+@gluon.constexpr_function
+def _codes_layout(R, G):
+    """An FP8 block's codes as [rows, R / G, G]: 16 consecutive codes a thread, a row's groups
+    spread over a warp's lanes."""
+    return gl.BlockedLayout([1, 1, 16], [1, R // G, 32 // (R // G)], [NUM_WARPS, 1, 1], [2, 1, 0])
+
+
 @gluon.jit
-def _load_fp8_codes(cache_ptr, cache_f32_ptr, idx_ptr, t, idx_stride, j, j1,
-                    R: gl.constexpr, G: gl.constexpr, ROW_BYTES: gl.constexpr, ROWS: gl.constexpr):  # fmt: skip
-    """The e4m3 codes [ROWS, R / G, G] and group scales [ROWS, R / G] of list entries j .. j + ROWS,
-    in registers (loads issued; their latency is paid where the values are first used)."""
-    codes_l: gl.constexpr = gl.BlockedLayout([1, 1, 16], [1, R // G, 32 // (R // G)], [NUM_WARPS, 1, 1], [2, 1, 0])
+def _fp8_code_ptrs(cache_ptr, idx_ptr, t, idx_stride, j, j1,
+                   R: gl.constexpr, G: gl.constexpr, ROW_BYTES: gl.constexpr, ROWS: gl.constexpr):  # fmt: skip
+    """(pointers to the codes [ROWS, R / G, G] of list entries j .. j + ROWS in _codes_layout, valid
+    [ROWS], slot [ROWS], group offsets [R / G]); invalid entries point at slot 0."""
+    codes_l: gl.constexpr = _codes_layout(R, G)
     sc_l: gl.constexpr = gl.SliceLayout(2, codes_l)
     valid, slot = _load_slots(idx_ptr, t, idx_stride, j, j1, ROWS, gl.SliceLayout(1, sc_l))
     offs_g = gl.arange(0, R // G, layout=gl.SliceLayout(0, sc_l))
     offs_e = gl.arange(0, G, layout=gl.SliceLayout(0, gl.SliceLayout(1, codes_l)))
     at = slot[:, None] * ROW_BYTES + offs_g[None, :] * G  # [ROWS, R / G]
-    codes = gl.load(cache_ptr + at[:, :, None] + offs_e[None, None, :], mask=valid[:, None, None], other=0)
+    return cache_ptr + at[:, :, None] + offs_e[None, None, :], valid, slot, offs_g
+
+
+@gluon.jit
+def _load_fp8_codes(cache_ptr, cache_f32_ptr, idx_ptr, t, idx_stride, j, j1,
+                    R: gl.constexpr, G: gl.constexpr, ROW_BYTES: gl.constexpr, ROWS: gl.constexpr):  # fmt: skip
+    """The e4m3 codes [ROWS, R / G, G] and group scales [ROWS, R / G] of list entries j .. j + ROWS,
+    in registers (loads issued; their latency is paid where the values are first used)."""
+    ptrs, valid, slot, offs_g = _fp8_code_ptrs(cache_ptr, idx_ptr, t, idx_stride, j, j1, R, G, ROW_BYTES, ROWS)
+    codes = gl.load(ptrs, mask=valid[:, None, None], other=0)
     sc = gl.load(
         cache_f32_ptr + slot[:, None] * (ROW_BYTES // 4) + R // 4 + offs_g[None, :], mask=valid[:, None], other=0.0
     )
@@ -144,15 +160,8 @@ def _stage_fp8(stage_buf, sc_buf, pe_buf, cache_ptr, cache_f32_ptr, cache_bf16_p
     _gather_pe(
         pe_buf, cache_bf16_ptr, idx_ptr, t, idx_stride, j, j1, ROW_BYTES // 2, (R + 4 * (R // G)) // 2, P, BLOCK_N
     )
-    codes_l: gl.constexpr = gl.BlockedLayout([1, 1, 16], [1, R // G, 32 // (R // G)], [NUM_WARPS, 1, 1], [2, 1, 0])
-    slot_l: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, codes_l))
-    valid, slot = _load_slots(idx_ptr, t, idx_stride, j, j1, BLOCK_N, slot_l)
-    offs_g = gl.arange(0, R // G, layout=gl.SliceLayout(0, gl.SliceLayout(2, codes_l)))
-    offs_e = gl.arange(0, G, layout=gl.SliceLayout(0, gl.SliceLayout(1, codes_l)))
-    at = slot[:, None] * ROW_BYTES + offs_g[None, :] * G
-    async_copy.async_copy_global_to_shared(
-        stage_buf, cache_ptr + at[:, :, None] + offs_e[None, None, :], mask=valid[:, None, None]
-    )
+    ptrs, valid, _, _ = _fp8_code_ptrs(cache_ptr, idx_ptr, t, idx_stride, j, j1, R, G, ROW_BYTES, BLOCK_N)
+    async_copy.async_copy_global_to_shared(stage_buf, ptrs, mask=valid[:, None, None])
     sc_l: gl.constexpr = gl.BlockedLayout([1, R // G], [32, 1], [NUM_WARPS, 1], [1, 0])
     valid_s, slot_s = _load_slots(idx_ptr, t, idx_stride, j, j1, BLOCK_N, gl.SliceLayout(1, sc_l))
     offs_sg = gl.arange(0, R // G, layout=gl.SliceLayout(0, sc_l))
@@ -168,7 +177,7 @@ def _unstage_fp8(c_buf, stage_buf, sc_buf, R: gl.constexpr, G: gl.constexpr, BLO
     float32: the float32 values of a whole block would spill, as in _fill_fp8), then, after a
     barrier, the bf16 rows overwrite them a quarter of the block at a time."""
     Q: gl.constexpr = BLOCK_N // 4
-    codes_l: gl.constexpr = gl.BlockedLayout([1, 1, 16], [1, R // G, 32 // (R // G)], [NUM_WARPS, 1, 1], [2, 1, 0])
+    codes_l: gl.constexpr = _codes_layout(R, G)
     sc_l: gl.constexpr = gl.SliceLayout(2, codes_l)
     c0 = stage_buf.slice(0, Q, dim=0).load(codes_l)
     c1 = stage_buf.slice(Q, Q, dim=0).load(codes_l)
