@@ -135,6 +135,7 @@ def router_config(args, runtime_dir: str | None, model_path: str) -> dict:
         "log_level": args.log_level,
         "reasoning_parser": args.reasoning_parser,
         "tool_call_parser": args.tool_call_parser,
+        "sampling_defaults": args.sampling_defaults,
         **http_limits(args),
     }
 
@@ -167,7 +168,11 @@ class Supervisor:
         if self.args.worker_transport == "ipc":
             # mkdtemp makes the directory 0700: only this user can reach the worker sockets.
             self.runtime_dir = tempfile.mkdtemp(prefix="nsaserve-")
-        self.router = Router(json.dumps(router_config(self.args, self.runtime_dir, self.model_path)))
+        try:
+            self.router = Router(json.dumps(router_config(self.args, self.runtime_dir, self.model_path)))
+        except RuntimeError as e:
+            # Refused before any worker starts (e.g. an invalid generation_config.json): one line.
+            raise ServeError(str(e)) from None
         self.spawn_workers()
         self.info = self.wait_ready(self.router.poll_ready)
 

@@ -29,6 +29,14 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         "nothing is read from disk but config and tokenizer. For benchmarks.",
     )
     m.add_argument("--context-length", type=int, default=None, help="prompt plus completion tokens at most (default: the model's own limit)")
+    m.add_argument(
+        "--sampling-defaults",
+        choices=["model", "openai"],
+        default="model",
+        help="values of the sampling fields a request leaves out (temperature, top_p, top_k, min_p, repetition_penalty): "
+        "model = those the model's generation_config.json sets, OpenAI's for the rest (as vLLM and SGLang do); "
+        "openai = always OpenAI's. A request's own values always win",
+    )
     m.add_argument("--attention-backend", choices=["auto", "torch", "triton"], default="auto", help="sparse MLA and lightning-indexer kernels; auto = triton on CUDA for bf16/fp16 models, else torch")
     m.add_argument(
         "--indexer-backend",

@@ -39,6 +39,11 @@ impl Router {
     fn new(config_json: &str) -> PyResult<Self> {
         let config: RouterConfig = serde_json::from_str(config_json).map_err(err)?;
         crate::server::init_logging(&config.log_level);
+        // A bad generation_config.json fails here, before the workers spend minutes loading
+        // weights; the HTTP server reads it again when it starts.
+        config
+            .sampling_defaults()
+            .map_err(|e| err(format!("{e:#}")))?;
         let (endpoints, tp) = (config.endpoints(), config.tp);
         let startup = Startup::bind(&endpoints, tp).map_err(err)?;
         Ok(Self {

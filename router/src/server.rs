@@ -10,7 +10,7 @@ use serde::Deserialize;
 use tokio::sync::oneshot;
 
 use crate::engine::{EngineHandle, EngineLimits, Startup, WorkersInfo};
-use crate::http::{serve_listener, HttpConfig};
+use crate::http::{serve_listener, HttpConfig, SamplingDefaults, SamplingDefaultsSource};
 use crate::metrics::Metrics;
 use crate::parsers::{ReasoningParserKind, ToolParserKind};
 use crate::tokenizer::TokenizerBundle;
@@ -61,6 +61,10 @@ pub struct RouterConfig {
     /// own KV pool; the router keeps one scheduler per rank.
     #[serde(default)]
     pub enable_dp_attention: bool,
+    /// `--sampling-defaults`: what omitted sampling fields of a request take; absent: `model`
+    /// (the model's `generation_config.json`, as vLLM and SGLang do).
+    #[serde(default)]
+    pub sampling_defaults: SamplingDefaultsSource,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -91,6 +95,12 @@ impl RouterConfig {
         }
     }
 
+    /// The defaults `--sampling-defaults` asks for; an invalid value in the model's
+    /// `generation_config.json` is an error naming the file and the key.
+    pub fn sampling_defaults(&self) -> Result<SamplingDefaults> {
+        SamplingDefaults::load(&self.model_path, self.sampling_defaults)
+    }
+
     fn http_config(&self) -> Result<HttpConfig> {
         let defaults = HttpConfig::new(self.served_model_name.clone());
         let seconds = |name: &str, value: Option<f64>, default: Duration| match value {
@@ -100,6 +110,14 @@ impl RouterConfig {
                 .filter(|d| !d.is_zero())
                 .with_context(|| format!("{name} must be a positive number of seconds, got {s}")),
         };
+        let sampling_defaults = self.sampling_defaults()?;
+        tracing::info!(
+            "sampling defaults for fields a request omits ({}): {sampling_defaults}",
+            match self.sampling_defaults {
+                SamplingDefaultsSource::Model => "--sampling-defaults model",
+                SamplingDefaultsSource::Openai => "--sampling-defaults openai",
+            }
+        );
         Ok(HttpConfig {
             host: self.host.clone(),
             port: self.port,
@@ -107,6 +125,7 @@ impl RouterConfig {
             reasoning_parser: self.reasoning_parser,
             tool_call_parser: self.tool_call_parser,
             context_length: self.context_length,
+            sampling_defaults,
             max_body_bytes: self.max_request_bytes.unwrap_or(defaults.max_body_bytes),
             max_connections: self.max_connections.unwrap_or(defaults.max_connections),
             header_timeout: seconds(
@@ -182,6 +201,8 @@ impl RunningServer {
                 format!("loading the tokenizer of {}", config.model_path.display())
             })?,
         );
+        // Before the engine starts: a bad flag or generation_config.json leaves nothing running.
+        let http_config = config.http_config()?;
         let metrics = Arc::new(Metrics::new());
         let engine = EngineHandle::start(startup, workers, &config.limits(), metrics.clone());
         let runtime = tokio::runtime::Builder::new_multi_thread()
@@ -189,7 +210,6 @@ impl RunningServer {
             .thread_name("nsaserve-http")
             .enable_all()
             .build()?;
-        let http_config = config.http_config()?;
         let (stop_tx, stop_rx) = oneshot::channel::<()>();
         let (done_tx, done_rx) = oneshot::channel();
         // Bind before returning, so a port in use is a startup error, not a log line.

@@ -20,7 +20,9 @@ use tower::ServiceExt;
 use nsaserve_router::engine::{
     Engine, FinishReason, GenerateEvent, GenerateRequest, ModelInfo, RequestStream, SubmitError,
 };
-use nsaserve_router::http::{router, serve_listener, HttpConfig};
+use nsaserve_router::http::{
+    router, serve_listener, HttpConfig, SamplingDefaults, SamplingDefaultsSource,
+};
 use nsaserve_router::metrics::{Metrics, SchedulerGauges};
 use nsaserve_router::parsers::{ReasoningParserKind, ToolParserKind};
 use nsaserve_router::protocol::{PromptLogprobs, TokenLogprobs};
@@ -514,6 +516,82 @@ async fn completion_length_and_default_max_tokens_fill_the_context() {
         ),
         (0.5, -0.5, 1.1)
     );
+}
+
+/// A model directory whose `generation_config.json` sets sampling defaults (min_p it leaves
+/// out), and the API over it with `--sampling-defaults source`.
+fn harness_with_sampling_defaults(source: SamplingDefaultsSource) -> Harness {
+    let dir = tempfile::tempdir().unwrap();
+    write_model_dir(dir.path(), TEMPLATE);
+    let generation_config = json!({"eos_token_id": [EOS], "do_sample": false, "temperature": 0.6,
+                                   "top_p": 0.95, "top_k": 20, "repetition_penalty": 1.05});
+    std::fs::write(
+        dir.path().join("generation_config.json"),
+        generation_config.to_string(),
+    )
+    .unwrap();
+    let tokenizer = Arc::new(TokenizerBundle::from_model_dir(dir.path()).unwrap());
+    let defaults = SamplingDefaults::load(dir.path(), source).unwrap();
+    build_harness(tokenizer, |c| c.sampling_defaults = defaults)
+}
+
+/// (temperature, top_p, top_k, min_p, repetition_penalty) of the `i`th submitted request.
+fn submitted_sampling(h: &Harness, i: usize) -> (f32, f32, i32, f32, f32) {
+    let s = h.engine.submitted.lock()[i].sampling.clone();
+    (
+        s.temperature,
+        s.top_p,
+        s.top_k,
+        s.min_p,
+        s.repetition_penalty,
+    )
+}
+
+/// `body` with the fields of `extra` added.
+fn merged(mut body: Value, extra: &Value) -> Value {
+    let fields = extra.as_object().unwrap().clone();
+    body.as_object_mut().unwrap().extend(fields);
+    body
+}
+
+#[tokio::test]
+async fn omitted_sampling_fields_take_the_model_defaults_unless_openai_is_asked() {
+    let completion = json!({"prompt": "Say hi", "max_tokens": 2});
+    let chat = json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2});
+    let explicit = json!({"temperature": 0, "top_p": 0.5, "top_k": -1, "min_p": 0.1});
+    for (source, omitted, given) in [
+        // The file's values (min_p: OpenAI's, the file has none); a request's own values win,
+        // and the repetition_penalty it leaves out is still the model's.
+        (
+            SamplingDefaultsSource::Model,
+            (0.6, 0.95, 20, 0.0, 1.05),
+            (0.0, 0.5, 0, 0.1, 1.05),
+        ),
+        // The file ignored: OpenAI's.
+        (
+            SamplingDefaultsSource::Openai,
+            (1.0, 1.0, 0, 0.0, 1.0),
+            (0.0, 0.5, 0, 0.1, 1.0),
+        ),
+    ] {
+        let h = harness_with_sampling_defaults(source);
+        let requests = [
+            ("/v1/completions", completion.clone()),
+            ("/v1/chat/completions", chat.clone()),
+            ("/v1/completions", merged(completion.clone(), &explicit)),
+            ("/v1/chat/completions", merged(chat.clone(), &explicit)),
+        ];
+        for (path, body) in requests {
+            let r = h.post(path, body).await;
+            assert_eq!(r.status, StatusCode::OK, "{source:?} {path}: {}", r.body);
+        }
+        for i in 0..2 {
+            assert_eq!(submitted_sampling(&h, i), omitted, "{source:?} request {i}");
+        }
+        for i in 2..4 {
+            assert_eq!(submitted_sampling(&h, i), given, "{source:?} request {i}");
+        }
+    }
 }
 
 #[tokio::test]

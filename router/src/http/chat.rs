@@ -189,7 +189,14 @@ async fn handle(app: AppState, request: Request) -> Result<Response, ApiError> {
         _ => None,
     };
     let max_tokens = body.max_completion_tokens.or(body.sampling.max_tokens);
-    let v = validate_sampling(&body.sampling, max_tokens, top_n, app.limits(), &info)?;
+    let v = validate_sampling(
+        &body.sampling,
+        max_tokens,
+        top_n,
+        app.limits(),
+        &app.cfg.sampling_defaults,
+        &info,
+    )?;
     let messages = body
         .messages
         .ok_or_else(|| ApiError::invalid_param("messages", "`messages` is required."))?;

@@ -70,6 +70,7 @@ async fn handle(app: AppState, request: Request) -> Result<Response, ApiError> {
         body.sampling.max_tokens,
         top_n,
         app.limits(),
+        &app.cfg.sampling_defaults,
         &info,
     )?;
     let input = body

@@ -13,6 +13,10 @@
 //! implemented (`logit_bias`, `best_of`, `suffix`, a JSON `response_format`, a forced
 //! `tool_choice` without a tool-call parser) are refused with a 400 rather than ignored.
 //!
+//! Omitted `temperature`, `top_p`, `top_k`, `min_p` and `repetition_penalty` take
+//! `HttpConfig::sampling_defaults`: with `serve`'s default `--sampling-defaults model`, the
+//! values of the model's `generation_config.json`, else OpenAI's (see `sampling_defaults`).
+//!
 //! With `--reasoning-parser`, chat answers carry the model's thinking in `reasoning_content`;
 //! with `--tool-call-parser`, its tool-call markup becomes `tool_calls` (see `parsers`).
 //!
@@ -36,6 +40,7 @@ mod openai_types;
 mod openapi;
 mod prompt;
 mod routes;
+mod sampling_defaults;
 mod sse;
 mod tool_choice;
 mod validation;
@@ -54,6 +59,7 @@ use crate::parsers::{ReasoningParserKind, ToolParserKind};
 use crate::tokenizer::TokenizerBundle;
 
 pub use errors::ApiError;
+pub use sampling_defaults::{SamplingDefaults, SamplingDefaultsSource};
 pub use validation::Limits;
 
 #[derive(Debug, Clone)]
@@ -84,6 +90,9 @@ pub struct HttpConfig {
     pub reasoning_parser: Option<ReasoningParserKind>,
     /// Turns the model's tool-call markup into `tool_calls` (chat with `tools` only).
     pub tool_call_parser: Option<ToolParserKind>,
+    /// Values for the sampling fields a request leaves out (`--sampling-defaults`, loaded by
+    /// `SamplingDefaults::load`); none set: OpenAI's.
+    pub sampling_defaults: SamplingDefaults,
 }
 
 impl HttpConfig {
@@ -105,6 +114,7 @@ impl HttpConfig {
             context_length: None,
             reasoning_parser: None,
             tool_call_parser: None,
+            sampling_defaults: SamplingDefaults::default(),
         }
     }
 }

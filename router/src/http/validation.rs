@@ -6,6 +6,7 @@ use crate::protocol::SamplingParams;
 
 use super::errors::ApiError;
 use super::openai_types::{SamplingFields, StopInput};
+use super::sampling_defaults::SamplingDefaults;
 
 /// The most logprobs a request may ask for per token.
 pub const MAX_LOGPROBS: i64 = 20;
@@ -71,15 +72,9 @@ pub fn check_token_ids(param: &str, ids: &[i64], vocab_size: u32) -> Result<Vec<
         .collect()
 }
 
-/// `max_tokens_field`: the value of `max_tokens` (or chat's `max_completion_tokens`).
-/// `top_logprobs`: the endpoint's logprobs request, already checked.
-pub fn validate_sampling(
-    f: &SamplingFields,
-    max_tokens_field: Option<i64>,
-    top_logprobs: Option<u32>,
-    limits: Limits,
-    model: &ModelInfo,
-) -> Result<Validated, ApiError> {
+/// The range of every sampling number: requests are checked with it, and so are the model's
+/// defaults from `generation_config.json` (`SamplingDefaults`) at startup.
+pub(super) fn check_sampling_ranges(f: &SamplingFields) -> Result<(), ApiError> {
     in_range(
         "temperature",
         f.temperature,
@@ -116,17 +111,36 @@ pub fn validate_sampling(
         |v| v > 0.0,
         "must be greater than 0",
     )?;
-    let top_k = match f.top_k {
+    top_k_limit(f.top_k).map(drop)
+}
+
+/// The sampler's top-k: 0 for no limit.
+fn top_k_limit(top_k: Option<i64>) -> Result<i32, ApiError> {
+    match top_k {
         // 0 and -1 both mean "no top-k limit" (OpenAI has no top_k; vLLM uses -1).
-        None | Some(-1) | Some(0) => 0,
-        Some(k) if k > 0 && k <= i64::from(i32::MAX) => k as i32,
-        Some(k) => {
-            return Err(ApiError::invalid_param(
-                "top_k",
-                format!("`top_k` must be -1 (no limit) or positive, got {k}."),
-            ))
-        }
-    };
+        None | Some(-1) | Some(0) => Ok(0),
+        Some(k) if k > 0 && k <= i64::from(i32::MAX) => Ok(k as i32),
+        Some(k) => Err(ApiError::invalid_param(
+            "top_k",
+            format!("`top_k` must be -1 (no limit) or positive, got {k}."),
+        )),
+    }
+}
+
+/// `max_tokens_field`: the value of `max_tokens` (or chat's `max_completion_tokens`).
+/// `top_logprobs`: the endpoint's logprobs request, already checked.
+/// `defaults`: the values of the sampling fields the request leaves out (already checked).
+pub fn validate_sampling(
+    f: &SamplingFields,
+    max_tokens_field: Option<i64>,
+    top_logprobs: Option<u32>,
+    limits: Limits,
+    defaults: &SamplingDefaults,
+    model: &ModelInfo,
+) -> Result<Validated, ApiError> {
+    check_sampling_ranges(f)?;
+    // A field the request sets wins; else the model's default, else OpenAI's (below).
+    let top_k = top_k_limit(f.top_k.or(defaults.top_k))?;
     let n = f.n.unwrap_or(1);
     if n < 1 || n > i64::from(limits.max_n) {
         return Err(ApiError::invalid_param(
@@ -191,11 +205,14 @@ pub fn validate_sampling(
     });
     let seed = seed.transpose()?;
     let sampling = SamplingParams {
-        temperature: f.temperature.unwrap_or(1.0) as f32,
-        top_p: f.top_p.unwrap_or(1.0) as f32,
+        temperature: f.temperature.or(defaults.temperature).unwrap_or(1.0) as f32,
+        top_p: f.top_p.or(defaults.top_p).unwrap_or(1.0) as f32,
         top_k,
-        min_p: f.min_p.unwrap_or(0.0) as f32,
-        repetition_penalty: f.repetition_penalty.unwrap_or(1.0) as f32,
+        min_p: f.min_p.or(defaults.min_p).unwrap_or(0.0) as f32,
+        repetition_penalty: f
+            .repetition_penalty
+            .or(defaults.repetition_penalty)
+            .unwrap_or(1.0) as f32,
         frequency_penalty: f.frequency_penalty.unwrap_or(0.0) as f32,
         presence_penalty: f.presence_penalty.unwrap_or(0.0) as f32,
         seed,
@@ -303,6 +320,19 @@ pub fn generate_requests(
 mod tests {
     use super::*;
 
+    fn validate(f: &SamplingFields, defaults: &SamplingDefaults) -> Result<Validated, ApiError> {
+        let model = ModelInfo {
+            served_model_name: "m".into(),
+            max_context: 100,
+            vocab_size: 10,
+        };
+        let limits = Limits {
+            max_stop_strings: 4,
+            max_n: 8,
+        };
+        validate_sampling(f, None, None, limits, defaults, &model)
+    }
+
     #[test]
     fn context_fitting() {
         assert_eq!(fit_context(10, None, 100).unwrap(), 90);
@@ -310,6 +340,59 @@ mod tests {
         assert!(fit_context(10, Some(91), 100).is_err());
         assert!(fit_context(100, None, 100).is_err());
         assert!(fit_context(0, Some(1), 100).is_err());
+    }
+
+    /// (temperature, top_p, top_k, min_p, repetition_penalty) as the sampler gets them.
+    fn sampled(v: &Validated) -> (f32, f32, i32, f32, f32) {
+        let s = &v.sampling;
+        (
+            s.temperature,
+            s.top_p,
+            s.top_k,
+            s.min_p,
+            s.repetition_penalty,
+        )
+    }
+
+    #[test]
+    fn request_values_beat_model_defaults_which_beat_openai_defaults() {
+        let openai = SamplingDefaults::default();
+        let model = SamplingDefaults {
+            temperature: Some(0.6),
+            top_p: Some(0.95),
+            top_k: Some(40),
+            min_p: Some(0.05),
+            repetition_penalty: Some(1.1),
+        };
+        let omitted = SamplingFields::default();
+        let given = SamplingFields {
+            temperature: Some(0.0),
+            top_p: Some(0.5),
+            top_k: Some(-1),
+            min_p: Some(0.0),
+            repetition_penalty: Some(1.0),
+            ..Default::default()
+        };
+        let v = |f, d| sampled(&validate(f, d).unwrap());
+        assert_eq!(v(&omitted, &openai), (1.0, 1.0, 0, 0.0, 1.0));
+        assert_eq!(v(&omitted, &model), (0.6, 0.95, 40, 0.05, 1.1));
+        // Explicit values win, even those equal to OpenAI's defaults (top_k -1: no limit).
+        assert_eq!(v(&given, &model), (0.0, 0.5, 0, 0.0, 1.0));
+        // Fields are independent: the model's top_p with the request's temperature.
+        let one = SamplingFields {
+            temperature: Some(0.2),
+            ..Default::default()
+        };
+        assert_eq!(v(&one, &model), (0.2, 0.95, 40, 0.05, 1.1));
+        // A model default never excuses an invalid request value.
+        let bad = SamplingFields {
+            top_p: Some(1.5),
+            ..Default::default()
+        };
+        assert_eq!(
+            validate(&bad, &model).unwrap_err().param.as_deref(),
+            Some("top_p")
+        );
     }
 
     #[test]
@@ -320,22 +403,7 @@ mod tests {
             stop_token_ids: Some(vec![5]),
             ..Default::default()
         };
-        let model = ModelInfo {
-            served_model_name: "m".into(),
-            max_context: 100,
-            vocab_size: 10,
-        };
-        let v = validate_sampling(
-            &f,
-            None,
-            None,
-            Limits {
-                max_stop_strings: 4,
-                max_n: 8,
-            },
-            &model,
-        )
-        .unwrap();
+        let v = validate(&f, &SamplingDefaults::default()).unwrap();
         let reqs = generate_requests(&[1, 2], 5, &v, &[9], false);
         let seeds: Vec<_> = reqs.iter().map(|r| r.sampling.seed).collect();
         assert_eq!(seeds, vec![Some(7), Some(8), Some(9)]);
