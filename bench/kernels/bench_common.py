@@ -6,6 +6,7 @@ random bf16 matmul for the MMA rate) so that "fraction of roofline" is against t
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import json
 import os
@@ -49,6 +50,21 @@ def bf16_matmul_rate() -> float:
         a @ b
     ms = _median_ms(lambda: a @ b, 10)
     return 2 * n**3 / (ms * 1e-3)
+
+
+def ceilings(copy_bps: float) -> dict:
+    """The results files' ceilings: the copy bandwidth measured by the caller and the bf16 matmul
+    rate measured now."""
+    return {"copy_TBps": copy_bps / 1e12, "bf16_TFLOPs": bf16_matmul_rate() / 1e12}
+
+
+def rows_args(default_rows: str = "1,64,256,1024") -> tuple[argparse.Namespace, list[int]]:
+    """--out (the results directory) and --rows (batch sizes, comma-separated), parsed."""
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="bench/results")
+    ap.add_argument("--rows", default=default_rows)
+    args = ap.parse_args()
+    return args, [int(v) for v in args.rows.split(",")]
 
 
 def graph_time_us(calls: list, reps: int = 30) -> float:

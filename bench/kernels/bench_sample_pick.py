@@ -10,10 +10,8 @@ case also checks that both backends pick the same tokens.
 
 from __future__ import annotations
 
-import argparse
-
 import torch
-from bench_common import bf16_matmul_rate, copy_bandwidth, graph_time_us, print_table, write_results
+from bench_common import ceilings, copy_bandwidth, graph_time_us, print_table, rows_args, write_results
 
 from nsaserve.kernels.sample_pick import sample_pick_torch
 from nsaserve.kernels.triton_sample_pick import pieces_for, sample_pick_triton
@@ -54,21 +52,18 @@ def case(rows: int, copy_bps: float) -> list[dict]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default="bench/results")
-    ap.add_argument("--rows", default="1,64,256,1024")
-    args = ap.parse_args()
+    args, row_counts = rows_args()
     copy_bps = copy_bandwidth()
-    ceilings = {"copy_TBps": copy_bps / 1e12, "bf16_TFLOPs": bf16_matmul_rate() / 1e12}
+    measured = ceilings(copy_bps)
     rows = []
-    for r in (int(v) for v in args.rows.split(",")):
+    for r in row_counts:
         rows += case(r, copy_bps)
         print(rows[-4:], flush=True)
         torch.cuda.empty_cache()
     cols = ["rows", "variant", "us", "speedup", "floor_us", "of_floor", "pieces", "same_tokens"]
     print_table(rows, cols)
     notes = f"vocabulary {VOCAB}; floor: x and u read once (float32) at the copy bandwidth."
-    print(write_results("sample-pick", args.out, ceilings, rows, cols, notes))
+    print(write_results("sample-pick", args.out, measured, rows, cols, notes))
 
 
 if __name__ == "__main__":

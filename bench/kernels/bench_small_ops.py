@@ -17,7 +17,7 @@ import argparse
 import math
 
 import torch
-from bench_common import bf16_matmul_rate, copy_bandwidth, graph_time_us, print_table, write_results
+from bench_common import ceilings, copy_bandwidth, graph_time_us, print_table, write_results
 
 from nsaserve.kernels import kv_cache_format as fmt
 from nsaserve.kernels.registry import get_backend
@@ -134,8 +134,7 @@ def main() -> None:
         "once, outputs once) / the fast time; of_copy = that / copy bandwidth of this run (the "
         "router logits at many tokens are bound by the matmul rate, not by bytes)."
     )
-    ceilings = {"copy_TBps": copy_bps / 1e12, "bf16_TFLOPs": bf16_matmul_rate() / 1e12}
-    stem = write_results(args.name, args.out, ceilings, rows, cols, notes)
+    stem = write_results(args.name, args.out, ceilings(copy_bps), rows, cols, notes)
     print(f"copy bandwidth {copy_bps / 1e12:.2f} TB/s; results: {stem}.{{json,md}}")
     print_table(rows, cols)
 

@@ -1,4 +1,4 @@
-"""Compile every Triton attention kernel (and the MoE layout kernels, the sampler's pick) for sm_90
+"""Compile every Triton attention kernel (and the MoE layout kernels, the sampler's pick and threshold) for sm_90
 (Hopper) without a GPU: the whole pipeline through ptxas. Triton's CPU interpreter runs code the compiler rejects (a helper returning
 different types from two constexpr branches, a constexpr reassigned in an unrolled loop), so
 the tests run this in a process of its own, without TRITON_INTERPRET.
@@ -20,6 +20,7 @@ from nsaserve.kernels import triton_kv_store as tkv
 from nsaserve.kernels import triton_moe_w4a16 as tw
 from nsaserve.kernels import triton_norm_rope as tnr
 from nsaserve.kernels import triton_sample_pick as tsp
+from nsaserve.kernels import triton_sample_threshold as tst
 from nsaserve.kernels import triton_sparse_mla as tm
 from nsaserve.kernels import triton_topk as tk
 
@@ -186,11 +187,40 @@ def gluon_sparse_mla_cases():
 
 
 def sample_pick_cases():
-    for greedy, temp, x_ty in ((False, False, F32), (True, False, F32), (True, True, "*bf16")):
-        sig = {"x_ptr": x_ty, "u_ptr": F32, "greedy_ptr": "*u8", "temp_ptr": F32, "val_ptr": F32, "idx_ptr": "*i32",
-               "vocab": "i32", "stride_x": "i32", "stride_u": "i32", "piece": "i32"}  # fmt: skip
-        consts = dict(HAS_GREEDY=greedy, HAS_TEMP=temp, U_MAX=tsp._U_MAX, BLOCK=tsp.BLOCK, STEPS=0, INTERPRET=False)
-        yield f"sample pick greedy={greedy} temperature={temp} logits {x_ty[1:]}", tsp._sample_pick_kernel, sig, consts, 8
+    for greedy, temp, th, x_ty in (
+        (False, False, False, F32), (True, False, False, F32), (True, True, False, "*bf16"), (True, True, True, "*bf16"),
+        (False, True, True, F32),
+    ):  # fmt: skip
+        sig = {"x_ptr": x_ty, "u_ptr": F32, "greedy_ptr": "*u8", "temp_ptr": F32, "th_ptr": F32, "val_ptr": F32,
+               "idx_ptr": "*i32", "vocab": "i32", "stride_x": "i32", "stride_u": "i32", "piece": "i32"}  # fmt: skip
+        consts = dict(HAS_GREEDY=greedy, HAS_TEMP=temp, HAS_TH=th, U_MAX=tsp._U_MAX, BLOCK=tsp.BLOCK, STEPS=0, INTERPRET=False)
+        yield f"sample pick greedy={greedy} temperature={temp} threshold={th} logits {x_ty[1:]}", tsp._sample_pick_kernel, sig, consts, 8
+
+
+def sample_threshold_cases():
+    # The filters' threshold passes at GLM-5's vocabulary (154,880: 18 pieces at most, 32 wide).
+    common = dict(PIECES=32, INTERPRET=False)
+    filt = {"temp_ptr": F32, "topk_ptr": "*i64", "topp_ptr": F32, "log_minp_ptr": F32}
+    row = {"vocab": "i32", "stride_x": "i32", "piece": "i32"}
+    for x_ty in ("*bf16", F32):
+        x = {"x_ptr": x_ty, **filt}
+        sig = {**x, "pmax_ptr": F32, "pmin_ptr": F32, **row}
+        yield f"threshold max {x_ty[1:]}", tst._max_kernel, sig, {**common, "STEPS": 0}, 8
+        for refine in (False, True):
+            sig = {**x, "pmax_ptr": F32, "pmin_ptr": F32, "info_ptr": F32, "count_ptr": "*i32", "mass_ptr": F32, **row}
+            consts = {**common, "CAP": tst.CAP, "REFINE": refine, "STEPS": 0}
+            yield f"threshold ladder {x_ty[1:]} refine={refine}", tst._ladder_kernel, sig, consts, 8
+        sig = {**x, "info_ptr": F32, "base_ptr": "*i32", "scratch_ptr": x_ty, **row}
+        yield f"threshold collect {x_ty[1:]}", tst._collect_kernel, sig, {**common, "CAP": tst.CAP, "STEPS": 0}, 8
+        sig = {**x, "pmax_ptr": F32, "info_ptr": F32, "scratch_ptr": x_ty, "th_ptr": F32, "vocab": "i32",
+               "stride_x": "i32", "pieces": "i32"}  # fmt: skip
+        yield f"threshold finish {x_ty[1:]}", tst._finish_kernel, sig, {**common, "CAP": tst.CAP, "STEPS": 0}, 4
+    for refine in (False, True):
+        sig = {**{k: v for k, v in filt.items() if k != "temp_ptr"}, "pmax_ptr": F32, "pmin_ptr": F32,
+               "count_ptr": "*i32", "mass_ptr": F32, "info_ptr": F32, "base_ptr": "*i32", "vocab": "i32",
+               "pieces": "i32"}  # fmt: skip
+        consts = {"PIECES": 32, "CAP": tst.CAP, "REFINE": refine}
+        yield f"threshold bracket refine={refine}", tst._bracket_kernel, sig, consts, 1
 
 
 def kv_store_cases():
@@ -222,7 +252,7 @@ def main() -> int:
     failed = 0
     cases = [
         *indexer_cases(), *sparse_mla_cases(), *gluon_sparse_mla_cases(), *moe_cases(), *sample_pick_cases(),
-        *kv_store_cases(),
+        *sample_threshold_cases(), *kv_store_cases(),
     ]  # fmt: skip
     for name, fn, sig, consts, warps, *extra in cases:
         opts = extra[0] if extra else {}

@@ -74,6 +74,12 @@ ALLOWED = {
         "vocab": MODEL_CONSTANT, "stride_x": MODEL_CONSTANT, "stride_u": MODEL_CONSTANT,
         "piece": "a multiple of the pick's block: one value class",
     },  # fmt: skip
+    **dict.fromkeys(
+        ("triton_sample_threshold._max_kernel", "triton_sample_threshold._ladder_kernel",
+         "triton_sample_threshold._collect_kernel", "triton_sample_threshold._bracket_kernel",
+         "triton_sample_threshold._finish_kernel"),
+        {"vocab": MODEL_CONSTANT, "stride_x": MODEL_CONSTANT},
+    ),  # fmt: skip
     "triton_topk._topk_kernel": {"logits_stride": PADDED, "topk": MODEL_CONSTANT},
     "triton_topk._topk_sampled_kernel": {"logits_stride": PADDED, "topk": MODEL_CONSTANT},
     "triton_topk._topk_streamed_kernel": {"logits_stride": PADDED, "topk": MODEL_CONSTANT},

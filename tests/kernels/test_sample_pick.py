@@ -71,6 +71,27 @@ def test_temperature_folded_into_the_pick(rows, vocab, dtype):
 
 
 @pytest.mark.parametrize("rows,vocab", SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_threshold_cut_inside_the_pick(rows, vocab, dtype):
+    """With a threshold per row, tokens whose divided logit is below it are out, as the filters'
+    -inf: the same tokens as filtering first in torch."""
+    x, u, g = inputs(rows, vocab, 11 * rows + vocab)
+    x = x.to(dtype)
+    greedy = torch.rand(rows, generator=g, device=DEV) < 0.3
+    t = torch.where(greedy, 1.0, torch.rand(rows, generator=g, device=DEV) + 0.5)
+    y = x.float() / t.unsqueeze(1)
+    # Thresholds at the 1st, 20th and 500th largest value, and -inf (nothing cut).
+    ranks = torch.tensor([1, 20, 500, vocab], device=DEV)[torch.arange(rows, device=DEV) % 4]
+    th = y.sort(dim=1, descending=True).values.gather(1, (ranks - 1).unsqueeze(1)).squeeze(1)
+    th[ranks == vocab] = float("-inf")
+    want = sample_pick_torch(y.masked_fill(y < th.unsqueeze(1), float("-inf")), u, greedy)
+    assert torch.equal(sample_pick_torch(x, u, greedy, t, th), want)
+    got = sample_pick_triton(x, u, greedy, t, th)
+    assert torch.equal(got, want), f"seed {SEED}"
+    assert (y.gather(1, got.unsqueeze(1)).squeeze(1) >= th).all()
+
+
+@pytest.mark.parametrize("rows,vocab", SHAPES)
 def test_ties_go_to_the_lowest_id_across_pieces(rows, vocab):
     assert pieces_for(rows, vocab) >= 1
     x = torch.full((rows, vocab), float("-inf"), device=DEV)

@@ -23,6 +23,8 @@ from collections.abc import Callable
 #   "router_logits": the MoE router's float32 logits  (router_logits.py; "bf16x3" on the tensor cores)
 #   "sample_pick": the sampler's argmax(logits + Gumbel noise) per row  (sample_pick.py; used by the
 #                  worker's sampler, not the model)
+#   "sample_threshold": the sampler's top-k / top-p / min-p as one threshold per row
+#                  (sample_threshold.py; the worker's sampler, not the model)
 #   "indexer_rows": the indexer with its per-row metadata on the device (a fixed per-request KV
 #                   layout, as CUDA graphs need): the backend of the same name as "indexer"'s
 #                   serves it  (indexer_rows.py). Every "indexer" backend also takes plan=, the
@@ -35,6 +37,7 @@ _BACKENDS: dict[tuple[str, str], Callable] = {}
 # registry alone stays cheap and free of cycles.
 _BUILTIN_MODULES = (
     "sparse_mla", "indexer", "moe", "small_ops", "indexer_rows", "moe_dense", "router_logits", "sample_pick",
+    "sample_threshold",
 )  # fmt: skip
 _builtins_loaded = False
 
@@ -54,6 +57,7 @@ _TRITON_BACKENDS = {
     ("indexer", "triton_fp8q"): "triton_indexer:indexer_topk_triton_fp8q",
     ("indexer_rows", "triton_fp8q"): "triton_indexer:indexer_topk_rows_fp8q",
     ("sample_pick", "triton"): "triton_sample_pick:sample_pick_triton",
+    ("sample_threshold", "triton"): "triton_sample_threshold:sample_threshold_triton",
 }
 
 # Backends whose calls neither synchronise with the host nor size a tensor from device data, so a
@@ -150,7 +154,8 @@ def available(kind: str) -> list[str]:
 # tests/kernels/test_router_logits.py); torch elsewhere. A float32 model keeps torch: these feed the
 # tensor cores bf16 operands. A Triton backend counts only where Triton is installed.
 AUTO_ON_CUDA = {
-    **dict.fromkeys(("attention", "indexer", "rmsnorm", "rope", "kv_store", "index_key_store", "sample_pick"), "triton"),
+    **dict.fromkeys(("attention", "indexer", "rmsnorm", "rope", "kv_store", "index_key_store", "sample_pick",
+                      "sample_threshold"), "triton"),
     "router_logits": "bf16x3",
 }
 

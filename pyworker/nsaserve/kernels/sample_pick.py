@@ -1,10 +1,12 @@
 """The sampler's last step: one token per row, argmax(x + Gumbel(u)) (argmax(x) on greedy rows).
 
 Kind "sample_pick": (x float32 [S, V] the processed logits, u float32 [S, V] uniforms in [0, 1),
-greedy bool [S] or None, temperature float32 [S] or None) -> int64 [S]. Ties go to the lowest
-token id, as torch.argmax's. With temperature, x is the raw logits (any float dtype) and the pick
-divides them first, x.float() / temperature (1 on greedy rows), exactly as the sampler's
-process_logits does when no penalty or filter is on: the fused backend then saves that pass.
+greedy bool [S] or None, temperature float32 [S] or None, threshold float32 [S] or None) -> int64
+[S]. Ties go to the lowest token id, as torch.argmax's. With temperature, x is the raw (penalised)
+logits (any float dtype) and the pick divides them first, x.float() / temperature (1 on greedy
+rows), exactly as the sampler's process_logits does; with threshold (sample_threshold.py), tokens
+whose divided logit is below their row's threshold are out, as process_logits' filters make them
+-inf. The fused backend then saves those passes over [S, V].
 
 The noise is G = -log(-log u) (worker/sampling_noise.py says why this samples the distribution).
 The torch reference below makes a tensor per operation: about eight passes over [S, V] float32,
@@ -30,10 +32,16 @@ def gumbel(u: torch.Tensor) -> torch.Tensor:
 
 @register("sample_pick", "torch")
 def sample_pick_torch(
-    x: torch.Tensor, u: torch.Tensor, greedy: torch.Tensor | None = None, temperature: torch.Tensor | None = None
+    x: torch.Tensor,
+    u: torch.Tensor,
+    greedy: torch.Tensor | None = None,
+    temperature: torch.Tensor | None = None,
+    threshold: torch.Tensor | None = None,
 ) -> torch.Tensor:
     if temperature is not None:
         x = x.float() / temperature.unsqueeze(1)
+    if threshold is not None:
+        x = x.float().masked_fill(x < threshold.unsqueeze(1), float("-inf"))
     g = gumbel(u)
     if greedy is not None:
         g.masked_fill_(greedy.unsqueeze(1), 0.0)

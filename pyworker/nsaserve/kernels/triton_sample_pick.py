@@ -34,9 +34,9 @@ def _log(x, INTERPRET: tl.constexpr):
 
 @triton.jit
 def _sample_pick_kernel(
-    x_ptr, u_ptr, greedy_ptr, temp_ptr, val_ptr, idx_ptr, vocab, stride_x, stride_u, piece,
-    HAS_GREEDY: tl.constexpr, HAS_TEMP: tl.constexpr, U_MAX: tl.constexpr, BLOCK: tl.constexpr, STEPS: tl.constexpr,
-    INTERPRET: tl.constexpr,
+    x_ptr, u_ptr, greedy_ptr, temp_ptr, th_ptr, val_ptr, idx_ptr, vocab, stride_x, stride_u, piece,
+    HAS_GREEDY: tl.constexpr, HAS_TEMP: tl.constexpr, HAS_TH: tl.constexpr, U_MAX: tl.constexpr,
+    BLOCK: tl.constexpr, STEPS: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     pid = tl.program_id(1)
@@ -50,6 +50,8 @@ def _sample_pick_kernel(
         greedy = tl.load(greedy_ptr + row) != 0
     if HAS_TEMP:
         temp = tl.load(temp_ptr + row)
+    if HAS_TH:
+        th = tl.load(th_ptr + row)
     # Triton's CPU interpreter loops only over compile-time counts (STEPS there, steps on the GPU).
     for k in range(STEPS if INTERPRET else piece // BLOCK):
         offs = start + k * BLOCK + lanes
@@ -57,6 +59,8 @@ def _sample_pick_kernel(
         x = tl.load(x_ptr + row * stride_x + offs, mask=m, other=float("-inf")).to(tl.float32)
         if HAS_TEMP:
             x = tl.math.div_rn(x, temp)  # correctly rounded, as torch's division (a plain / is not)
+        if HAS_TH:
+            x = tl.where(x < th, float("-inf"), x)  # the filters' cut, as the reference's masked_fill
         u = tl.load(u_ptr + row * stride_u + offs, mask=m, other=0.5)
         g = -_log(-_log(tl.minimum(u, U_MAX), INTERPRET), INTERPRET)
         if HAS_GREEDY:
@@ -79,7 +83,11 @@ def pieces_for(rows: int, vocab: int) -> int:
 
 
 def sample_pick_triton(
-    x: torch.Tensor, u: torch.Tensor, greedy: torch.Tensor | None = None, temperature: torch.Tensor | None = None
+    x: torch.Tensor,
+    u: torch.Tensor,
+    greedy: torch.Tensor | None = None,
+    temperature: torch.Tensor | None = None,
+    threshold: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The registry's ("sample_pick", "triton") backend: same arguments as sample_pick_torch."""
     rows, vocab = x.shape
@@ -97,9 +105,11 @@ def sample_pick_triton(
     interp = x.device.type != "cuda"
     g = greedy.view(torch.uint8) if greedy is not None else vals  # not read without HAS_GREEDY
     t = temperature.float().contiguous() if temperature is not None else vals  # not read without HAS_TEMP
+    th = threshold.float().contiguous() if threshold is not None else vals  # not read without HAS_TH
     _sample_pick_kernel[(rows, pieces)](
-        x, u, g, t, vals, idx, vocab, x.stride(0), u.stride(0), piece,
-        HAS_GREEDY=greedy is not None, HAS_TEMP=temperature is not None, U_MAX=_U_MAX, BLOCK=BLOCK,
+        x, u, g, t, th, vals, idx, vocab, x.stride(0), u.stride(0), piece,
+        HAS_GREEDY=greedy is not None, HAS_TEMP=temperature is not None, HAS_TH=threshold is not None,
+        U_MAX=_U_MAX, BLOCK=BLOCK,
         STEPS=piece // BLOCK if interp else 0, INTERPRET=interp, num_warps=8,
     )  # fmt: skip
     if pieces == 1:
