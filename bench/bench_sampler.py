@@ -3,9 +3,13 @@
     PYTHONPATH=pyworker python bench/bench_sampler.py [--device cuda] [--iters 20] [--threads 1]
 
 Mixes: `greedy` (temperature 0), `plain` (temperature 0.7 alone: the pick divides by it),
-`sample` (temperature 0.7, top-k 50, top-p 0.9, min-p 0.05, the sort-heavy path), `full`
+`top_p` (temperature 1, top-p 0.95: a typical generation_config.json's defaults), `top_k`
+(temperature 0.7, top-k 20), `sample` (temperature 0.7, top-k 50, top-p 0.9, min-p 0.05), `full`
 (`sample` plus penalties over a 1000-token prompt and 200 generated tokens, seeds, and 5 top
 logprobs). Prints one line per (mix, batch); writes nothing.
+
+--stepwise: also time the torch path (penalties, temperature and each filter one after another,
+top-p by a sort of the row) beside the default backends (on CUDA the fused threshold + pick).
 
 --graph-rows: the logits are bf16, as decode graphs leave them, and each line also times the
 path before 2026-12-02 (a float32 copy of the rows, then the sampler) beside sampling the bf16
@@ -36,6 +40,12 @@ def requests(mix: str, n: int, rng: random.Random) -> list[SamplingRequest]:
         if mix == "plain":
             out.append(SamplingRequest(temperature=0.7))
             continue
+        if mix == "top_p":
+            out.append(SamplingRequest(temperature=1.0, top_p=0.95))
+            continue
+        if mix == "top_k":
+            out.append(SamplingRequest(temperature=0.7, top_k=20))
+            continue
         r = SamplingRequest(temperature=0.7, top_k=50, top_p=0.9, min_p=0.05)
         if mix == "full":
             r.prompt = [rng.randrange(VOCAB) for _ in range(1000)]
@@ -65,9 +75,10 @@ def main() -> None:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--iters", type=int, default=None, help="timed calls per case (default 20 on GPU, 3 on CPU)")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 64, 256])
-    ap.add_argument("--mixes", nargs="+", default=["greedy", "plain", "sample", "full"])
+    ap.add_argument("--mixes", nargs="+", default=["greedy", "plain", "top_p", "top_k", "sample", "full"])
     ap.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's choice)")
     ap.add_argument("--graph-rows", action="store_true", help="bf16 logits; also time a float32 copy + sampling")
+    ap.add_argument("--stepwise", action="store_true", help="also time the torch (step-by-step) sampling path")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -88,6 +99,9 @@ def main() -> None:
             if args.graph_rows:
                 t_copy = timed(lambda logits=logits, sb=sb: sample(logits.to(torch.float32, copy=True), sb), device, iters)
                 line += f"   float32 copy + sample {t_copy * 1e3:9.3f} ms"
+            if args.stepwise:
+                t_step = timed(lambda logits=logits, sb=sb: sample(logits, sb, backend="torch"), device, iters)
+                line += f"   stepwise {t_step * 1e3:9.3f} ms ({t_step / t_sample:5.1f}x)"
             print(line, flush=True)
 
 

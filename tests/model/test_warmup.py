@@ -154,9 +154,10 @@ def test_serve_passes_the_warm_up_shape_to_every_worker_unless_skipped():
 
 
 def test_the_sampler_warm_up_covers_each_kind_of_pick_and_keeps_the_default_generator():
-    """The fused pick is specialised on (greedy rows present, temperature divided inside it); the
-    warm-up's batches take every combination, and draw from a generator of their own."""
-    from nsaserve.worker.sampler import plain_sampling
+    """The fused pick is specialised on (greedy rows present, a filters' threshold applied) and on
+    the logits' dtype, which penalties make float32; the warm-up's batches take every combination
+    (each in float32 and the model's dtype), and draw from a generator of their own."""
+    from nsaserve.worker.sampler import has_filters
     from nsaserve.worker.sampling_batch import SamplingBatch
     from nsaserve.worker.warmup import sampler_plans, warm_up_sampler
 
@@ -164,7 +165,8 @@ def test_the_sampler_warm_up_covers_each_kind_of_pick_and_keeps_the_default_gene
     for plan in sampler_plans(page_size=4):
         sb = SamplingBatch.from_plan(plan, "cpu")
         assert not sb.all_greedy  # an all-greedy batch takes argmax, no pick
-        kinds.add((sb.any_greedy, plain_sampling(sb)))
+        if sb.history_token.numel() == 0:  # no penalty: the model's dtype reaches the pick
+            kinds.add((sb.any_greedy, has_filters(sb)))
     assert kinds == {(False, True), (True, True), (False, False), (True, False)}
     state = torch.get_rng_state()
     warm_up_sampler(torch.device("cpu"), VOCAB, 4)

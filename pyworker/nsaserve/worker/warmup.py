@@ -130,13 +130,14 @@ def warmup_steps(shape: WarmupShape, num_pages: int, page_size: int, vocab_size:
     return steps
 
 
-# The sampler's kernel variants follow which kinds of rows a step samples: plain temperature rows
-# (the pick divides by the temperature itself), greedy rows among them, and rows with filters,
-# penalties, seeds or logprobs (the logits processed first). One small batch of each kind.
+# The sampler's kernel variants follow which kinds of rows a step samples: greedy rows among the
+# sampled ones or not, filters (top-k / top-p / min-p: a threshold the pick applies) or not, and
+# penalties (float32 logits whatever the model's dtype). One small batch of each kind.
 SAMPLER_MIXES: tuple[tuple[SamplingSpec, ...], ...] = (
     (SamplingSpec(), SamplingSpec(temperature=0.7)),
     (SamplingSpec(temperature=0.0), SamplingSpec(temperature=0.7)),
     (SamplingSpec(top_p=0.9), SamplingSpec(top_k=20, seed=7)),
+    (SamplingSpec(temperature=0.0), SamplingSpec(top_p=0.95)),
     (SamplingSpec(temperature=0.0), SamplingSpec(top_k=20, min_p=0.05, repetition_penalty=1.1, top_logprobs=3)),
 )
 
@@ -151,18 +152,22 @@ def sampler_plans(page_size: int) -> list[Plan]:
     ]
 
 
-def warm_up_sampler(device, vocab_size: int, page_size: int) -> None:
-    """Samples random logits once per SAMPLER_MIXES batch, with a generator of its own (the
-    default generator, which seeds a launch's unseeded draws, is left as it was)."""
+def warm_up_sampler(device, vocab_size: int, page_size: int, model_dtype=None) -> None:
+    """Samples random logits once per SAMPLER_MIXES batch, in float32 (eager steps, penalised rows)
+    and in the model's dtype (decode graphs hand over lm_head's rows as they are): the kernels are
+    specialised on it. A generator of its own: the default generator, which seeds a launch's
+    unseeded draws, is left as it was."""
     import torch
 
     from .sampler import SamplingBatch, sample
 
     g = torch.Generator(device=device).manual_seed(0)
+    dtypes = dict.fromkeys((torch.float32, model_dtype or torch.float32))
     for plan in sampler_plans(page_size):
         sb = SamplingBatch.from_plan(plan, device)
-        logits = torch.randn(sb.num_rows, vocab_size, device=device, generator=g)
-        sample(logits, sb, generator=g)
+        for dtype in dtypes:
+            logits = torch.randn(sb.num_rows, vocab_size, device=device, generator=g).to(dtype)
+            sample(logits, sb, generator=g)
 
 
 def warm_up(runner, shape: WarmupShape, log=None) -> tuple[int, float]:
@@ -172,7 +177,7 @@ def warm_up(runner, shape: WarmupShape, log=None) -> tuple[int, float]:
     steps = warmup_steps(shape, runner.num_pages, runner.page_size, runner.vocab_size, getattr(runner, "dp_size", 1))
     for _, plan in steps:
         runner.forward_plan(plan)
-    warm_up_sampler(runner.device, runner.vocab_size, runner.page_size)
+    warm_up_sampler(runner.device, runner.vocab_size, runner.page_size, getattr(runner, "dtype", None))
     if runner.device.type == "cuda":
         import torch
 
