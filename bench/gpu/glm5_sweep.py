@@ -97,6 +97,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "shell) for a further server of ours in the compare phase, measured the same way against the "
                    "same transformers run, e.g. --compare-variant=--disable-worker-pipeline (repeatable)")
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--request-body", default="", help="JSON object merged into every benchmark request, e.g. "
+                   "'{\"temperature\": 1.0, \"top_p\": 0.95}' (default: greedy requests)")
     return p.parse_args(argv)
 
 
@@ -219,6 +221,8 @@ def bench(run: Run, server: Server, name: str, flags: list[str], model_path: str
     seed = run.args.seed + 1000 * run.bench_calls if seed is None else seed
     cmd = [sys.executable, "-m", "nsaserve", "bench", "--port", str(server.port), "--tokenizer", model_path,
            "--disable-tqdm", "--warmup-requests", "0", "--seed", str(seed), "--output-file", str(out), *flags]  # fmt: skip
+    if run.args.request_body:
+        cmd += ["--extra-request-body", run.args.request_body]
     timeout = run.left() - 45  # keep time to stop the server and write results
     if timeout < 10:
         run.doc["skipped"].append(f"bench {name}: no time left")
