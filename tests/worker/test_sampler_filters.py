@@ -53,6 +53,19 @@ def test_penalties_only_touch_their_own_rows():
     assert out[1].tolist() == [3.0, 3.0, 2.0, 2.0 - 2.0, 3.0]
 
 
+def test_penalties_on_bf16_rows_compute_in_float32():
+    """Decode graphs hand over bf16 rows: the penalties see them as float32 (the same result as on
+    their float32 copy, bit for bit) and return float32, penalised rows or not."""
+    sb = batch(
+        SamplingRequest(prompt=[0, 5], generated=[5, 7], repetition_penalty=1.3, frequency_penalty=0.37),
+        SamplingRequest(temperature=0.5),
+    )
+    logits = (torch.randn(2, 11, generator=torch.Generator().manual_seed(0)) * 3).bfloat16()
+    out = apply_penalties(logits, sb)
+    assert out.dtype == torch.float32 and torch.equal(out, apply_penalties(logits.float(), sb))
+    assert apply_penalties(logits, batch(SamplingRequest())).dtype == torch.float32
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_greedy_is_argmax_with_lowest_id_on_ties(device):
     logits = torch.tensor([[0.0, 5.0, 1.0, 5.0], [7.0, 7.0, 7.0, 7.0], [-1.0, -2.0, -0.5, -0.5]])

@@ -102,7 +102,7 @@ def sample(
     if u is not None and fold_filters(sb, logits.device.type, backend):
         # Penalties first (a new float32 tensor, only when some row has one); the division and
         # the filters' cut happen inside the pick: no pass over [S, V] for either.
-        x = apply_penalties(logits.float(), sb) if sb.history_token.numel() else logits
+        x = apply_penalties(logits, sb) if sb.history_token.numel() else logits
         th = None
         if has_filters(sb):
             find = get_backend("sample_threshold", resolve("sample_threshold", backend, x.device.type))

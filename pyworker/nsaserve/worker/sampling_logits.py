@@ -16,15 +16,17 @@ from .sampling_batch import SamplingBatch
 
 
 def apply_penalties(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
-    """Repetition (HF style) then frequency/presence (OpenAI style) penalties; returns a new tensor.
+    """Repetition (HF style) then frequency/presence (OpenAI style) penalties, in float32 whatever
+    the logits' dtype (decode graphs hand over bf16 rows); returns a new tensor when a row has a
+    penalty, else the logits as float32 (no copy when they are float32 already).
 
     - repetition penalty r over prompt + generated tokens: positive logits / r, others * r;
     - frequency f and presence q over generated tokens only: logit -= f * count + q * (count > 0).
     """
     if sb.history_token.numel() == 0:
-        return logits
+        return logits.float()
     rows = sb.penalty_rows
-    x = logits.index_select(0, rows)
+    x = logits.index_select(0, rows).float()
     P, V = x.shape
     # Counts per (row, token) by scatter-add; ids outside the vocabulary weigh nothing.
     tok = sb.history_token
@@ -40,7 +42,7 @@ def apply_penalties(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
     q = sb.presence_penalty.index_select(0, rows).unsqueeze(1)
     x = x - (f * counts + q * (counts > 0).float())
 
-    out = logits.clone()
+    out = logits.to(torch.float32, copy=True)  # one copy, converted on the way
     out.index_copy_(0, rows, x)
     return out
 
@@ -107,7 +109,7 @@ def process_logits(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
     Greedy rows come out penalised but otherwise unscaled (their temperature reads 1), so their
     argmax is the greedy token.
     """
-    x = apply_penalties(logits.float(), sb)
+    x = apply_penalties(logits, sb)
     if sb.all_greedy:
         return x
     x = x / sb.temperature.unsqueeze(1)
