@@ -1,11 +1,14 @@
 """Greedy, penalties and top-k/top-p/min-p on small hand-checked examples."""
 
+import random
+
 import pytest
 import torch
 
 from nsaserve.worker.sampler import SamplingBatch, sample
 from nsaserve.worker.sampling_logits import apply_penalties, process_logits
 from nsaserve.worker.sampling_plans import SamplingRequest, make_plan
+from nsaserve.worker.sampling_reference import reference_penalties
 
 NEG = float("-inf")
 DEVICES = ["cpu", *(["cuda"] if torch.cuda.is_available() else [])]
@@ -64,6 +67,54 @@ def test_penalties_on_bf16_rows_compute_in_float32():
     out = apply_penalties(logits, sb)
     assert out.dtype == torch.float32 and torch.equal(out, apply_penalties(logits.float(), sb))
     assert apply_penalties(logits, batch(SamplingRequest())).dtype == torch.float32
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("seed", range(4))
+def test_penalties_match_the_per_request_reference_on_random_histories(device, seed):
+    """Random batches: long histories with many repeats, ids outside the vocabulary, rows with and
+    without penalties, bf16 and float32 logits. Penalised logits match the per-request float64
+    reference to float32 rounding; every logit no penalty touches comes through bit for bit."""
+    rng = random.Random(seed)
+    V = rng.choice([7, 50, 300])
+    reqs = []
+    for _ in range(rng.randint(1, 9)):
+        r = SamplingRequest(
+            prompt=[rng.randrange(-2, V + 3) for _ in range(rng.randint(1, 40))],
+            generated=[rng.randrange(-2, V + 3) for _ in range(rng.randint(0, 40))],
+        )
+        if rng.random() < 0.7:
+            r.repetition_penalty = rng.choice([1.0, 0.8, 1.3, 2.0])
+            r.frequency_penalty = rng.choice([0.0, 0.5, -0.3, 1.7])
+            r.presence_penalty = rng.choice([0.0, 0.25, -1.0])
+        reqs.append(r)
+    plan = make_plan(reqs)
+    g = torch.Generator().manual_seed(seed)
+    logits = (torch.randn(len(reqs), V, generator=g) * 4).to(rng.choice([torch.float32, torch.bfloat16]))
+    out = apply_penalties(logits.to(device), SamplingBatch.from_plan(plan, device)).cpu()
+    assert out.dtype == torch.float32
+    for i, r in enumerate(reqs):
+        want = reference_penalties(logits[i].float(), plan, i).float()
+        touched = {t for t in r.prompt + r.generated if 0 <= t < V} if r.needs_history() else set()
+        for t in range(V):
+            if t in touched:
+                assert torch.isclose(out[i, t], want[t], rtol=1e-6, atol=1e-6), (i, t, out[i, t], want[t])
+            else:
+                assert out[i, t].item() == logits[i, t].float().item(), (i, t)
+
+
+def test_penalties_do_not_depend_on_the_history_order():
+    reqs = [
+        SamplingRequest(prompt=[3, 1, 3, 9], generated=[1, 1, 4, 3], repetition_penalty=1.4, frequency_penalty=0.3),
+        SamplingRequest(prompt=[5], generated=[5, 5], presence_penalty=0.7),
+    ]
+    logits = torch.randn(2, 10, generator=torch.Generator().manual_seed(1)) * 3
+    sb = SamplingBatch.from_plan(make_plan(reqs), "cpu")
+    perm = torch.randperm(sb.history_token.numel(), generator=torch.Generator().manual_seed(2))
+    shuffled = SamplingBatch.from_plan(make_plan(reqs), "cpu")
+    shuffled.history_row, shuffled.history_token = sb.history_row[perm], sb.history_token[perm]
+    shuffled.history_generated = sb.history_generated[perm]
+    assert torch.equal(apply_penalties(logits, sb), apply_penalties(logits, shuffled))
 
 
 @pytest.mark.parametrize("device", DEVICES)

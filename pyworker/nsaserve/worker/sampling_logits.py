@@ -22,28 +22,41 @@ def apply_penalties(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
 
     - repetition penalty r over prompt + generated tokens: positive logits / r, others * r;
     - frequency f and presence q over generated tokens only: logit -= f * count + q * (count > 0).
+
+    Only the (row, token) pairs in the history change, so the work beyond the one float32 copy is
+    O(history): the pairs are sorted to find each distinct one and its count of generated
+    occurrences, then each distinct pair's logit is rewritten once. (Counting into dense [rows,
+    vocab] tensors cost a dozen passes over the logits: 7.7 ms at 1024 rows of 1,200 tokens on an
+    H200.) Every output is a pure function of its own logit and count, so the result is the same
+    whatever the history's order.
     """
     if sb.history_token.numel() == 0:
         return logits.float()
-    rows = sb.penalty_rows
-    x = logits.index_select(0, rows).float()
-    P, V = x.shape
-    # Counts per (row, token) by scatter-add; ids outside the vocabulary weigh nothing.
+    S, V = logits.shape
+    # One slot past the logits absorbs the writes that must not land (repeats of a pair, ids
+    # outside the vocabulary), so that every write is unconditional and nothing waits on the host.
+    flat = torch.empty(S * V + 1, dtype=torch.float32, device=logits.device)
+    out = flat[: S * V].view(S, V)
+    out.copy_(logits)  # the one copy, converted on the way
     tok = sb.history_token
-    valid = ((tok >= 0) & (tok < V)).float()
-    index = (sb.history_row, tok.clamp(0, V - 1))
-    seen = torch.zeros(P, V, dtype=torch.float32, device=x.device).index_put_(index, valid, accumulate=True) > 0
-    counts = torch.zeros(P, V, dtype=torch.float32, device=x.device)
-    counts.index_put_(index, valid * sb.history_generated, accumulate=True)
-
-    r = sb.repetition_penalty.index_select(0, rows).unsqueeze(1)
-    x = torch.where(seen, torch.where(x > 0, x / r, x * r), x)
-    f = sb.frequency_penalty.index_select(0, rows).unsqueeze(1)
-    q = sb.presence_penalty.index_select(0, rows).unsqueeze(1)
-    x = x - (f * counts + q * (counts > 0).float())
-
-    out = logits.to(torch.float32, copy=True)  # one copy, converted on the way
-    out.index_copy_(0, rows, x)
+    row = sb.penalty_rows.index_select(0, sb.history_row)
+    valid = (tok >= 0) & (tok < V)
+    key = torch.where(valid, row * V + tok.clamp(0, V - 1), S * V)  # invalid ids sort last
+    key, order = key.sort()
+    first = torch.ones_like(valid)
+    first[1:] = key[1:] != key[:-1]
+    pair = first.cumsum(0) - 1  # the distinct pair each entry belongs to
+    gen = sb.history_generated.index_select(0, order)
+    count = torch.zeros(key.numel(), dtype=torch.float32, device=key.device).index_add_(0, pair, gen)
+    count = count.index_select(0, pair)  # exact: sums of 0s and 1s
+    hrow = sb.history_row.index_select(0, order)
+    r = sb.repetition_penalty.index_select(0, sb.penalty_rows).index_select(0, hrow)
+    f = sb.frequency_penalty.index_select(0, sb.penalty_rows).index_select(0, hrow)
+    q = sb.presence_penalty.index_select(0, sb.penalty_rows).index_select(0, hrow)
+    x = flat.index_select(0, key.clamp(max=S * V - 1))
+    x = torch.where(x > 0, x / r, x * r)
+    x = x - (f * count + q * (count > 0).float())
+    flat.index_put_((torch.where(first & (key < S * V), key, S * V),), x)
     return out
 
 
