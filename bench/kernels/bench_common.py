@@ -164,3 +164,22 @@ def print_table(rows: list[dict], columns: list[str]) -> None:
     print("  ".join(c.rjust(w) for c, w in zip(columns, widths)))
     for r in rows:
         print("  ".join(_fmt(r.get(c)).rjust(w) for c, w in zip(columns, widths)))
+
+
+def run_per_rows(name: str, case, params: list[tuple], columns: list[str], notes: str) -> None:
+    """The main of a per-row-count benchmark: --out and --rows parsed, the copy bandwidth and matmul
+    rate measured, `case(rows, *p, copy_bps)` (a list of result rows) run for every row count and
+    every p in `params`, the table printed and the results written as bench/results/<date>-<name>."""
+    args, row_counts = rows_args()
+    copy_bps = copy_bandwidth()
+    measured = ceilings(copy_bps)
+    rows = []
+    for r in row_counts:
+        for p in params:
+            got = case(r, *p, copy_bps)
+            rows += got
+            for line in got:
+                print(line, flush=True)
+        torch.cuda.empty_cache()
+    print_table(rows, columns)
+    print(write_results(name, out_dir=args.out, ceilings=measured, rows=rows, columns=columns, notes=notes))

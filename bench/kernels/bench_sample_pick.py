@@ -11,7 +11,7 @@ case also checks that both backends pick the same tokens.
 from __future__ import annotations
 
 import torch
-from bench_common import ceilings, copy_bandwidth, graph_time_us, print_table, rows_args, write_results
+from bench_common import graph_time_us, run_per_rows
 
 from nsaserve.kernels.sample_pick import sample_pick_torch
 from nsaserve.kernels.triton_sample_pick import pieces_for, sample_pick_triton
@@ -37,7 +37,8 @@ def case(rows: int, copy_bps: float) -> list[dict]:
     # Temperature: divided first in torch (the sampler before) against inside the pick (plain batches).
     t = torch.rand(rows, generator=gen, device="cuda") + 0.5
     same_t = all(
-        torch.equal(sample_pick_triton(x, u, None, t), sample_pick_triton(x.float() / t.unsqueeze(1), u)) for x, u in sets
+        torch.equal(sample_pick_triton(x, u, None, t), sample_pick_triton(x.float() / t.unsqueeze(1), u))
+        for x, u in sets
     )
     tries = (
         ("temperature: torch divide, then triton pick", lambda x, u: sample_pick_triton(x.float() / t.unsqueeze(1), u)),
@@ -52,18 +53,9 @@ def case(rows: int, copy_bps: float) -> list[dict]:
 
 
 def main() -> None:
-    args, row_counts = rows_args()
-    copy_bps = copy_bandwidth()
-    measured = ceilings(copy_bps)
-    rows = []
-    for r in row_counts:
-        rows += case(r, copy_bps)
-        print(rows[-4:], flush=True)
-        torch.cuda.empty_cache()
     cols = ["rows", "variant", "us", "speedup", "floor_us", "of_floor", "pieces", "same_tokens"]
-    print_table(rows, cols)
     notes = f"vocabulary {VOCAB}; floor: x and u read once (float32) at the copy bandwidth."
-    print(write_results("sample-pick", args.out, measured, rows, cols, notes))
+    run_per_rows("sample-pick", case, [()], cols, notes)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ threshold differs from the reference's (top-p cuts within float32 rounding of to
 from __future__ import annotations
 
 import torch
-from bench_common import ceilings, copy_bandwidth, graph_time_us, print_table, rows_args, write_results
+from bench_common import graph_time_us, run_per_rows
 
 from nsaserve.kernels.sample_threshold import sample_threshold_torch
 from nsaserve.kernels.triton_sample_threshold import sample_threshold_triton
@@ -43,7 +43,10 @@ def logits(rows: int, kind: str, gen: torch.Generator) -> torch.Tensor:
 def case(rows: int, kind: str, filt: str, copy_bps: float) -> list[dict]:
     gen = torch.Generator(device="cuda").manual_seed(rows)
     t, k, p, mp = FILTERS[filt]
-    args = [torch.full((rows,), v, device="cuda", dtype=dt) for v, dt in ((t, None), (k, torch.int64), (p, None), (mp, None))]
+    args = [
+        torch.full((rows,), v, device="cuda", dtype=dt)
+        for v, dt in ((t, None), (k, torch.int64), (p, None), (mp, None))
+    ]
     sets = [(logits(rows, kind, gen), *args) for _ in range(2)]
     differ = sum(int((sample_threshold_triton(*s) != sample_threshold_torch(*s)).sum()) for s in sets)
     floor_us = rows * VOCAB * 2 / copy_bps * 1e6
@@ -57,20 +60,11 @@ def case(rows: int, kind: str, filt: str, copy_bps: float) -> list[dict]:
 
 
 def main() -> None:
-    args, row_counts = rows_args()
-    copy_bps = copy_bandwidth()
-    measured = ceilings(copy_bps)
-    rows = []
-    for r in row_counts:
-        for kind in ("gaussian", "flat", "peaked"):
-            for filt in FILTERS:
-                rows += case(r, kind, filt, copy_bps)
-                print(rows[-1], flush=True)
-        torch.cuda.empty_cache()
     cols = ["rows", "logits", "filters", "variant", "us", "speedup", "floor_us", "reads", "differ"]
-    print_table(rows, cols)
     notes = f"vocabulary {VOCAB}, bf16 logits; floor: the logits read once at the copy bandwidth."
-    print(write_results("sample-threshold", args.out, measured, rows, cols, notes))
+    run_per_rows(
+        "sample-threshold", case, [(k, f) for k in ("gaussian", "flat", "peaked") for f in FILTERS], cols, notes
+    )
 
 
 if __name__ == "__main__":

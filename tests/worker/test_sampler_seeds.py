@@ -94,3 +94,33 @@ def test_unseeded_rows_follow_the_given_generator():
     b = sample(logits, sb, torch.Generator().manual_seed(5)).tokens
     c = sample(logits, sb, torch.Generator().manual_seed(6)).tokens
     assert torch.equal(a, b) and not torch.equal(a, c)
+
+
+def test_seeded_noise_is_the_same_on_every_device():
+    """The uniforms are integer arithmetic (Philox), so a seed draws the same noise on the CPU and
+    on a GPU: the same token wherever the logits agree."""
+    from nsaserve.worker.sampling_noise import seeded_uniform
+
+    cpu = seeded_uniform(0xDEADBEEF12345678, V, "cpu")
+    assert cpu.shape == (V,) and bool(((cpu >= 0) & (cpu < 1)).all())
+    for device in DEVICES[1:]:
+        assert torch.equal(seeded_uniform(0xDEADBEEF12345678, V, device).cpu(), cpu)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_sampling_queues_behind_running_kernels():
+    """Building the batch and sampling it (seeds, penalties, filters, logprobs) only queue work: the
+    host never waits for the kernels queued before it, so the worker can launch the next step
+    while this one runs."""
+    rng = random.Random(0)
+    reqs = others(rng, 40) + [seeded_request(frequency_penalty=0.3, top_logprobs=3)]
+    plan = make_plan(reqs)
+    logits = torch.randn(int(plan.sample.sum()), V, device="cuda")
+    sample(logits, SamplingBatch.from_plan(plan, "cuda"))  # builds the kernels: compiling takes host time
+    torch.cuda.synchronize()
+    torch.cuda._sleep(1_000_000_000)
+    busy = torch.cuda.Event()
+    busy.record()
+    out = sample(logits, SamplingBatch.from_plan(plan, "cuda"))
+    assert not busy.query(), "the sampler waited for the kernel queued before it"
+    assert out.tokens.shape == (logits.shape[0],)

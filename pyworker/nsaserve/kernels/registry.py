@@ -25,6 +25,7 @@ from collections.abc import Callable
 #                  worker's sampler, not the model)
 #   "sample_threshold": the sampler's top-k / top-p / min-p as one threshold per row
 #                  (sample_threshold.py; the worker's sampler, not the model)
+#   "sample_uniform": the sampler's uniforms, one Philox stream per row's seed  (sample_uniform.py)
 #   "indexer_rows": the indexer with its per-row metadata on the device (a fixed per-request KV
 #                   layout, as CUDA graphs need): the backend of the same name as "indexer"'s
 #                   serves it  (indexer_rows.py). Every "indexer" backend also takes plan=, the
@@ -37,7 +38,7 @@ _BACKENDS: dict[tuple[str, str], Callable] = {}
 # registry alone stays cheap and free of cycles.
 _BUILTIN_MODULES = (
     "sparse_mla", "indexer", "moe", "small_ops", "indexer_rows", "moe_dense", "router_logits", "sample_pick",
-    "sample_threshold",
+    "sample_threshold", "sample_uniform",
 )  # fmt: skip
 _builtins_loaded = False
 
@@ -58,6 +59,7 @@ _TRITON_BACKENDS = {
     ("indexer_rows", "triton_fp8q"): "triton_indexer:indexer_topk_rows_fp8q",
     ("sample_pick", "triton"): "triton_sample_pick:sample_pick_triton",
     ("sample_threshold", "triton"): "triton_sample_threshold:sample_threshold_triton",
+    ("sample_uniform", "triton"): "triton_sample_uniform:sample_uniform_triton",
 }
 
 # Backends whose calls neither synchronise with the host nor size a tensor from device data, so a
@@ -155,7 +157,7 @@ def available(kind: str) -> list[str]:
 # tensor cores bf16 operands. A Triton backend counts only where Triton is installed.
 AUTO_ON_CUDA = {
     **dict.fromkeys(("attention", "indexer", "rmsnorm", "rope", "kv_store", "index_key_store", "sample_pick",
-                      "sample_threshold"), "triton"),
+                      "sample_threshold", "sample_uniform"), "triton"),
     "router_logits": "bf16x3",
 }
 

@@ -14,8 +14,8 @@ process_logits (sampling_logits.py) does them step by step; both give the same t
 
 Logprobs are those of the raw model distribution (see sampling_logprobs).
 Reproducibility: a seeded request's token depends only on its logits, its parameters, its seed
-and the position of the token being sampled (on one kind of device), never on the rest of the
-batch. The caller's logits are not modified.
+and the position of the token being sampled, never on the rest of the batch (its noise is the
+same on every device; its logits, and so its token, may differ by a rounding between devices). The caller's logits are not modified.
 """
 
 from __future__ import annotations
@@ -77,12 +77,12 @@ def fold_filters(sb: SamplingBatch, device_type: str, backend: str = "auto") -> 
 
 
 def draw_uniform(
-    sb: SamplingBatch, vocab: int, device, generator: torch.Generator | None = None
+    sb: SamplingBatch, vocab: int, device, generator: torch.Generator | None = None, backend: str = "auto"
 ) -> torch.Tensor | None:
     """The step's uniforms [S, V], or None when every row is greedy."""
     if sb.all_greedy:
         return None
-    return batch_uniform(sb.num_rows, vocab, sb.seeded, device, generator)
+    return batch_uniform(sb.num_rows, vocab, sb.seeded, device, generator, backend)
 
 
 def sample(
@@ -98,7 +98,7 @@ def sample(
     S, V = logits.shape
     if S != sb.num_rows:
         raise ValueError(f"{S} rows of logits for a sampling batch of {sb.num_rows}")
-    u = draw_uniform(sb, V, logits.device, generator)
+    u = draw_uniform(sb, V, logits.device, generator, backend)
     if u is not None and fold_filters(sb, logits.device.type, backend):
         # Penalties first (a new float32 tensor, only when some row has one); the division and
         # the filters' cut happen inside the pick: no pass over [S, V] for either.

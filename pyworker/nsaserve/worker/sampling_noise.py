@@ -6,11 +6,12 @@ G_i = -log(E_i) = -log(-log U_i), U_i uniform. Only the uniforms are random, so 
 a pure function of its filtered logits and its uniform row; that is what makes seeded requests
 reproducible and what lets the reference sampler be compared token for token.
 
-Seeded rows get their uniforms from a generator seeded with a mix of (request seed, position of
-the token being sampled) and nothing else, so the batch they share does not matter. The stream
-is torch's for that device: CPU and CUDA (and possibly different GPU models) give different
-draws for one seed, so reproducibility holds on one kind of machine. Unseeded rows share one
-draw from the caller's generator (torch's default one when none is given).
+Every row's uniforms come from one counter-based stream keyed by a 64-bit seed (kernel kind
+"sample_uniform": Philox4x32-10, defined in kernels/sample_uniform.py), all rows in one launch.
+Seeded rows key it with a mix of (request seed, position of the token being sampled) and nothing
+else, so the batch they share does not matter; the stream is integer arithmetic, so a seed draws
+the same uniforms on the CPU and on any GPU. Unseeded rows key it with seeds drawn from the
+caller's generator (torch's default one when none is given), one int64 per row.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-_M64 = (1 << 64) - 1
+from ..kernels.registry import get_backend, resolve
+from .host_to_device import upload
 
 
 def _splitmix64(x: np.ndarray) -> np.ndarray:
@@ -39,15 +41,9 @@ def row_seeds(seeds: np.ndarray, positions: np.ndarray) -> np.ndarray:
         return _splitmix64(s ^ np.asarray(positions, dtype=np.int64).astype(np.uint64))
 
 
-def seeded_uniform(
-    gen_seed: int, vocab: int, device: torch.device | str, out: torch.Tensor | None = None
-) -> torch.Tensor:
-    """The uniform row of one seeded request: a function of `gen_seed`, `vocab` and the device type."""
-    g = torch.Generator(device=device)
-    g.manual_seed(int(gen_seed) & _M64)
-    if out is None:
-        return torch.rand(vocab, generator=g, device=device)
-    return torch.rand(vocab, generator=g, device=device, out=out)
+def seeded_uniform(gen_seed: int, vocab: int, device: torch.device | str, backend: str = "auto") -> torch.Tensor:
+    """The uniform row [vocab] of one seeded request: a function of `gen_seed` and `vocab` alone."""
+    return batch_uniform(1, vocab, [(0, gen_seed)], device, backend=backend)[0]
 
 
 def batch_uniform(
@@ -56,13 +52,19 @@ def batch_uniform(
     seeded: list[tuple[int, int]],
     device: torch.device | str,
     generator: torch.Generator | None = None,
+    backend: str = "auto",
 ) -> torch.Tensor:
-    """Uniforms [S, V] in [0, 1): one shared draw, then the seeded rows overwritten with their own."""
-    if len(seeded) == num_rows:
-        u = torch.empty(num_rows, vocab, device=device)
-    else:
-        u = torch.rand(num_rows, vocab, generator=generator, device=device)
-    # One small kernel per seeded row: unavoidable with per-row generators, and only seeded rows pay.
-    for row, gen_seed in seeded:
-        seeded_uniform(gen_seed, vocab, device, out=u[row])
-    return u
+    """Uniforms [S, V] in [0, 1): row i keyed by its own seed from `seeded` (row, generator seed),
+    else by a seed drawn from `generator`."""
+    device = torch.device(device)
+    seeds = torch.empty(num_rows, dtype=torch.int64, device=device)
+    if len(seeded) < num_rows:
+        seeds.random_(generator=generator)  # 63 random bits a row (random_ draws in [0, 2^63))
+    if seeded:
+        # Through pinned memory (upload): a copy from pageable memory would wait for the forward
+        # queued before it, and hold the host's next launch back with it.
+        rows = np.array([r for r, _ in seeded], dtype=np.int64)
+        bits = np.array([s for _, s in seeded], dtype=np.uint64).view(np.int64)  # the same 64 bits
+        seeds[upload(rows, device)] = upload(bits, device)
+    fill = get_backend("sample_uniform", resolve("sample_uniform", backend, device.type))
+    return fill(seeds, vocab)
