@@ -117,7 +117,7 @@ def sample(
     top_lp = torch.full((S, K), float("nan"), dtype=torch.float32, device=logits.device)
     rows = sb.logprob_rows
     if rows.numel():
-        chosen, ids, vals = token_logprobs(logits.index_select(0, rows), tokens.index_select(0, rows), K)
+        chosen, ids, vals = token_logprobs(logits.index_select(0, rows), tokens.index_select(0, rows), K, backend)
         lp.index_copy_(0, rows, chosen)
         top_ids.index_copy_(0, rows, ids)
         top_lp.index_copy_(0, rows, vals)

@@ -11,22 +11,30 @@ from __future__ import annotations
 
 import torch
 
-# Rows of log_softmax materialised at once by `prompt_logprobs` (a long prompt times a 150k
-# vocabulary would otherwise need gigabytes of scratch).
+from ..kernels.registry import get_backend, resolve
+
+# Rows taken at once by `prompt_logprobs`: bounds the scratch of a long prompt times a 150k
+# vocabulary (the torch lse's float32 copy, topk's buffers) to a few hundred megabytes.
 PROMPT_CHUNK_ROWS = 256
 
 
 def token_logprobs(
-    logits: torch.Tensor, tokens: torch.Tensor, k: int
+    logits: torch.Tensor, tokens: torch.Tensor, k: int, backend: str = "auto"
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(logprob of each row's token [N], top-k ids [N, k] int64, top-k logprobs [N, k] f32)."""
-    lsm = torch.log_softmax(logits.float(), dim=-1)
-    chosen = lsm.gather(1, tokens.long().unsqueeze(1)).squeeze(1)
-    k = min(k, lsm.shape[1])
+    """(logprob of each row's token [N], top-k ids [N, k] int64, top-k logprobs [N, k] f32).
+
+    logprob = x.float() - logsumexp(x.float()) (kernel kind "row_logsumexp"): only the [N] lse,
+    the chosen logits and the top-k are computed, never an [N, V] log_softmax. The top-k is taken
+    on the raw logits in their own dtype; subtracting one number per row keeps their order.
+    """
+    lse_of = get_backend("row_logsumexp", resolve("row_logsumexp", backend, logits.device.type))
+    lse = lse_of(logits)
+    chosen = logits.gather(1, tokens.long().unsqueeze(1)).squeeze(1).float() - lse
+    k = min(k, logits.shape[1])
     if k == 0:
-        return chosen, lsm.new_empty(lsm.shape[0], 0, dtype=torch.int64), lsm.new_empty(lsm.shape[0], 0)
-    top = lsm.topk(k, dim=1)
-    return chosen, top.indices, top.values
+        return chosen, lse.new_empty(lse.shape[0], 0, dtype=torch.int64), lse.new_empty(lse.shape[0], 0)
+    top = logits.topk(k, dim=1)
+    return chosen, top.indices, top.values.float() - lse.unsqueeze(1)
 
 
 def prompt_logprobs(
