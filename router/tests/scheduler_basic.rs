@@ -368,6 +368,39 @@ fn history_goes_only_to_requests_with_penalties_and_prompt_logprobs_arrive_once(
 }
 
 #[test]
+fn penalised_requests_are_planned_ahead_with_the_history_they_know() {
+    // Overlap: step 1 is planned before step 0's result. The penalised request runs its pending
+    // token by reference like any other; its history is the tokens known so far (the pending one
+    // is the worker's to add), and its prompt length is unchanged.
+    let cfg = config(4, 64);
+    let mut s = Scheduler::new(cfg.clone());
+    let mut exec = FakeExecutor::new(&cfg);
+    let mut out = HashMap::new();
+    let mut penalised = request(seq(6, 0), 4, vec![]);
+    penalised.sampling = SamplingParams {
+        frequency_penalty: 0.5,
+        ..Default::default()
+    };
+    s.submit(1, penalised.clone()).unwrap();
+    let first = s.schedule(0).unwrap();
+    assert_eq!(first.requests[0].history, seq(6, 0));
+    let second = s.schedule(1).unwrap();
+    let r = &second.requests[0];
+    assert_eq!((r.id, r.input_prev_row, r.cached_len), (1, 0, 6));
+    assert_eq!(r.history, seq(6, 0));
+    assert_eq!(r.history_prompt_len, 6);
+    assert_eq!(r.history.len() as i32, r.seq_len() - 1);
+    record(&mut out, s.on_result(&first, &exec.run(&first)));
+    record(&mut out, s.on_result(&second, &exec.run(&second)));
+    s.check_invariants().unwrap();
+    let mut n = 2;
+    while step(&mut s, &mut exec, n, &mut out) {
+        n += 1;
+    }
+    check_outcome(1, &penalised, &out[&1], cfg.max_context);
+}
+
+#[test]
 fn the_scheduler_can_move_to_the_engine_thread() {
     fn assert_send<T: Send + 'static>() {}
     assert_send::<Scheduler>();

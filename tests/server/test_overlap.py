@@ -2,8 +2,8 @@
 greedy outputs (text and finish reason) with the next step planned while one runs (the
 default) as with `--disable-overlap-schedule`, across the boundaries overlap has to get right:
 max_tokens of 1 and 2 (a request ends while a step with it is already planned), stop strings
-(the client side aborts a request that is in flight), stop tokens and penalties (which wait for
-their pending token); and with --disable-worker-pipeline (workers finishing each step before
+(the client side aborts a request that is in flight), stop tokens and penalties (planned ahead
+too: the worker adds the pending token to their history); and with --disable-worker-pipeline (workers finishing each step before
 launching the next, as against the default pipeline)."""
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ LINES = [
     "Errors should never",
     "In the face of ambiguity,",
     "Now is better than",
+    "better better better better better",
 ]
 
 
@@ -40,8 +41,9 @@ def requests() -> list[dict]:
         body = {"prompt": prompt, "temperature": 0, "max_tokens": [1, 2, 3, 7, 12][i % 5]}
         if i % 4 == 1:
             body["stop"] = ["than", "\n"]
-        if i % 6 == 2:
-            body["frequency_penalty"] = 0.5
+        if i % 3 == 2:
+            body["frequency_penalty"] = 1.5
+            body["repetition_penalty"] = 1.3
         if i % 7 == 3:
             body["max_tokens"] = 20
         out.append(body)

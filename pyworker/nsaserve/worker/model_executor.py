@@ -110,7 +110,7 @@ class ModelExecutor:
         # host-to-device copies wait for the stream, so built after it they held the host until
         # the whole forward had run, and the sampler's launches then left the GPU idle.
         n_sample = len(sample_rows(plan)) if is_rank0 else 0
-        sb = SamplingBatch.from_plan(plan, self.device) if n_sample else None
+        sb = SamplingBatch.from_plan(plan, self.device, patch) if n_sample else None
         graph = self.graphs is not None and self.graphs.fits(plan)
         if marks is not None:
             marks.forward.record()

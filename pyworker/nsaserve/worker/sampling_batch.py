@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from ..protocol.messages import Plan
+from .batch import InputPatch
 from .host_to_device import upload
 from .sampling_noise import row_seeds
 
@@ -62,8 +63,14 @@ class SamplingBatch:
     any_min_p: bool
 
     @staticmethod
-    def from_plan(plan: Plan, device: torch.device | str) -> SamplingBatch:
-        """Host work is O(requests); the token history is expanded on the device."""
+    def from_plan(plan: Plan, device: torch.device | str, patch: InputPatch | None = None) -> SamplingBatch:
+        """Host work is O(requests); the token history is expanded on the device.
+
+        A penalised request planned ahead (input_prev_row >= 0) has a history without its pending
+        token, the one it runs this step (docs/protocol.md): that token is appended here as a
+        generated one, from `patch` (the previous step's samples, on the device) where the
+        pipelined worker left the plan's input at -1, else from the plan's resolved input_ids.
+        """
         sel = np.flatnonzero(plan.sample).astype(np.int64)
         S = len(sel)
 
@@ -103,6 +110,12 @@ class SamplingBatch:
         gen_seeds = row_seeds(plan.seed[sel][seeded_rows], positions[seeded_rows])
 
         h_row, h_tok, h_gen = _expand_history(plan.history, ints[3], ints[4], ints[5], int(h_len.sum()), device)
+        pending = np.flatnonzero(plan.input_prev_row[pen_req] >= 0)
+        if len(pending):
+            tok = _pending_tokens(plan, pen_req[pending], device, patch)
+            h_row = torch.cat([h_row, upload(pending.astype(np.int64), device)])
+            h_tok = torch.cat([h_tok, tok])
+            h_gen = torch.cat([h_gen, torch.ones(len(pending), dtype=torch.float32, device=h_gen.device)])
         return SamplingBatch(
             num_rows=S,
             req_index=sel,
@@ -135,6 +148,20 @@ class SamplingBatch:
 
 def _to_device(a: np.ndarray, device) -> torch.Tensor:
     return upload(a, device)
+
+
+def _pending_tokens(plan: Plan, reqs: np.ndarray, device, patch: InputPatch | None) -> torch.Tensor:
+    """The input token of each of `reqs` (requests that reference the previous step's sample):
+    int64 on `device`, from the patch where it holds the request's input, else the plan's."""
+    pos = plan.query_start[reqs].astype(np.int64)  # each runs exactly one token, by reference
+    tok = upload(plan.input_ids[pos].astype(np.int64), device)
+    if patch is not None and len(patch.token_index):
+        k = np.searchsorted(patch.token_index, pos).clip(0, len(patch.token_index) - 1)
+        hit = patch.token_index[k] == pos
+        if hit.any():
+            take = upload(k[hit], patch.tokens.device)
+            tok.index_copy_(0, upload(np.flatnonzero(hit), device), patch.tokens.index_select(0, take).to(device))
+    return tok
 
 
 def _expand_history(history: np.ndarray, start, length, prompt_len, total: int, device):

@@ -31,6 +31,8 @@ class ReferenceRow:
 def reference_penalties(logits: torch.Tensor, plan: Plan, i: int) -> torch.Tensor:
     x = logits.double().clone()
     hist = plan.history[plan.history_start[i] : plan.history_start[i + 1]].tolist()
+    if plan.input_prev_row[i] >= 0 and hist:  # planned ahead: the pending input token joins it
+        hist.append(int(plan.input_ids[plan.query_start[i]]))
     n_prompt = int(plan.history_prompt_lens[i])
     rep = float(plan.repetition_penalty[i])
     freq = float(plan.frequency_penalty[i])

@@ -111,8 +111,9 @@ impl Scheduler {
     /// Whether a running request can be planned now. With no plan of it in flight, always
     /// (unless it is leaving). With one in flight (overlap), only when the next step cannot
     /// change what that plan decides: a known prompt chunk, or one token referencing the
-    /// pending one, if that token cannot end the request for length. Penalised requests wait
-    /// for their pending token, because their sampler needs it in the history.
+    /// pending one, if that token cannot end the request for length. Penalised requests too:
+    /// their history then lacks the pending token, which the worker has on the device and adds
+    /// (the plan's history rule, docs/protocol.md).
     fn plannable(&self, r: &Request) -> bool {
         if r.retiring.is_some() {
             return false;
@@ -122,7 +123,6 @@ impl Scheduler {
             1 if r.input_is_pending() => {
                 r.generated() + (r.pending_tokens as usize) < r.max_new_tokens as usize
                     && r.tokens.len() + (r.pending_tokens as usize) < self.cfg.max_context as usize
-                    && !r.sampling.needs_history()
             }
             1 => r.pending_tokens == 0,
             _ => false,
@@ -253,6 +253,7 @@ impl Scheduler {
         let known = r.tokens.len() + pending as usize;
         let generated = r.generated() + r.pending_tokens as usize;
         let sample = end == known && generated < r.max_new_tokens as usize;
+        // The tokens known here: a pending input is not among them (the worker appends it).
         let history = if sample && r.sampling.needs_history() {
             r.tokens.clone()
         } else {
