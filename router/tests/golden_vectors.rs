@@ -64,6 +64,12 @@ fn plan_from_json(c: &Value) -> BatchPlan {
                     presence_penalty: f32_of(&s["presence_penalty"]),
                     seed: s["seed"].as_u64(),
                     top_logprobs: s["top_logprobs"].as_u64().map(|n| n as u32),
+                    logit_bias: s["logit_bias"]
+                        .as_array()
+                        .unwrap()
+                        .iter()
+                        .map(|p| (p[0].as_i64().unwrap() as i32, f32_of(&p[1])))
+                        .collect(),
                 },
                 history: ints(&q["history"]),
                 history_prompt_len: q["history_prompt_len"].as_i64().unwrap() as i32,

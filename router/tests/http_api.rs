@@ -1233,17 +1233,59 @@ async fn request_validation_errors() {
 }
 
 #[tokio::test]
+async fn logit_bias_reaches_the_engine_sorted_and_bad_maps_are_400() {
+    let h = harness();
+    let c = "/v1/completions";
+    let chat = "/v1/chat/completions";
+    let msgs = json!([{"role": "user", "content": "x"}]);
+    let r = h
+        .post(
+            c,
+            json!({"prompt": "x", "logit_bias": {"7": 100, "3": -100, " 5": 2.5}}),
+        )
+        .await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.body);
+    let r = h
+        .post(chat, json!({"messages": msgs, "logit_bias": {"1": -1}}))
+        .await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.body);
+    {
+        let sub = h.engine.submitted.lock();
+        assert_eq!(
+            sub[0].sampling.logit_bias,
+            vec![(3, -100.0), (5, 2.5), (7, 100.0)]
+        );
+        assert_eq!(sub[1].sampling.logit_bias, vec![(1, -1.0)]);
+    }
+    let too_many: serde_json::Map<String, Value> =
+        (0..1025).map(|i| (i.to_string(), json!(1))).collect();
+    let bad = [
+        json!({"x": 1}),
+        json!({"-1": 1}),
+        json!({(VOCAB).to_string(): 1}),
+        json!({"5": 100.5}),
+        json!({"5": "big"}),
+        json!({"5": 1, "05": 2}),
+        Value::Object(too_many),
+    ];
+    for bias in bad {
+        let r = h.post(c, json!({"prompt": "x", "logit_bias": bias})).await;
+        assert_error(&r, StatusCode::BAD_REQUEST, "logit_bias");
+    }
+    assert_eq!(
+        h.engine.submitted.lock().len(),
+        2,
+        "no bad request reached the engine"
+    );
+}
+
+#[tokio::test]
 async fn unsupported_features_are_refused_not_ignored() {
     let h = harness();
     let c = "/v1/completions";
     let chat = "/v1/chat/completions";
     let msgs = json!([{"role": "user", "content": "x"}]);
     let cases = [
-        (
-            c,
-            json!({"prompt": "x", "logit_bias": {"5": 10}}),
-            "logit_bias",
-        ),
         (c, json!({"prompt": "x", "best_of": 3}), "best_of"),
         (c, json!({"prompt": "x", "suffix": "end"}), "suffix"),
         (

@@ -44,6 +44,7 @@ def req(
             "presence_penalty": 0.0,
             "seed": None,
             "top_logprobs": None,
+            "logit_bias": [],
             **sampling,
         },
     }
@@ -56,7 +57,7 @@ MESSAGES = {
         "step": 41,
         "page_size": PAGE,
         "requests": [
-            req(7, [11], 5, [3, 9], temperature=0.0),
+            req(7, [11], 5, [3, 9], temperature=0.0, logit_bias=[[0, -100.0]]),
             req(2**40 + 3, [500], 8, [1, 2, 6], temperature=0.7, top_p=0.9, top_k=40, seed=1234, top_logprobs=2),
             # Planned while step 40 ran (overlap): its input is what row 3 of step 40 samples.
             req(12, [-1], 6, [4, 11], input_prev_row=3),
@@ -72,7 +73,7 @@ MESSAGES = {
         "requests": [
             req(1, [5, 6, 7], 8, [0, 4, 10], prompt_logprobs=True, top_logprobs=0),
             req(2, [1, 2, 3, 4, 5, 6], 0, [5, 8], sample=False, prompt_logprobs=True, next_prompt_token=77),
-            req(3, [9], 2, [7], repetition_penalty=1.1, frequency_penalty=0.5, presence_penalty=-0.25, history=[4, 4, 9], history_prompt_len=2, min_p=0.05),
+            req(3, [9], 2, [7], repetition_penalty=1.1, frequency_penalty=0.5, presence_penalty=-0.25, history=[4, 4, 9], history_prompt_len=2, min_p=0.05, logit_bias=[[4, -2.5], [9, 100.0]]),
         ],
     },
     "result": {
@@ -89,7 +90,7 @@ MESSAGES = {
         "forward_ms": 1.5,
     },
     "result_empty": {"kind": "result", "step": 9, "sampled": [], "prompt_logprobs": [], "errors": [], "forward_ms": 0.0},
-    "hello": {"kind": "hello", "version": 2, "rank": 1, "tp_size": 2, "pid": 4242, "model_id": "embedded", "num_pages": 1024, "page_size": 64, "max_context": 4096, "vocab_size": 512},
+    "hello": {"kind": "hello", "version": 3, "rank": 1, "tp_size": 2, "pid": 4242, "model_id": "embedded", "num_pages": 1024, "page_size": 64, "max_context": 4096, "vocab_size": 512},
     "heartbeat": {"kind": "heartbeat", "rank": 0, "step": 77},
     "fatal": {"kind": "fatal", "rank": 1, "message": "model path /nonexistent does not exist"},
     "shutdown": {"kind": "shutdown"},

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from nsaserve.protocol.arrays import ProtocolError
-from nsaserve.protocol.builder import RequestSpec, build_plan
+from nsaserve.protocol.builder import RequestSpec, SamplingSpec, build_plan
 from nsaserve.protocol.messages import encode_plan, plan_from_msg, unpack
 from nsaserve.protocol.validate import validate_plan
 from nsaserve.worker.batch import build_forward_batch
@@ -57,7 +57,9 @@ def test_page_outside_pool_fails_only_that_request():
 
 
 def test_aliasing_slots_fail_both_writers():
-    plan = build_plan(1, PS, [RequestSpec(1, [1, 2], 0, [3]), RequestSpec(2, [5, 6], 0, [3]), RequestSpec(3, [4], 2, [6])])
+    plan = build_plan(
+        1, PS, [RequestSpec(1, [1, 2], 0, [3]), RequestSpec(2, [5, 6], 0, [3]), RequestSpec(3, [4], 2, [6])]
+    )
     runnable, errors = validate_plan(plan, POOL)
     assert sorted(e[0] for e in errors) == [1, 2]
     assert all("another token" in m for _, m in errors)
@@ -168,6 +170,32 @@ def test_token_ids_outside_the_vocabulary_fail_only_their_request():
     assert list(runnable.req_ids) == [4]
     # Without a vocabulary size (the router's own check) token ids are not looked at.
     assert validate_plan(plan, POOL)[1] == []
+
+
+def test_bad_logit_bias_fails_only_its_request():
+    def req(i, bias):
+        return RequestSpec(i, [7], 6, [2 * i, 2 * i + 1], sampling=SamplingSpec(logit_bias=bias))
+
+    plan = build_plan(
+        1,
+        PS,
+        [
+            req(0, [(3, 1.0), (9, -2.0)]),  # fine
+            req(1, [(9, 1.0), (3, 2.0)]),  # not ascending
+            req(2, [(3, 1.0), (3, 2.0)]),  # a token twice
+            req(3, [(3, float("nan"))]),  # not finite
+            req(4, [(700, 1.0)]),  # beyond a 640-token vocabulary
+            req(5, []),
+        ],
+    )
+    runnable, errors = validate_plan(plan, POOL, vocab_size=640)
+    assert [e[0] for e in errors] == [1, 2, 3, 4] and all("logit_bias" in m for _, m in errors), errors
+    assert list(runnable.req_ids) == [0, 5]
+    assert runnable.bias_token.tolist() == [3, 9] and runnable.bias_value.tolist() == [1.0, -2.0]
+    assert runnable.bias_start.tolist() == [0, 2, 2]
+    # Through the wire and back: the arrays survive encoding.
+    again = plan_from_msg(unpack(encode_plan(plan)))
+    assert again.bias_token.tolist() == plan.bias_token.tolist()
 
 
 def test_dp_attention_fails_only_a_request_straddling_ranks():

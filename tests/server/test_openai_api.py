@@ -57,7 +57,10 @@ def test_greedy_recital_is_exact(client):
     choice = out.choices[0]
     assert choice.text == rest[: len(choice.text)] and len(choice.text) >= len(rest.rstrip()) - 1
     assert choice.finish_reason == "stop"
-    assert out.usage.completion_tokens > 50 and out.usage.total_tokens == out.usage.prompt_tokens + out.usage.completion_tokens
+    assert (
+        out.usage.completion_tokens > 50
+        and out.usage.total_tokens == out.usage.prompt_tokens + out.usage.completion_tokens
+    )
 
 
 def test_streaming_equals_non_streaming(client):
@@ -93,8 +96,33 @@ def test_chat_recites(client):
     assert msg.role == "assistant" and "Beautiful is better than ugly." in msg.content
 
 
+def test_logit_bias_restricts_greedy_tokens_and_leaves_logprobs_raw(client):
+    """Through the official client: -100 on every token but one (the embedded model's vocabulary is
+    640) makes greedy decoding write only that token, and +100 on one token does the same; the
+    returned logprobs stay the model's own."""
+    plain = client.completions.create(model="zen", prompt="Beautiful is", max_tokens=1, temperature=0, logprobs=2)
+    only = {str(t): -100 for t in range(640) if t != 300}
+    for bias in (only, {"300": 100}):
+        one = client.completions.create(
+            model="zen", prompt="Beautiful is", max_tokens=1, temperature=0, logit_bias=bias, logprobs=2
+        )
+        three = client.completions.create(
+            model="zen", prompt="Beautiful is", max_tokens=3, temperature=0, logit_bias=bias
+        )
+        piece = one.choices[0].text
+        assert piece and piece != plain.choices[0].text
+        assert three.choices[0].text == piece * 3
+        # The model's own top two are still the top two (the dict also holds the sampled token),
+        # and the forced token carries its raw logprob, far below them.
+        raw_top = plain.choices[0].logprobs.top_logprobs[0]
+        assert raw_top.items() <= one.choices[0].logprobs.top_logprobs[0].items()
+        assert one.choices[0].logprobs.token_logprobs[0] < min(raw_top.values())
+
+
 def test_stop_string_is_not_leaked(client):
-    out = client.completions.create(model="zen", prompt="Beautiful is better than", max_tokens=100, temperature=0, stop=["Simple"])
+    out = client.completions.create(
+        model="zen", prompt="Beautiful is better than", max_tokens=100, temperature=0, stop=["Simple"]
+    )
     assert out.choices[0].text.endswith("\n") and "Simple" not in out.choices[0].text
     assert out.choices[0].finish_reason == "stop"
 

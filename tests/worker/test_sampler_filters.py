@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from nsaserve.worker.sampler import SamplingBatch, sample
-from nsaserve.worker.sampling_logits import apply_penalties, process_logits
+from nsaserve.worker.sampling_logits import apply_bias_and_penalties, process_logits
 from nsaserve.worker.sampling_plans import SamplingRequest, make_plan
 from nsaserve.worker.sampling_reference import reference_penalties
 
@@ -33,14 +33,47 @@ def test_penalties_known_example():
         )
     )
     logits = torch.tensor([[2.0, -1.0, 0.5, -3.0, 1.0]])
-    out = apply_penalties(logits, sb)
+    out = apply_bias_and_penalties(logits, sb)
     assert out.tolist() == [[1.0, -2.0, 0.25 - 1.0 - 0.25, -6.0 - 0.5 - 0.25, 1.0]]
     assert logits.tolist() == [[2.0, -1.0, 0.5, -3.0, 1.0]]  # the caller's logits are untouched
 
 
+def test_logit_bias_is_added_before_the_penalties():
+    # Token 2: 0.5 + 1.5 = 2.0, then repetition 2 (positive: / 2) = 1.0, then frequency 0.5 for
+    # one generated occurrence: 0.5. Token 4 (no history): 1.0 - 100. Token 0 untouched.
+    sb = batch(
+        SamplingRequest(
+            prompt=[1], generated=[2], repetition_penalty=2.0, frequency_penalty=0.5, logit_bias={2: 1.5, 4: -100.0}
+        ),
+        SamplingRequest(prompt=[1], logit_bias={0: 3.0}),
+    )
+    logits = torch.tensor([[2.0, -1.0, 0.5, -3.0, 1.0], [0.0, 1.0, 2.0, 3.0, 4.0]])
+    out = apply_bias_and_penalties(logits, sb)
+    assert out.tolist() == [[2.0, -2.0, 0.5, -3.0, -99.0], [3.0, 1.0, 2.0, 3.0, 4.0]]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_logit_bias_steers_greedy_and_sampled_rows(device):
+    logits = torch.zeros(3, 50, device=device)
+    logits[:, 7] = 5.0
+    plan = make_plan(
+        [
+            SamplingRequest(temperature=0.0, logit_bias={31: 100.0}),  # greedy: the forced token
+            SamplingRequest(temperature=1.0, logit_bias={7: -100.0, **{t: -100.0 for t in range(0, 50, 2)}}),
+            SamplingRequest(temperature=0.0, top_logprobs=1, logit_bias={7: -100.0}),
+        ]
+    )
+    out = sample(logits, SamplingBatch.from_plan(plan, device))
+    assert out.tokens[0].item() == 31
+    assert out.tokens[1].item() % 2 == 1 and out.tokens[1].item() != 7  # banned tokens never come
+    assert out.tokens[2].item() != 7
+    # Logprobs stay the raw model's: token 7 is still the most likely there.
+    assert out.top_ids[2, 0].item() == 7
+
+
 def test_frequency_and_presence_ignore_prompt_tokens():
     sb = batch(SamplingRequest(prompt=[0, 0, 1], generated=[1], frequency_penalty=1.0, presence_penalty=0.5))
-    out = apply_penalties(torch.zeros(1, 3), sb)
+    out = apply_bias_and_penalties(torch.zeros(1, 3), sb)
     assert out.tolist() == [[0.0, -1.5, 0.0]]
 
 
@@ -51,7 +84,7 @@ def test_penalties_only_touch_their_own_rows():
         SamplingRequest(prompt=[1], generated=[1]),
     )
     logits = torch.full((3, 5), 3.0)
-    out = apply_penalties(logits, sb)
+    out = apply_bias_and_penalties(logits, sb)
     assert out[0].tolist() == [3.0] * 5 and out[2].tolist() == [3.0] * 5
     assert out[1].tolist() == [3.0, 3.0, 2.0, 2.0 - 2.0, 3.0]
 
@@ -64,9 +97,9 @@ def test_penalties_on_bf16_rows_compute_in_float32():
         SamplingRequest(temperature=0.5),
     )
     logits = (torch.randn(2, 11, generator=torch.Generator().manual_seed(0)) * 3).bfloat16()
-    out = apply_penalties(logits, sb)
-    assert out.dtype == torch.float32 and torch.equal(out, apply_penalties(logits.float(), sb))
-    assert apply_penalties(logits, batch(SamplingRequest())).dtype == torch.float32
+    out = apply_bias_and_penalties(logits, sb)
+    assert out.dtype == torch.float32 and torch.equal(out, apply_bias_and_penalties(logits.float(), sb))
+    assert apply_bias_and_penalties(logits, batch(SamplingRequest())).dtype == torch.float32
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -91,7 +124,7 @@ def test_penalties_match_the_per_request_reference_on_random_histories(device, s
     plan = make_plan(reqs)
     g = torch.Generator().manual_seed(seed)
     logits = (torch.randn(len(reqs), V, generator=g) * 4).to(rng.choice([torch.float32, torch.bfloat16]))
-    out = apply_penalties(logits.to(device), SamplingBatch.from_plan(plan, device)).cpu()
+    out = apply_bias_and_penalties(logits.to(device), SamplingBatch.from_plan(plan, device)).cpu()
     assert out.dtype == torch.float32
     for i, r in enumerate(reqs):
         want = reference_penalties(logits[i].float(), plan, i).float()
@@ -114,7 +147,7 @@ def test_penalties_do_not_depend_on_the_history_order():
     shuffled = SamplingBatch.from_plan(make_plan(reqs), "cpu")
     shuffled.history_row, shuffled.history_token = sb.history_row[perm], sb.history_token[perm]
     shuffled.history_generated = sb.history_generated[perm]
-    assert torch.equal(apply_penalties(logits, sb), apply_penalties(logits, shuffled))
+    assert torch.equal(apply_bias_and_penalties(logits, sb), apply_bias_and_penalties(logits, shuffled))
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -239,5 +272,5 @@ def test_history_ids_outside_the_vocabulary_are_ignored():
         [SamplingRequest(prompt=[0, 9, 2], generated=[9, 3, 1], repetition_penalty=2.0, presence_penalty=1.0)]
     )
     plan.history[2] = -3  # the prompt's 2 becomes an impossible id
-    out = apply_penalties(torch.full((1, 5), 4.0), SamplingBatch.from_plan(plan, "cpu"))
+    out = apply_bias_and_penalties(torch.full((1, 5), 4.0), SamplingBatch.from_plan(plan, "cpu"))
     assert out.tolist() == [[2.0, 1.0, 4.0, 1.0, 4.0]]

@@ -15,7 +15,7 @@ import torch
 from nsaserve.protocol.builder import RequestSpec, SamplingSpec, build_plan
 from nsaserve.worker.batch import InputPatch
 from nsaserve.worker.sampling_batch import SamplingBatch
-from nsaserve.worker.sampling_logits import apply_penalties
+from nsaserve.worker.sampling_logits import apply_bias_and_penalties
 
 V = 60
 DEVICES = ["cpu", *(["cuda"] if torch.cuda.is_available() else [])]
@@ -60,18 +60,18 @@ def test_pending_token_joins_the_history(device, seed):
     after = build_plan(5, 16, requests(random.Random(seed), ahead=False))
     ahead = build_plan(5, 16, requests(random.Random(seed), ahead=True))
     logits = torch.randn(8, V, generator=torch.Generator().manual_seed(seed)).to(device) * 3
-    want = apply_penalties(logits, SamplingBatch.from_plan(after, device))
+    want = apply_bias_and_penalties(logits, SamplingBatch.from_plan(after, device))
 
     # The host path: the previous step's tokens filled into input_ids (worker/prev_step.py).
     resolved = replace(ahead, input_ids=after.input_ids.copy())
-    assert torch.equal(apply_penalties(logits, SamplingBatch.from_plan(resolved, device)), want)
+    assert torch.equal(apply_bias_and_penalties(logits, SamplingBatch.from_plan(resolved, device)), want)
 
     # The pipelined path: input_ids stay -1; the tokens are on the device (worker/pipeline.py).
     refs = np.flatnonzero(ahead.input_prev_row >= 0)
     index = ahead.query_start[refs].astype(np.int64)
     tokens = torch.from_numpy(after.input_ids[index].astype(np.int64)).to(device)
     patch = InputPatch(index, tokens)
-    assert torch.equal(apply_penalties(logits, SamplingBatch.from_plan(ahead, device, patch)), want)
+    assert torch.equal(apply_bias_and_penalties(logits, SamplingBatch.from_plan(ahead, device, patch)), want)
 
 
 def test_an_unresolved_pending_token_penalises_nothing_extra():
@@ -81,5 +81,5 @@ def test_an_unresolved_pending_token_penalises_nothing_extra():
     ahead = build_plan(5, 16, requests(random.Random(1), ahead=True))
     as_sent = replace(ahead, input_prev_row=np.full_like(ahead.input_prev_row, -1))
     logits = torch.randn(8, V, generator=torch.Generator().manual_seed(1)) * 3
-    got = apply_penalties(logits, SamplingBatch.from_plan(ahead, "cpu"))
-    assert torch.equal(got, apply_penalties(logits, SamplingBatch.from_plan(as_sent, "cpu")))
+    got = apply_bias_and_penalties(logits, SamplingBatch.from_plan(ahead, "cpu"))
+    assert torch.equal(got, apply_bias_and_penalties(logits, SamplingBatch.from_plan(as_sent, "cpu")))

@@ -24,6 +24,7 @@ class SamplingSpec:
     presence_penalty: float = 0.0
     seed: int | None = None
     top_logprobs: int | None = None
+    logit_bias: Sequence[tuple[int, float]] = ()  # (token id, bias), ids distinct and ascending
 
 
 @dataclass
@@ -94,4 +95,7 @@ def build_plan(step: int, page_size: int, requests: Sequence[RequestSpec]) -> Pl
         history_start=_offsets([len(q.history) for q in r]),
         history=flat(q.history for q in r),
         history_prompt_lens=col(lambda q: q.history_prompt_len, I32),
+        bias_start=_offsets([len(q.sampling.logit_bias) for q in r]),
+        bias_token=flat([t for t, _ in q.sampling.logit_bias] for q in r),
+        bias_value=np.array([b for q in r for _, b in q.sampling.logit_bias], dtype=F32),
     )

@@ -14,7 +14,7 @@ import numpy as np
 
 from .arrays import F32, I32, U8, U64, ProtocolError, to_bin, view
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 
 MODES = ("idle", "prefill", "decode", "mixed")
 
@@ -53,6 +53,11 @@ class Plan:
     history_start: np.ndarray  # i32 [n+1]
     history: np.ndarray  # i32 [H]
     history_prompt_lens: np.ndarray  # i32 [n]
+    # OpenAI's logit_bias: (token, bias) pairs added to the raw logits before the penalties,
+    # ids distinct and ascending per request.
+    bias_start: np.ndarray  # i32 [n+1], offsets into bias_token / bias_value
+    bias_token: np.ndarray  # i32 [B]
+    bias_value: np.ndarray  # f32 [B]
 
     @property
     def num_reqs(self) -> int:
@@ -90,6 +95,9 @@ PLAN_ARRAYS: tuple[tuple[str, np.dtype], ...] = (
     ("history_start", I32),
     ("history", I32),
     ("history_prompt_lens", I32),
+    ("bias_start", I32),
+    ("bias_token", I32),
+    ("bias_value", F32),
 )
 
 

@@ -40,8 +40,13 @@ PER_REQUEST = (
     "top_logprobs",
     "history_prompt_lens",
 )
-# offsets field -> the flat array it indexes
-OFFSETS = {"query_start": "input_ids", "page_start": "page_table", "history_start": "history"}
+# offsets field -> the flat arrays it indexes
+OFFSETS = {
+    "query_start": ("input_ids",),
+    "page_start": ("page_table",),
+    "history_start": ("history",),
+    "bias_start": ("bias_token", "bias_value"),
+}
 PER_TOKEN = ("input_ids", "positions", "out_slots")
 
 
@@ -60,11 +65,12 @@ def check_structure(plan: Plan) -> None:
     for name in PER_REQUEST:
         if len(getattr(plan, name)) != n:
             raise ProtocolError(f"{name} has {len(getattr(plan, name))} entries for {n} requests")
-    for name, flat in OFFSETS.items():
+    for name, flats in OFFSETS.items():
         off = getattr(plan, name)
-        total = len(getattr(plan, flat))
-        if len(off) != n + 1 or off[0] != 0 or off[-1] != total or np.any(np.diff(off) < 0):
-            raise ProtocolError(f"{name} is not monotonic offsets 0..{total} over {n} requests")
+        for flat in flats:
+            total = len(getattr(plan, flat))
+            if len(off) != n + 1 or off[0] != 0 or off[-1] != total or np.any(np.diff(off) < 0):
+                raise ProtocolError(f"{name} is not monotonic offsets 0..{total} over {n} requests")
     for name in PER_TOKEN:
         if len(getattr(plan, name)) != plan.num_tokens:
             raise ProtocolError(f"{name} has {len(getattr(plan, name))} entries for {plan.num_tokens} tokens")
@@ -113,6 +119,11 @@ def request_faults(plan: Plan, num_pages: int, vocab_size: int | None = None, dp
         (plan.history_prompt_lens < 0) | (plan.history_prompt_lens > np.diff(plan.history_start)),
         "history_prompt_len out of range",
     )
+    bias_req = np.repeat(np.arange(n), np.diff(plan.bias_start))
+    same_req = bias_req[1:] == bias_req[:-1]
+    unordered = np.flatnonzero(same_req & (plan.bias_token[1:] <= plan.bias_token[:-1]))
+    flag(np.bincount(bias_req[unordered], minlength=n) > 0, "logit_bias token ids not distinct and ascending")
+    flag(np.bincount(bias_req[~np.isfinite(plan.bias_value)], minlength=n) > 0, "a logit_bias value that is not finite")
 
     page_req = np.repeat(np.arange(n), npages)
     total_pages = num_pages * dp_size
@@ -140,6 +151,9 @@ def request_faults(plan: Plan, num_pages: int, vocab_size: int | None = None, dp
         hist_req = np.repeat(np.arange(n), np.diff(plan.history_start))
         outside = (plan.history < 0) | (plan.history >= vocab_size)
         flag(np.bincount(hist_req[outside], minlength=n) > 0, "history token id outside the vocabulary")
+        bias_req = np.repeat(np.arange(n), np.diff(plan.bias_start))
+        outside = (plan.bias_token < 0) | (plan.bias_token >= vocab_size)
+        flag(np.bincount(bias_req[outside], minlength=n) > 0, "logit_bias token id outside the vocabulary")
         nxt = plan.next_prompt_token
         flag((nxt < -1) | (nxt >= vocab_size), "next_prompt_token outside the vocabulary")
     pos = plan.positions.astype(np.int64)
@@ -174,11 +188,12 @@ def select(plan: Plan, keep: np.ndarray) -> Plan:
     out = {}
     for name in PER_REQUEST:
         out[name] = getattr(plan, name)[keep]
-    for off_name, flat_name in OFFSETS.items():
+    for off_name, flat_names in OFFSETS.items():
         off = getattr(plan, off_name)
         lens = np.diff(off)
         mask = np.repeat(keep, lens)
-        out[flat_name] = getattr(plan, flat_name)[mask]
+        for flat_name in flat_names:
+            out[flat_name] = getattr(plan, flat_name)[mask]
         out[off_name] = np.concatenate([[0], np.cumsum(lens[keep])]).astype(off.dtype)
     tok_mask = np.repeat(keep, np.diff(plan.query_start))
     out["positions"] = plan.positions[tok_mask]

@@ -1,8 +1,8 @@
 """The worker's sampler (rank 0): one vectorised pass over the rows that sample this step.
 
 Order of operations, as vLLM/SGLang users expect:
-1. penalties on the raw logits: repetition (HF style, prompt + generated tokens), then
-   frequency and presence (OpenAI style, generated tokens only);
+1. logit_bias, then penalties on the raw logits: repetition (HF style, prompt + generated
+   tokens), then frequency and presence (OpenAI style, generated tokens only);
 2. greedy rows (temperature < 1e-5, 0 included) take the argmax; ties go to the lowest token id;
 3. other rows: divide by temperature, then top-k, top-p (on the top-k distribution), min-p,
    and draw from what is left with an exponential race (see sampling_noise).
@@ -26,7 +26,7 @@ import torch
 
 from ..kernels.registry import get_backend, resolve
 from .sampling_batch import SamplingBatch
-from .sampling_logits import apply_penalties, process_logits
+from .sampling_logits import apply_bias_and_penalties, process_logits
 from .sampling_logprobs import prompt_logprobs, token_logprobs
 from .sampling_noise import batch_uniform
 
@@ -60,9 +60,10 @@ def pick_tokens(
 
 
 def plain_sampling(sb: SamplingBatch) -> bool:
-    """No penalty, top-k, top-p or min-p on any row: the processed logits are logits / temperature,
-    which the pick can compute itself (host-side flags and shapes only; nothing waits on the device)."""
-    return sb.history_token.numel() == 0 and not has_filters(sb)
+    """No bias, penalty, top-k, top-p or min-p on any row: the processed logits are logits /
+    temperature, which the pick can compute itself (host-side flags and shapes only; nothing waits
+    on the device)."""
+    return sb.history_token.numel() == 0 and sb.bias_token.numel() == 0 and not has_filters(sb)
 
 
 def has_filters(sb: SamplingBatch) -> bool:
@@ -100,9 +101,10 @@ def sample(
         raise ValueError(f"{S} rows of logits for a sampling batch of {sb.num_rows}")
     u = draw_uniform(sb, V, logits.device, generator, backend)
     if u is not None and fold_filters(sb, logits.device.type, backend):
-        # Penalties first (a new float32 tensor, only when some row has one); the division and
-        # the filters' cut happen inside the pick: no pass over [S, V] for either.
-        x = apply_penalties(logits, sb) if sb.history_token.numel() else logits
+        # Bias and penalties first (a new float32 tensor, only when some row has one); the
+        # division and the filters' cut happen inside the pick: no pass over [S, V] for either.
+        adjusts = sb.history_token.numel() or sb.bias_token.numel()
+        x = apply_bias_and_penalties(logits, sb) if adjusts else logits
         th = None
         if has_filters(sb):
             find = get_backend("sample_threshold", resolve("sample_threshold", backend, x.device.type))

@@ -44,6 +44,11 @@ class SamplingBatch:
     history_token: torch.Tensor  # int64 [H]
     history_generated: torch.Tensor  # f32 [H], 1.0 for generated tokens, 0.0 for prompt tokens
 
+    # logit_bias as (row, token, bias) triples, added to the raw logits before the penalties.
+    bias_row: torch.Tensor  # int64 [B]
+    bias_token: torch.Tensor  # int64 [B]
+    bias_value: torch.Tensor  # f32 [B]
+
     # (row, generator seed) of every seeded row that samples randomly; the generator seed
     # depends only on the request's seed and the position of the token being sampled.
     seeded: list[tuple[int, int]]
@@ -109,6 +114,11 @@ class SamplingBatch:
         seeded_rows = np.flatnonzero(plan.has_seed[sel].astype(bool) & ~greedy)
         gen_seeds = row_seeds(plan.seed[sel][seeded_rows], positions[seeded_rows])
 
+        b_start = plan.bias_start[:-1][sel].astype(np.int64)
+        b_len = plan.bias_start[1:][sel].astype(np.int64) - b_start
+        b_rows = np.repeat(np.arange(S, dtype=np.int64), b_len)
+        b_at = np.repeat(b_start - (np.cumsum(b_len) - b_len), b_len) + np.arange(int(b_len.sum()), dtype=np.int64)
+        bias_tok = upload(plan.bias_token[b_at].astype(np.int64), device)
         h_row, h_tok, h_gen = _expand_history(plan.history, ints[3], ints[4], ints[5], int(h_len.sum()), device)
         pending = np.flatnonzero(plan.input_prev_row[pen_req] >= 0)
         if len(pending):
@@ -131,6 +141,9 @@ class SamplingBatch:
             history_row=h_row,
             history_token=h_tok,
             history_generated=h_gen,
+            bias_row=upload(b_rows, device),
+            bias_token=bias_tok,
+            bias_value=upload(plan.bias_value[b_at].astype(np.float32), device),
             seeded=list(zip(seeded_rows.tolist(), gen_seeds.tolist())),
             top_logprobs=tlp,
             logprob_rows=ints[1],

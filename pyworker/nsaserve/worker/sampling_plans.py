@@ -28,6 +28,7 @@ class SamplingRequest:
     presence_penalty: float = 0.0
     seed: int | None = None
     top_logprobs: int = -1
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> bias
     req_id: int | None = None  # default: the request's index
 
     @property
@@ -64,6 +65,7 @@ def make_plan(reqs: list[SamplingRequest], page_size: int = 16, step: int = 0) -
                     presence_penalty=r.presence_penalty,
                     seed=r.seed,
                     top_logprobs=None if r.top_logprobs < 0 else r.top_logprobs,
+                    logit_bias=sorted(r.logit_bias.items()),
                 ),
                 history=all_tokens if r.needs_history() else [],
                 history_prompt_len=len(r.prompt) if r.needs_history() else 0,

@@ -30,6 +30,11 @@ class ReferenceRow:
 
 def reference_penalties(logits: torch.Tensor, plan: Plan, i: int) -> torch.Tensor:
     x = logits.double().clone()
+    V = x.shape[0]
+    for k in range(plan.bias_start[i], plan.bias_start[i + 1]):  # logit_bias first, as vLLM
+        t = int(plan.bias_token[k])
+        if 0 <= t < V:
+            x[t] += float(plan.bias_value[k])
     hist = plan.history[plan.history_start[i] : plan.history_start[i + 1]].tolist()
     if plan.input_prev_row[i] >= 0 and hist:  # planned ahead: the pending input token joins it
         hist.append(int(plan.input_ids[plan.query_start[i]]))
@@ -39,7 +44,6 @@ def reference_penalties(logits: torch.Tensor, plan: Plan, i: int) -> torch.Tenso
     pres = float(plan.presence_penalty[i])
     if rep == 1.0 and freq == 0.0 and pres == 0.0:
         return x  # the router sends no history then; a stray one must not matter
-    V = x.shape[0]
     for t in {t for t in hist if 0 <= t < V}:  # an id outside the vocabulary has no logit
         x[t] = x[t] / rep if x[t] > 0 else x[t] * rep
     for t, c in Counter(t for t in hist[n_prompt:] if 0 <= t < V).items():

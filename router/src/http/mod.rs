@@ -6,11 +6,12 @@
 //! ids, or a list of either: one choice group per prompt, choice index = prompt * n + sample),
 //! `messages` (system/developer/user/assistant/tool; content a string or text parts),
 //! `max_tokens` / `max_completion_tokens` (default: the rest of the context), `temperature`,
-//! `top_p`, `top_k`, `min_p`, the three penalties, `seed` (sample i uses seed + i), `stop`,
-//! `stop_token_ids`, `ignore_eos`, `n`, `logprobs` / `top_logprobs`, `echo`, `stream`,
+//! `top_p`, `top_k`, `min_p`, the three penalties, `logit_bias` (added to the raw logits before
+//! the penalties, as vLLM does; logprobs stay the model's), `seed` (sample i uses seed + i),
+//! `stop`, `stop_token_ids`, `ignore_eos`, `n`, `logprobs` / `top_logprobs`, `echo`, `stream`,
 //! `stream_options.include_usage`, `tools`, `tool_choice`, `chat_template_kwargs`,
 //! `add_generation_prompt` and `user`. Fields that would change the output but are not
-//! implemented (`logit_bias`, `best_of`, `suffix`, a JSON `response_format`, a forced
+//! implemented (`best_of`, `suffix`, a JSON `response_format`, a forced
 //! `tool_choice` without a tool-call parser) are refused with a 400 rather than ignored.
 //!
 //! Omitted `temperature`, `top_p`, `top_k`, `min_p` and `repetition_penalty` take

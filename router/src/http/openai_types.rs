@@ -50,7 +50,7 @@ pub struct SamplingFields {
     /// Accepted for compatibility; it identifies the end user in OpenAI's logs.
     #[allow(dead_code)]
     pub user: Option<String>,
-    /// Not supported: a non-empty map is refused rather than silently ignored.
+    /// Token id (as a string) -> bias added to its logit, from -100 to 100.
     pub logit_bias: Option<Map<String, Value>>,
 }
 

@@ -72,6 +72,54 @@ pub fn check_token_ids(param: &str, ids: &[i64], vocab_size: u32) -> Result<Vec<
         .collect()
 }
 
+/// The most `logit_bias` entries a request may carry: each travels in every plan of its request.
+pub const MAX_LOGIT_BIAS: usize = 1024;
+
+/// OpenAI's `logit_bias` map (token id as a string -> bias in [-100, 100]) as (id, bias) pairs
+/// in ascending id order, each id inside the vocabulary and named once.
+pub fn check_logit_bias(
+    bias: Option<&serde_json::Map<String, serde_json::Value>>,
+    vocab_size: u32,
+) -> Result<Vec<(i32, f32)>, ApiError> {
+    let Some(bias) = bias else {
+        return Ok(Vec::new());
+    };
+    let err = |m: String| ApiError::invalid_param("logit_bias", m);
+    if bias.len() > MAX_LOGIT_BIAS {
+        return Err(err(format!(
+            "`logit_bias` may hold at most {MAX_LOGIT_BIAS} entries, got {}.",
+            bias.len()
+        )));
+    }
+    let mut pairs = Vec::with_capacity(bias.len());
+    for (key, value) in bias {
+        let id = key
+            .trim()
+            .parse::<i64>()
+            .ok()
+            .filter(|&id| id >= 0 && id < i64::from(vocab_size))
+            .ok_or_else(|| {
+                err(format!(
+                    "`logit_bias` keys must be token ids in 0..{vocab_size}, got {key:?}."
+                ))
+            })?;
+        let b = value
+            .as_f64()
+            .filter(|b| (-100.0..=100.0).contains(b))
+            .ok_or_else(|| {
+                err(format!(
+                    "`logit_bias` values must be numbers from -100 to 100, got {value} for token {id}."
+                ))
+            })?;
+        pairs.push((id as i32, b as f32));
+    }
+    pairs.sort_by_key(|&(id, _)| id);
+    if let Some(p) = pairs.windows(2).find(|p| p[0].0 == p[1].0) {
+        return Err(err(format!("`logit_bias` names token {} twice.", p[0].0)));
+    }
+    Ok(pairs)
+}
+
 /// The range of every sampling number: requests are checked with it, and so are the model's
 /// defaults from `generation_config.json` (`SamplingDefaults`) at startup.
 pub(super) fn check_sampling_ranges(f: &SamplingFields) -> Result<(), ApiError> {
@@ -184,9 +232,7 @@ pub fn validate_sampling(
         f.stop_token_ids.as_deref().unwrap_or(&[]),
         model.vocab_size,
     )?;
-    if f.logit_bias.as_ref().is_some_and(|b| !b.is_empty()) {
-        return Err(unsupported("logit_bias", "`logit_bias` is not supported."));
-    }
+    let logit_bias = check_logit_bias(f.logit_bias.as_ref(), model.vocab_size)?;
     let stream = f.stream.unwrap_or(false);
     if f.stream_options.is_some() && !stream {
         return Err(ApiError::invalid_param(
@@ -217,6 +263,7 @@ pub fn validate_sampling(
         presence_penalty: f.presence_penalty.unwrap_or(0.0) as f32,
         seed,
         top_logprobs,
+        logit_bias,
     };
     Ok(Validated {
         sampling,

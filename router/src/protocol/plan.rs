@@ -51,6 +51,9 @@ pub struct SamplingParams {
     pub seed: Option<u64>,
     /// `None`: no logprobs. `Some(n)`: the chosen token's logprob and the `n` most likely.
     pub top_logprobs: Option<u32>,
+    /// (token id, bias) pairs added to the raw logits before the penalties (OpenAI's
+    /// `logit_bias`); ids distinct and ascending.
+    pub logit_bias: Vec<(i32, f32)>,
 }
 
 impl Default for SamplingParams {
@@ -65,6 +68,7 @@ impl Default for SamplingParams {
             presence_penalty: 0.0,
             seed: None,
             top_logprobs: None,
+            logit_bias: Vec::new(),
         }
     }
 }
@@ -137,7 +141,7 @@ pub enum PlanError {
 }
 
 /// Number of keys in a plan message (the fields of `WirePlan`).
-const PLAN_KEYS: u32 = 33;
+const PLAN_KEYS: u32 = 36;
 
 /// The wire form. Field order and names are the protocol; see docs/protocol.md.
 #[derive(Debug, Serialize, Deserialize)]
@@ -175,6 +179,9 @@ struct WirePlan {
     history_start: ByteBuf,
     history: ByteBuf,
     history_prompt_lens: ByteBuf,
+    bias_start: ByteBuf,
+    bias_token: ByteBuf,
+    bias_value: ByteBuf,
 }
 
 /// Writes msgpack directly (the subset a plan needs).
@@ -380,6 +387,20 @@ impl BatchPlan {
             n,
             r.iter().map(|q| q.history_prompt_len),
         );
+        let biases: usize = r.iter().map(|q| q.sampling.logit_bias.len()).sum();
+        w.offsets("bias_start", r.iter().map(|q| q.sampling.logit_bias.len()));
+        w.array(
+            "bias_token",
+            biases,
+            r.iter()
+                .flat_map(|q| q.sampling.logit_bias.iter().map(|&(t, _)| t)),
+        );
+        w.array(
+            "bias_value",
+            biases,
+            r.iter()
+                .flat_map(|q| q.sampling.logit_bias.iter().map(|&(_, b)| b)),
+        );
         Ok(w.finish())
     }
 
@@ -408,6 +429,16 @@ impl BatchPlan {
         let slots = i32::from_bin("out_slots", &w.out_slots)?;
         let hs = i32::from_bin("history_start", &w.history_start)?;
         let hist = i32::from_bin("history", &w.history)?;
+        let bs = i32::from_bin("bias_start", &w.bias_start)?;
+        let bias_token = i32::from_bin("bias_token", &w.bias_token)?;
+        let bias_value = f32::from_bin("bias_value", &w.bias_value)?;
+        if bias_value.len() != bias_token.len() {
+            return bad(format!(
+                "bias_value has {} entries for {} bias_token",
+                bias_value.len(),
+                bias_token.len()
+            ));
+        }
         let per_req: [(&str, usize); 2] = [("req_ids", ids.len()), ("cached_lens", cached.len())];
         for (name, len) in per_req {
             if len != n {
@@ -418,6 +449,7 @@ impl BatchPlan {
             ("query_start", &qs, toks.len()),
             ("page_start", &ps, pt.len()),
             ("history_start", &hs, hist.len()),
+            ("bias_start", &bs, bias_token.len()),
         ] {
             if off.len() != n + 1
                 || off[0] != 0
@@ -508,6 +540,9 @@ impl BatchPlan {
                     presence_penalty: pres[i],
                     seed: (has_seed[i] != 0).then_some(seed[i]),
                     top_logprobs: (tlp[i] >= 0).then_some(tlp[i] as u32),
+                    logit_bias: (bs[i] as usize..bs[i + 1] as usize)
+                        .map(|k| (bias_token[k], bias_value[k]))
+                        .collect(),
                 },
                 history: hist[hs[i] as usize..hs[i + 1] as usize].to_vec(),
                 history_prompt_len: hpl[i],
@@ -593,6 +628,14 @@ impl BatchPlan {
             }
             if r.history_prompt_len < 0 || r.history_prompt_len as usize > r.history.len() {
                 return bad(format!("request {id}: history_prompt_len out of range"));
+            }
+            let bias = &r.sampling.logit_bias;
+            if bias.iter().any(|&(t, b)| t < 0 || !b.is_finite())
+                || bias.windows(2).any(|p| p[0].0 >= p[1].0)
+            {
+                return bad(format!(
+                    "request {id}: logit_bias needs distinct ascending token ids >= 0 and finite biases"
+                ));
             }
         }
         Ok(())
