@@ -14,6 +14,9 @@ top-p by a sort of the row) beside the default backends (on CUDA the fused thres
 --graph-rows: the logits are bf16, as decode graphs leave them, and each line also times the
 path before 2026-12-02 (a float32 copy of the rows, then the sampler) beside sampling the bf16
 rows directly.
+
+--stages: also each stage of `sample` on its own: the uniforms, logit bias + penalties, the
+filters' threshold, the pick, and the logprobs (the asked top-k, and the sampled token's alone).
 """
 
 from __future__ import annotations
@@ -25,7 +28,10 @@ import time
 
 import torch
 
-from nsaserve.worker.sampler import SamplingBatch, sample
+from nsaserve.kernels.registry import get_backend, resolve
+from nsaserve.worker.sampler import SamplingBatch, draw_uniform, has_filters, pick_tokens, sample
+from nsaserve.worker.sampling_logits import apply_bias_and_penalties
+from nsaserve.worker.sampling_logprobs import token_logprobs
 from nsaserve.worker.sampling_plans import SamplingRequest, make_plan
 
 VOCAB = 154880
@@ -79,6 +85,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's choice)")
     ap.add_argument("--graph-rows", action="store_true", help="bf16 logits; also time a float32 copy + sampling")
     ap.add_argument("--stepwise", action="store_true", help="also time the torch (step-by-step) sampling path")
+    ap.add_argument("--stages", action="store_true", help="also time each stage of the sampler on its own")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -97,12 +104,41 @@ def main() -> None:
             t_sample = timed(lambda logits=logits, sb=sb: sample(logits, sb), device, iters)
             line = f"{mix:>6} batch={S:<4} from_plan {t_build * 1e3:8.3f} ms   sample {t_sample * 1e3:9.3f} ms"
             if args.graph_rows:
-                t_copy = timed(lambda logits=logits, sb=sb: sample(logits.to(torch.float32, copy=True), sb), device, iters)
+                t_copy = timed(
+                    lambda logits=logits, sb=sb: sample(logits.to(torch.float32, copy=True), sb), device, iters
+                )
                 line += f"   float32 copy + sample {t_copy * 1e3:9.3f} ms"
             if args.stepwise:
                 t_step = timed(lambda logits=logits, sb=sb: sample(logits, sb, backend="torch"), device, iters)
                 line += f"   stepwise {t_step * 1e3:9.3f} ms ({t_step / t_sample:5.1f}x)"
             print(line, flush=True)
+            if args.stages:
+                print(" " * 7 + stage_times(logits, sb, device, iters), flush=True)
+
+
+def stage_times(logits: torch.Tensor, sb: SamplingBatch, device: torch.device, iters: int) -> str:
+    """ms of each stage of the default (fused where it exists) path, inputs prepared beforehand."""
+    V = logits.shape[1]
+    out = {"uniforms": timed(lambda: draw_uniform(sb, V, device), device, iters)}
+    out["bias+penalties"] = timed(lambda: apply_bias_and_penalties(logits, sb), device, iters)
+    x = apply_bias_and_penalties(logits, sb) if (sb.history_token.numel() or sb.bias_token.numel()) else logits
+    u = draw_uniform(sb, V, device)
+    th = None
+    if u is not None and has_filters(sb):
+        find = get_backend("sample_threshold", resolve("sample_threshold", "auto", device.type))
+        out["threshold"] = timed(lambda: find(x, sb.temperature, sb.top_k, sb.top_p, sb.min_p), device, iters)
+        th = find(x, sb.temperature, sb.top_k, sb.top_p, sb.min_p)
+    temp = sb.temperature if u is not None else None
+    out["pick"] = timed(lambda: pick_tokens(x, u, sb, temperature=temp, threshold=th), device, iters)
+    rows = sb.logprob_rows
+    if rows.numel():
+        tok = pick_tokens(x, u, sb, temperature=temp, threshold=th).index_select(0, rows)
+        lr = logits.index_select(0, rows)
+        out[f"logprobs top {sb.max_top_logprobs}"] = timed(
+            lambda: token_logprobs(lr, tok, sb.max_top_logprobs), device, iters
+        )
+        out["logprob alone"] = timed(lambda: token_logprobs(lr, tok, 0), device, iters)
+    return "stages: " + "  ".join(f"{k} {v * 1e3:.3f} ms" for k, v in out.items())
 
 
 if __name__ == "__main__":

@@ -37,14 +37,10 @@ MASK32 = 0xFFFFFFFF
 def _mul_hi_lo(m: int, c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(high, low) 32 bits of the 64-bit product m * c, c holding values below 2^32 in int64.
 
-    The product can reach 2^64, past int64, so it is taken in two halves of m: each partial
-    product stays below 2^48."""
-    m_hi, m_lo = m >> 16, m & 0xFFFF
-    a = c * m_hi  # < 2^48, weight 2^16
-    b = c * m_lo  # < 2^48, weight 1
-    hi = (a + (b >> 16)) >> 16
-    lo = (((a & 0xFFFF) << 16) + b) & MASK32  # a's bits above 16 land past bit 32
-    return hi, lo
+    The product can pass 2^63: int64 multiplication wraps modulo 2^64, which keeps all 64 bits
+    of it (in two's complement), and the masks below take the two halves back out."""
+    p = c * m
+    return (p >> 32) & MASK32, p & MASK32
 
 
 def philox_rounds(c: list[torch.Tensor], k: list[torch.Tensor]) -> list[torch.Tensor]:
