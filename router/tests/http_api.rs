@@ -1280,6 +1280,39 @@ async fn logit_bias_reaches_the_engine_sorted_and_bad_maps_are_400() {
 }
 
 #[tokio::test]
+async fn vllm_extras_that_would_change_the_output_are_refused_and_no_ops_pass() {
+    let h = harness();
+    let c = "/v1/completions";
+    let refused = [
+        ("min_tokens", json!(5)),
+        ("min_new_tokens", json!(2)),
+        ("bad_words", json!(["x"])),
+        ("allowed_token_ids", json!([1, 2])),
+        ("guided_json", json!({"type": "object"})),
+        ("guided_regex", json!("a+")),
+        ("guided_choice", json!(["a", "b"])),
+        ("guided_grammar", json!("root ::= 'a'")),
+        ("structured_outputs", json!({"json": {}})),
+        ("include_stop_str_in_output", json!(true)),
+        ("skip_special_tokens", json!(false)),
+        ("use_beam_search", json!(true)),
+    ];
+    for (field, value) in refused {
+        let mut body = json!({"prompt": "x"});
+        body[field] = value;
+        let r = h.post(c, body).await;
+        assert_error(&r, StatusCode::BAD_REQUEST, field);
+        assert_eq!(r.json()["error"]["code"], "unsupported_parameter");
+    }
+    let no_ops = json!({"prompt": "x", "min_tokens": 0, "bad_words": [], "allowed_token_ids": null,
+                        "include_stop_str_in_output": false, "skip_special_tokens": true,
+                        "use_beam_search": false, "guided_json": null});
+    let r = h.post(c, no_ops).await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.body);
+    assert_eq!(h.engine.submitted.lock().len(), 1);
+}
+
+#[tokio::test]
 async fn unsupported_features_are_refused_not_ignored() {
     let h = harness();
     let c = "/v1/completions";

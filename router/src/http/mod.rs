@@ -12,7 +12,10 @@
 //! `stream_options.include_usage`, `tools`, `tool_choice`, `chat_template_kwargs`,
 //! `add_generation_prompt` and `user`. Fields that would change the output but are not
 //! implemented (`best_of`, `suffix`, a JSON `response_format`, a forced
-//! `tool_choice` without a tool-call parser) are refused with a 400 rather than ignored.
+//! `tool_choice` without a tool-call parser, and vLLM's / SGLang's `min_tokens`,
+//! `min_new_tokens`, `bad_words`, `allowed_token_ids`, `guided_*`, `structured_outputs`,
+//! `include_stop_str_in_output`, `skip_special_tokens` and `use_beam_search` set to anything but
+//! their no-op values) are refused with a 400 rather than ignored.
 //!
 //! Omitted `temperature`, `top_p`, `top_k`, `min_p` and `repetition_penalty` take
 //! `HttpConfig::sampling_defaults`: with `serve`'s default `--sampling-defaults model`, the

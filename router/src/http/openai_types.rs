@@ -52,6 +52,28 @@ pub struct SamplingFields {
     pub user: Option<String>,
     /// Token id (as a string) -> bias added to its logit, from -100 to 100.
     pub logit_bias: Option<Map<String, Value>>,
+    /// vLLM / SGLang request extras that would change the output and are not implemented:
+    /// refused with a 400 when set to anything but their no-op value, never silently ignored.
+    #[serde(flatten)]
+    pub unimplemented_extras: UnimplementedExtras,
+}
+
+/// See `SamplingFields::unimplemented_extras`; `validation::refuse_unimplemented_extras`
+/// knows each one's no-op value.
+#[derive(Debug, Default, Deserialize)]
+pub struct UnimplementedExtras {
+    pub min_tokens: Option<Value>,
+    pub min_new_tokens: Option<Value>,
+    pub bad_words: Option<Value>,
+    pub allowed_token_ids: Option<Value>,
+    pub guided_json: Option<Value>,
+    pub guided_regex: Option<Value>,
+    pub guided_choice: Option<Value>,
+    pub guided_grammar: Option<Value>,
+    pub structured_outputs: Option<Value>,
+    pub include_stop_str_in_output: Option<Value>,
+    pub skip_special_tokens: Option<Value>,
+    pub use_beam_search: Option<Value>,
 }
 
 #[derive(Debug, Deserialize)]

@@ -5,7 +5,7 @@ use crate::engine::{GenerateRequest, ModelInfo};
 use crate::protocol::SamplingParams;
 
 use super::errors::ApiError;
-use super::openai_types::{SamplingFields, StopInput};
+use super::openai_types::{SamplingFields, StopInput, UnimplementedExtras};
 use super::sampling_defaults::SamplingDefaults;
 
 /// The most logprobs a request may ask for per token.
@@ -233,6 +233,7 @@ pub fn validate_sampling(
         model.vocab_size,
     )?;
     let logit_bias = check_logit_bias(f.logit_bias.as_ref(), model.vocab_size)?;
+    refuse_unimplemented_extras(&f.unimplemented_extras)?;
     let stream = f.stream.unwrap_or(false);
     if f.stream_options.is_some() && !stream {
         return Err(ApiError::invalid_param(
@@ -279,6 +280,47 @@ pub fn validate_sampling(
             .and_then(|o| o.include_usage)
             .unwrap_or(false),
     })
+}
+
+/// vLLM / SGLang extras this server does not implement: a 400 naming the field when one is set
+/// to anything that would change the output (absent, null and each one's no-op value pass).
+fn refuse_unimplemented_extras(x: &UnimplementedExtras) -> Result<(), ApiError> {
+    use serde_json::Value;
+    use serde_json::Value::{Array, Bool, Null, Number};
+    let zero = |v: &Value| matches!(v, Number(n) if n.as_f64() == Some(0.0));
+    let empty = |v: &Value| matches!(v, Array(a) if a.is_empty());
+    type NoOp<'a> = &'a dyn Fn(&Value) -> bool;
+    let checks: [(&str, &Option<Value>, NoOp); 12] = [
+        ("min_tokens", &x.min_tokens, &zero),
+        ("min_new_tokens", &x.min_new_tokens, &zero),
+        ("bad_words", &x.bad_words, &empty),
+        ("allowed_token_ids", &x.allowed_token_ids, &|_| false),
+        ("guided_json", &x.guided_json, &|_| false),
+        ("guided_regex", &x.guided_regex, &|_| false),
+        ("guided_choice", &x.guided_choice, &|_| false),
+        ("guided_grammar", &x.guided_grammar, &|_| false),
+        ("structured_outputs", &x.structured_outputs, &|_| false),
+        (
+            "include_stop_str_in_output",
+            &x.include_stop_str_in_output,
+            &|v| *v == Bool(false),
+        ),
+        ("skip_special_tokens", &x.skip_special_tokens, &|v| {
+            *v == Bool(true)
+        }),
+        ("use_beam_search", &x.use_beam_search, &|v| {
+            *v == Bool(false)
+        }),
+    ];
+    for (name, value, no_op) in checks {
+        if let Some(v) = value.as_ref().filter(|v| **v != Null && !no_op(v)) {
+            return Err(unsupported(
+                name,
+                &format!("`{name}` is not supported (got {v}); leave it out."),
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// 400 for a feature this server does not implement: refusing beats silently ignoring it.
