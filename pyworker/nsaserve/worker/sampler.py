@@ -15,7 +15,8 @@ process_logits (sampling_logits.py) does them step by step; both give the same t
 Logprobs are those of the raw model distribution (see sampling_logprobs).
 Reproducibility: a seeded request's token depends only on its logits, its parameters, its seed
 and the position of the token being sampled, never on the rest of the batch (its noise is the
-same on every device; its logits, and so its token, may differ by a rounding between devices). The caller's logits are not modified.
+same on every device; its logits, and so its token, may differ by a rounding between devices).
+The caller's logits are not modified.
 """
 
 from __future__ import annotations

@@ -114,11 +114,7 @@ class SamplingBatch:
         seeded_rows = np.flatnonzero(plan.has_seed[sel].astype(bool) & ~greedy)
         gen_seeds = row_seeds(plan.seed[sel][seeded_rows], positions[seeded_rows])
 
-        b_start = plan.bias_start[:-1][sel].astype(np.int64)
-        b_len = plan.bias_start[1:][sel].astype(np.int64) - b_start
-        b_rows = np.repeat(np.arange(S, dtype=np.int64), b_len)
-        b_at = np.repeat(b_start - (np.cumsum(b_len) - b_len), b_len) + np.arange(int(b_len.sum()), dtype=np.int64)
-        bias_tok = upload(plan.bias_token[b_at].astype(np.int64), device)
+        b_row, b_tok, b_val = _bias_triples(plan, sel, device)
         h_row, h_tok, h_gen = _expand_history(plan.history, ints[3], ints[4], ints[5], int(h_len.sum()), device)
         pending = np.flatnonzero(plan.input_prev_row[pen_req] >= 0)
         if len(pending):
@@ -141,9 +137,9 @@ class SamplingBatch:
             history_row=h_row,
             history_token=h_tok,
             history_generated=h_gen,
-            bias_row=upload(b_rows, device),
-            bias_token=bias_tok,
-            bias_value=upload(plan.bias_value[b_at].astype(np.float32), device),
+            bias_row=b_row,
+            bias_token=b_tok,
+            bias_value=b_val,
             seeded=list(zip(seeded_rows.tolist(), gen_seeds.tolist())),
             top_logprobs=tlp,
             logprob_rows=ints[1],
@@ -161,6 +157,20 @@ class SamplingBatch:
 
 def _to_device(a: np.ndarray, device) -> torch.Tensor:
     return upload(a, device)
+
+
+def _bias_triples(plan: Plan, sel: np.ndarray, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(row, token, bias) of every logit_bias entry of the sampling rows `sel`, on the device."""
+    start = plan.bias_start[:-1][sel].astype(np.int64)
+    length = plan.bias_start[1:][sel].astype(np.int64) - start
+    total = int(length.sum())
+    if total == 0:
+        empty = torch.zeros(0, dtype=torch.int64, device=device)
+        return empty, empty, torch.zeros(0, dtype=torch.float32, device=device)
+    rows = np.repeat(np.arange(len(sel), dtype=np.int64), length)
+    # Entry k of row r sits at start[r] + k of the plan's flat arrays.
+    at = np.repeat(start - (np.cumsum(length) - length), length) + np.arange(total, dtype=np.int64)
+    return upload(rows, device), upload(plan.bias_token[at], device, np.int64), upload(plan.bias_value[at], device)
 
 
 def _pending_tokens(plan: Plan, reqs: np.ndarray, device, patch: InputPatch | None) -> torch.Tensor:
