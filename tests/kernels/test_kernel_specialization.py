@@ -80,6 +80,12 @@ ALLOWED = {
          "triton_sample_threshold._finish_kernel"),
         {"vocab": MODEL_CONSTANT, "stride_x": MODEL_CONSTANT},
     ),  # fmt: skip
+    "triton_sample_uniform._sample_uniform_kernel": {
+        "vocab": MODEL_CONSTANT, "q": "a quarter of the vocabulary: " + MODEL_CONSTANT, "stride_u": MODEL_CONSTANT,
+    },  # fmt: skip
+    "triton_row_logsumexp._row_logsumexp_kernel": {
+        "vocab": MODEL_CONSTANT, "stride": "the vocabulary (its rows are contiguous copies): " + MODEL_CONSTANT,
+    },  # fmt: skip
     "triton_topk._topk_kernel": {"logits_stride": PADDED, "topk": MODEL_CONSTANT},
     "triton_topk._topk_sampled_kernel": {"logits_stride": PADDED, "topk": MODEL_CONSTANT},
     "triton_topk._topk_streamed_kernel": {"logits_stride": PADDED, "topk": MODEL_CONSTANT},
