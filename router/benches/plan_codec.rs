@@ -2,7 +2,10 @@
 //! each, 32 pages of 64) to 8 worker sockets, as the engine does every step.
 //! Ceiling measured in the same run: a plain memcpy of the same number of bytes.
 //!
-//! cargo bench --bench plan_codec -- [--json PATH]
+//! cargo bench --bench plan_codec -- [--json PATH] [--history N]
+//!
+//! `--history N`: every request has a repetition penalty and N tokens of history, which each plan
+//! carries whole (the case a penalised workload pays for every step).
 
 use std::time::Instant;
 
@@ -15,7 +18,7 @@ const PAGE: u32 = 64;
 const RANKS: u32 = 8;
 const ITERS: usize = 2000;
 
-fn decode_plan() -> BatchPlan {
+fn decode_plan(history: usize) -> BatchPlan {
     let mut next_page = 0i32;
     let requests = (0..REQUESTS)
         .map(|i| {
@@ -39,10 +42,13 @@ fn decode_plan() -> BatchPlan {
                 sampling: SamplingParams {
                     temperature: 0.7,
                     top_p: 0.95,
+                    repetition_penalty: if history > 0 { 1.1 } else { 1.0 },
                     ..Default::default()
                 },
-                history: vec![],
-                history_prompt_len: 0,
+                history: (0..history as i32)
+                    .map(|t| (t * 7 + i as i32) % 150_000)
+                    .collect(),
+                history_prompt_len: (history / 2) as i32,
             }
         })
         .collect();
@@ -73,8 +79,10 @@ fn time_us(mut f: impl FnMut()) -> (f64, f64) {
 }
 
 fn main() {
-    let json_path = std::env::args().skip_while(|a| a != "--json").nth(1);
-    let plan = decode_plan();
+    let arg = |name: &str| std::env::args().skip_while(|a| a != name).nth(1);
+    let json_path = arg("--json");
+    let history: usize = arg("--history").map_or(0, |n| n.parse().expect("--history N"));
+    let plan = decode_plan(history);
     let bytes = plan.encode().unwrap();
 
     let (encode_p50, encode_p99) = time_us(|| {
@@ -124,6 +132,7 @@ fn main() {
         "benchmark": "plan_codec",
         "requests": REQUESTS,
         "pages_per_request": PAGES_PER_REQUEST,
+        "history_tokens_per_request": history,
         "ranks": RANKS,
         "plan_bytes": bytes.len(),
         "iterations": ITERS,
