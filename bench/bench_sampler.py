@@ -121,7 +121,7 @@ def stage_times(logits: torch.Tensor, sb: SamplingBatch, device: torch.device, i
     V = logits.shape[1]
     out = {"uniforms": timed(lambda: draw_uniform(sb, V, device), device, iters)}
     out["bias+penalties"] = timed(lambda: apply_bias_and_penalties(logits, sb), device, iters)
-    x = apply_bias_and_penalties(logits, sb) if (sb.history_token.numel() or sb.bias_token.numel()) else logits
+    x = apply_bias_and_penalties(logits, sb) if sb.adjusts_logits else logits
     u = draw_uniform(sb, V, device)
     th = None
     if u is not None and has_filters(sb):

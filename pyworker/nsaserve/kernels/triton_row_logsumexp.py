@@ -27,14 +27,15 @@ def _row_logsumexp_kernel(
         offs = k * BLOCK + lanes
         best = tl.maximum(best, tl.load(base + offs, mask=offs < vocab, other=float("-inf")).to(tl.float32))
     m = tl.max(best, axis=0)
-    # An infinite max (+inf, or a row of -inf) is the answer itself: exp(x - m) would be NaN there.
-    shift = tl.where((m == float("inf")) | (m == float("-inf")), 0.0, m)  # keeps the sum NaN-free
+    # An infinite max (+inf, or a row of -inf) is the answer itself: exp(x - m) would be NaN there,
+    # so the sum shifts by 0 instead and its result is not used.
+    infinite = (m == float("inf")) | (m == float("-inf"))
+    shift = tl.where(infinite, 0.0, m)
     acc = tl.zeros([BLOCK], tl.float32)
     for k in range(STEPS if INTERPRET else tl.cdiv(vocab, BLOCK)):
         offs = k * BLOCK + lanes
         x = tl.load(base + offs, mask=offs < vocab, other=float("-inf")).to(tl.float32)
         acc += tl.exp(x - shift)
-    infinite = (m == float("inf")) | (m == float("-inf"))
     # With a finite max the sum is at least 1 (the max's own term).
     lse = tl.where(infinite, m, shift + tl.log(tl.where(infinite, 1.0, tl.sum(acc, axis=0))))
     tl.store(out_ptr + row, lse)

@@ -151,7 +151,6 @@ def request_faults(plan: Plan, num_pages: int, vocab_size: int | None = None, dp
         hist_req = np.repeat(np.arange(n), np.diff(plan.history_start))
         outside = (plan.history < 0) | (plan.history >= vocab_size)
         flag(np.bincount(hist_req[outside], minlength=n) > 0, "history token id outside the vocabulary")
-        bias_req = np.repeat(np.arange(n), np.diff(plan.bias_start))
         outside = (plan.bias_token < 0) | (plan.bias_token >= vocab_size)
         flag(np.bincount(bias_req[outside], minlength=n) > 0, "logit_bias token id outside the vocabulary")
         nxt = plan.next_prompt_token

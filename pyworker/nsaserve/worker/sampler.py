@@ -64,7 +64,7 @@ def plain_sampling(sb: SamplingBatch) -> bool:
     """No bias, penalty, top-k, top-p or min-p on any row: the processed logits are logits /
     temperature, which the pick can compute itself (host-side flags and shapes only; nothing waits
     on the device)."""
-    return sb.history_token.numel() == 0 and sb.bias_token.numel() == 0 and not has_filters(sb)
+    return not sb.adjusts_logits and not has_filters(sb)
 
 
 def has_filters(sb: SamplingBatch) -> bool:
@@ -104,8 +104,7 @@ def sample(
     if u is not None and fold_filters(sb, logits.device.type, backend):
         # Bias and penalties first (a new float32 tensor, only when some row has one); the
         # division and the filters' cut happen inside the pick: no pass over [S, V] for either.
-        adjusts = sb.history_token.numel() or sb.bias_token.numel()
-        x = apply_bias_and_penalties(logits, sb) if adjusts else logits
+        x = apply_bias_and_penalties(logits, sb) if sb.adjusts_logits else logits
         th = None
         if has_filters(sb):
             find = get_backend("sample_threshold", resolve("sample_threshold", backend, x.device.type))

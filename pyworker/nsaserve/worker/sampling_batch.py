@@ -67,6 +67,11 @@ class SamplingBatch:
     max_top_k: int  # largest active top_k (0 if none)
     any_min_p: bool
 
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether some row has a logit_bias or a penalty (host-known sizes: no device read)."""
+        return self.history_token.numel() > 0 or self.bias_token.numel() > 0
+
     @staticmethod
     def from_plan(plan: Plan, device: torch.device | str, patch: InputPatch | None = None) -> SamplingBatch:
         """Host work is O(requests); the token history is expanded on the device.

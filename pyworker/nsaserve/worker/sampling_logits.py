@@ -32,7 +32,7 @@ def apply_bias_and_penalties(logits: torch.Tensor, sb: SamplingBatch) -> torch.T
     logits: 7.7 ms at 1024 rows of 1,200 tokens on an H200.) Every output is a pure function of
     its own logit, bias and count, so the result is the same whatever the history's order.
     """
-    if sb.history_token.numel() == 0 and sb.bias_token.numel() == 0:
+    if not sb.adjusts_logits:
         return logits.float()
     S, V = logits.shape
     # One slot past the logits absorbs the writes that must not land (repeats of a pair, ids
