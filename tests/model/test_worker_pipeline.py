@@ -182,11 +182,13 @@ def test_a_decode_launch_does_not_wait_for_the_device(executor):
     """The pipeline's premise: launching step N+1 queues it behind step N without waiting for N's
     kernels. A spinning kernel is queued first; it must still be running when launch returns (a
     host-to-device copy from pageable memory, an .item() or a blocking copy would have waited for
-    it), with a device input patch and every sampling stage that builds device tensors."""
+    it), with a device input patch and every sampling stage that builds device tensors; and a step
+    with logprobs copies them back at launch, so it too can be finished after the next launch."""
     if executor.device.type != "cuda":
         pytest.skip("on the CPU a launch runs the step")
     executor.run(build_plan(1, PAGE, [RequestSpec(1, [5, 6, 7], 0, pages(1)), RequestSpec(2, [9, 8], 0, pages(2))]), True)
-    random_row = SamplingSpec(temperature=0.7, top_p=0.9, top_k=5, min_p=0.01, repetition_penalty=1.1, seed=7)
+    random_row = SamplingSpec(temperature=0.7, top_p=0.9, top_k=5, min_p=0.01, repetition_penalty=1.1, seed=7,
+                              top_logprobs=3)
     decode = build_plan(2, PAGE, [RequestSpec(1, [-1], 3, pages(1), input_prev_row=0, sampling=random_row),
                                   RequestSpec(2, [4], 2, pages(2), sampling=SamplingSpec(temperature=0.0))])  # fmt: skip
     patch = InputPatch(np.array([0]), torch.tensor([8], device=executor.device))
@@ -204,7 +206,10 @@ def test_a_decode_launch_does_not_wait_for_the_device(executor):
     still_busy = not busy.query()
     result = executor.finish(step)
     assert still_busy, "launch waited for the kernels queued before it"
+    assert step.can_wait, "a step with logprobs must not need finishing before the next launch"
     assert executor.graphs.replays == replays + 1 and len(result.sampled) == 2
+    lps = {req: lp for req, _, lp in result.sampled}
+    assert lps[2] is None and len(lps[1].top) == 3
 
 
 def test_references_fetch_rank0_tokens_on_other_ranks():

@@ -59,13 +59,14 @@ def test_device_times_split_the_work_from_the_idle_time_before_it(tmp_path):
     for pause in (0.0, 0.0, 0.2):
         time.sleep(pause)
         m = DeviceMarks()
-        m.forward.record()
+        m.forward_queued()
         for _ in range(20):
             a = (a @ a).clamp_(-1, 1)
-        m.end.record()
+        m.end_queued()
         marks.append(m)
     for m in marks:
         log.record(plan, step_ms=1.0, marks=m)
     lines = [json.loads(x) for x in path.read_text().splitlines()]
     assert "gap_ms" not in lines[0] and all(x["gpu_ms"] > 0 for x in lines)
     assert lines[1]["gap_ms"] < 5.0 < lines[2]["gap_ms"]
+    assert all(0 <= x["host_prep_ms"] <= x["host_launch_ms"] for x in lines)

@@ -14,7 +14,7 @@ from ..protocol.messages import Plan, PromptLogprobs, StepResult
 from .batch import InputPatch, prompt_logprob_rows, sample_rows
 from .pipeline import LaunchedStep
 from .sampler import SamplingBatch, prompt_logprobs, sample
-from .sampling_results import prompt_entries, sampled_entries, token_entries
+from .sampling_results import copy_to_host, prompt_entries, sampled_entries
 from .step_log import DeviceMarks, StepLog
 
 
@@ -113,7 +113,7 @@ class ModelExecutor:
         sb = SamplingBatch.from_plan(plan, self.device, patch) if n_sample else None
         graph = self.graphs is not None and self.graphs.fits(plan)
         if marks is not None:
-            marks.forward.record()
+            marks.forward_queued()
         if graph:
             # A decode step: one row per request, all sampling. The rows stay in the graphs' output
             # buffer (model dtype): the sampler below reads them on this stream before the next
@@ -137,14 +137,12 @@ class ModelExecutor:
         step.logits = logits if prompt_rows else None
         if n_sample:
             step.sampled = sample(logits[:n_sample], sb)
-            if self.device.type == "cuda" and not (sb.top_logprobs >= 0).any() and not prompt_rows:
-                # Tokens only: one copy to pinned memory, waited for in finish(), not here.
-                step.tokens_host = torch.empty(n_sample, dtype=torch.int64, pin_memory=True)
-                step.tokens_host.copy_(step.sampled.tokens, non_blocking=True)
-                step.copied = torch.cuda.Event()
-                step.copied.record()
+            if self.device.type == "cuda" and not prompt_rows:
+                # The tokens (and logprobs where asked) go to pinned memory, waited for in
+                # finish(), not here: the worker can queue the next step first.
+                step.host, step.copied = copy_to_host(step.sampled, bool((sb.top_logprobs >= 0).any()))
         if marks is not None:
-            marks.end.record()
+            marks.end_queued()
         return step
 
     def finish(self, step: LaunchedStep) -> StepResult:
@@ -155,10 +153,11 @@ class ModelExecutor:
             return result
         if step.sampled is not None:
             if step.copied is not None:
+                waited = time.perf_counter()
                 step.copied.synchronize()
-                result.sampled = token_entries(plan, step.tokens_host.numpy())
-            else:
-                result.sampled = sampled_entries(plan, step.sb, step.sampled)
+                if step.marks is not None:
+                    step.marks.host["wait"] = time.perf_counter() - waited
+            result.sampled = sampled_entries(plan, step.sb, step.host if step.host is not None else step.sampled)
         row = step.sb.num_rows if step.sb is not None else 0
         for i, token_rows in step.prompt_rows:
             result.prompt_logprobs.append(self._prompt_logprobs(plan, i, step.logits[row : row + len(token_rows)]))

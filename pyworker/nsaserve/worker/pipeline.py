@@ -17,8 +17,8 @@ only the device has yet. Here they stay on the device:
 
 What the router sees is unchanged: one result per step, in order. A reference is checked on the
 host as before (it must name a row of the previous step that samples for the same request); a bad
-one fails its request alone. Steps that return logprobs are finished before the next launch (their
-copies back are several). Under data-parallel attention each rank patches the inputs of its own
+one fails its request alone. Steps that return prompt logprobs are finished before the next launch
+(their logits are read after it). Under data-parallel attention each rank patches the inputs of its own
 requests (InputPatch.for_requests). Not used by executors without launch/finish (the null executor).
 """
 
@@ -48,17 +48,17 @@ class LaunchedStep:
     prompt_rows: list = field(default_factory=list)  # prompt-logprob rows (batch.prompt_logprob_rows)
     on_cpu: bool = False  # the step ran on the CPU: launch() returned after all of its work
     logits: torch.Tensor | None = None  # kept only for prompt logprobs
-    sampled: object | None = None  # SampleOutput
-    tokens_host: torch.Tensor | None = None  # pinned copy of the sampled tokens (tokens-only steps)
-    copied: object | None = None  # torch.cuda.Event after that copy
+    sampled: object | None = None  # SampleOutput on the device (the next step's input patch reads its tokens)
+    host: object | None = None  # on CUDA, its pinned host copy (sampling_results.copy_to_host)
+    copied: object | None = None  # torch.cuda.Event after the copy to the host (sampling_results.copy_to_host)
     marks: object | None = None  # step_log.DeviceMarks, when a step log is kept on CUDA
 
     @property
     def can_wait(self) -> bool:
         """Whether finishing it later, after the next launch, costs nothing: only rank 0 waits for
-        anything, and a tokens-only step's wait is one event (a step with logprobs copies several
-        tensors back, which would wait for the next step's work too). On the CPU every launch has
-        already run, so any step can."""
+        anything, and a step whose outputs were copied to the host at launch waits for one event
+        (a step with prompt logprobs reads its logits after the launch, which would wait for the
+        next step's work too). On the CPU every launch has already run, so any step can."""
         return not self.is_rank0 or self.copied is not None or self.on_cpu
 
     def done(self) -> bool:

@@ -33,6 +33,26 @@ def sampled_entries(plan: Plan, sb: SamplingBatch, out: SampleOutput) -> list[tu
     return entries
 
 
+def copy_to_host(out: SampleOutput, with_logprobs: bool) -> tuple[SampleOutput, torch.cuda.Event]:
+    """Starts copying a CUDA step's sampler output to pinned host memory, queued behind the
+    sampler; returns the host copy and an event that marks the copies done. With the copies
+    queued at launch, waiting for them later waits for this step alone, not for work queued after
+    it (worker/pipeline.py launches the next step before it finishes this one). Without
+    logprobs only the tokens cross (the other fields are left on the device, unread)."""
+
+    def pinned(t: torch.Tensor) -> torch.Tensor:
+        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        return host.copy_(t, non_blocking=True)
+
+    if with_logprobs:
+        host = SampleOutput(pinned(out.tokens), pinned(out.logprobs), pinned(out.top_ids), pinned(out.top_logprobs))
+    else:
+        host = SampleOutput(pinned(out.tokens), out.logprobs, out.top_ids, out.top_logprobs)
+    copied = torch.cuda.Event()
+    copied.record()
+    return host, copied
+
+
 def token_entries(plan: Plan, tokens: np.ndarray) -> list[tuple[int, int, None]]:
     """(request id, token, None) per sampling row, from the sampled tokens already on the host."""
     req_ids = plan.req_ids[np.flatnonzero(plan.sample)]

@@ -16,7 +16,9 @@ the device's own timeline from events recorded around the step's queued work: "g
 its forward (the forward's own input uploads first) to the end of its sampling, "prep_ms" before
 that (the sampling parameters' uploads), and "gap_ms" from the end of the previous step's
 work to the start of this one's (the device idled for want of this launch, or ~0 when it was
-queued in time). In a steady pipeline "ms" is about gap + prep + gpu: this tells a slow step
+queued in time); and the host's side: "host_prep_ms" from the launch's start to its forward being
+queued, "host_launch_ms" to the end of the launch (sampling queued), "host_wait_ms" what finishing
+the step waited for its results. In a steady pipeline "ms" is about gap + prep + gpu: this tells a slow step
 (gpu_ms) from a late host (gap_ms)}.
 
 idx and sel are what a decode step's memory roofline needs (the indexer reads every cached key
@@ -46,6 +48,17 @@ class DeviceMarks:
 
         self.start, self.forward, self.end = (torch.cuda.Event(enable_timing=True) for _ in range(3))
         self.start.record()
+        # The host's side of the same moments (perf_counter seconds), so a step log tells host
+        # work that keeps the device waiting from the device's own work.
+        self.host = {"start": time.perf_counter()}
+
+    def forward_queued(self) -> None:
+        self.forward.record()
+        self.host["forward"] = time.perf_counter()
+
+    def end_queued(self) -> None:
+        self.end.record()
+        self.host["end"] = time.perf_counter()
 
 
 class StepLog:
@@ -79,6 +92,12 @@ class StepLog:
         if self._last_end is not None:
             times["gap_ms"] = round(self._last_end.elapsed_time(marks.start), 3)
         self._last_end = marks.end  # steps are recorded in launch order
+        h = marks.host
+        if "forward" in h and "end" in h:
+            times["host_prep_ms"] = round((h["forward"] - h["start"]) * 1e3, 3)
+            times["host_launch_ms"] = round((h["end"] - h["start"]) * 1e3, 3)
+        if "wait" in h:
+            times["host_wait_ms"] = round(h["wait"] * 1e3, 3)
         return times
 
     def record(self, plan, step_ms: float, graph: bool = False, marks: DeviceMarks | None = None) -> None:
