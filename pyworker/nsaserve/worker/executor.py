@@ -1,8 +1,8 @@
 """Step executors: what a worker does with a validated plan.
 
 - `ModelExecutor` runs the model and the sampler (the real thing);
-- `NullExecutor` returns deterministic tokens at once, without a model. It exists to measure the
-  router alone (`--model-executor null`); it is never a default.
+- `NullExecutor` returns deterministic tokens (and logprobs where asked) at once, without a
+  model. It exists to measure the router alone (`--model-executor null`); it is never a default.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Protocol
 
 import numpy as np
 
-from ..protocol.messages import Plan, StepResult
+from ..protocol.messages import Plan, StepResult, TokenLogprobs
 
 
 class StepExecutor(Protocol):
@@ -43,5 +43,13 @@ class NullExecutor:
         last = plan.query_start[1:].astype(np.int64) - 1
         rows = np.flatnonzero(plan.sample)
         toks = (31 * plan.input_ids[last[rows]].astype(np.int64) + plan.positions[last[rows]] + 1) % self.vocab_size
-        sampled = [(int(plan.req_ids[i]), int(t), None) for i, t in zip(rows, toks)]
+        sampled = [(int(plan.req_ids[i]), int(t), self._logprobs(int(plan.top_logprobs[i]), int(t))) for i, t in zip(rows, toks)]
         return StepResult(step=plan.step, sampled=sampled, forward_ms=(time.perf_counter() - t0) * 1e3)
+
+    def _logprobs(self, n: int, token: int) -> TokenLogprobs | None:
+        """Made-up but well-formed logprobs, so the router's logprobs path is measured too: the
+        token at -0.5, then the next n ids at falling logprobs (at most the vocabulary, as the real
+        sampler returns). None where none were asked."""
+        if n < 0:
+            return None
+        return TokenLogprobs(-0.5, [((token + j) % self.vocab_size, -0.5 - j) for j in range(min(n, self.vocab_size))])
