@@ -16,7 +16,7 @@ from model_helpers import make_checkpoint
 
 from nsaserve.model.runner import ModelRunner
 from nsaserve.protocol.builder import RequestSpec, SamplingSpec, build_plan
-from nsaserve.protocol.messages import SHUTDOWN, encode_plan
+from nsaserve.protocol.messages import SHUTDOWN, encode_plan, unpack
 from nsaserve.worker.batch import InputPatch
 from nsaserve.worker.main import run_plan, serve_pipelined
 from nsaserve.worker.model_executor import ModelExecutor
@@ -111,9 +111,9 @@ class CountingExecutor:
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
-    def launch(self, plan, is_rank0, patch=None):
+    def launch(self, plan, is_rank0, patch=None, after_forward=None):
         self.calls.append(("launch", plan.step))
-        return self.inner.launch(plan, is_rank0, patch)
+        return self.inner.launch(plan, is_rank0, patch, after_forward)
 
     def finish(self, step):
         self.calls.append(("finish", step.plan.step))
@@ -276,3 +276,28 @@ def test_a_step_failing_at_finish_fails_its_requests_alone():
     result = finish_step(Failing(), step, [(7, "invalid plan: x")])
     assert result.step == 1 and [rid for rid, _ in result.errors] == [7, 1, 2]
     assert "copy failed" in result.errors[1][1]
+
+
+def test_the_previous_result_goes_out_before_the_next_steps_sampling_is_built(executor, monkeypatch):
+    """Step N's result is sent as soon as N+1's forward is queued: the router can plan N+2
+    while the host still builds N+1's sampling (on a GPU, while the device runs N+1's forward)."""
+    from nsaserve.worker import model_executor
+
+    events = []
+    built = model_executor.SamplingBatch.from_plan
+
+    def logged(plan, device, patch=None):
+        events.append(("sampling", plan.step))
+        return built(plan, device, patch)
+
+    monkeypatch.setattr(model_executor.SamplingBatch, "from_plan", staticmethod(logged))
+    queue = deque(plans() + [SHUTDOWN])
+    counting = CountingExecutor(executor)
+
+    def send(data):
+        events.append(("sent", unpack(data)["step"]))
+
+    serve_pipelined(queue.popleft, lambda: bool(queue), send, counting, True, [0])
+    assert events.index(("sent", 1)) < events.index(("sampling", 2))
+    assert events.index(("sent", 2)) < events.index(("sampling", 3))
+    assert [e for e in events if e[0] == "sent"] == [("sent", s) for s in range(1, 7)]

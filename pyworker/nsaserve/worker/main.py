@@ -194,12 +194,15 @@ def run_plan(
 
 
 def launch_plan(
-    data: bytes, executor, is_rank0: bool, refs: DeviceRefs, before_launch=None
+    data: bytes, executor, is_rank0: bool, refs: DeviceRefs, before_launch=None, after_forward=None
 ) -> tuple[str, object, list, int]:
     """The pipelined counterpart of run_plan: one received message -> ("shutdown", None, [], -1),
     ("result", StepResult, [], step) when nothing was launched (an unreadable or empty plan, or a
     launch that failed), or ("launched", LaunchedStep, validation errors, step).
-    before_launch(plan): called with the plan about to be launched, before its launch."""
+    before_launch(plan): called with the plan about to be launched, before its launch;
+    after_forward(): called by the launch once the forward is queued (executor.launch). Neither
+    is called when nothing is launched. An exception from after_forward is raised here, after the
+    launch, not taken for the step's own failure."""
     try:
         received = receive_plan(data, executor)
         if received is None:
@@ -215,12 +218,24 @@ def launch_plan(
         return "result", StepResult(step=full.step, errors=errors), [], full.step
     if before_launch is not None:
         before_launch(runnable)
+    hook_errors: list[BaseException] = []
+
+    def hook() -> None:
+        try:
+            after_forward()
+        except BaseException as e:  # noqa: BLE001 - raised again below, outside the launch's own handling
+            hook_errors.append(e)
+
     try:
-        step = executor.launch(runnable, is_rank0, patch)
+        step = executor.launch(runnable, is_rank0, patch, after_forward=hook if after_forward is not None else None)
     except Exception as e:  # a failing step fails its requests, not the worker
+        if hook_errors:
+            raise hook_errors[0] from None
         refs.record(full, runnable, None)
         failed = failed_step(e, full.step, runnable.req_ids)
         return "result", StepResult(step=full.step, errors=errors + failed), [], full.step
+    if hook_errors:
+        raise hook_errors[0]
     refs.record(full, runnable, step)
     return "launched", step, errors, full.step
 
@@ -255,19 +270,22 @@ def serve_pipelined(recv, plan_waiting, send, executor, is_rank0: bool, progress
     def finish_first_unless_quick(plan) -> None:
         # A slow launch (on the CPU, one that runs the whole step) would hold N's tokens back
         # for its whole length, and with them the router's next plan.
+        if not quick(plan):
+            finish_pending()
+
+    def finish_pending() -> None:
+        # Called as soon as N+1's forward is queued (before its sampling's host work), so N's
+        # result goes out as early as N's device work allows.
         nonlocal pending
-        if pending is not None and not quick(plan):
+        if pending is not None:
             out(finish_step(executor, *pending))
             pending = None
 
     while True:
         if pending is not None and not wait_for_plan_or_done(plan_waiting, pending[0]):
-            out(finish_step(executor, *pending))  # no plan before N was done: the router waits for N
-            pending = None
-        kind, what, errors, _ = launch_plan(recv(), executor, is_rank0, refs, finish_first_unless_quick)
-        if pending is not None:
-            out(finish_step(executor, *pending))
-            pending = None
+            finish_pending()  # no plan before N was done: the router waits for N
+        kind, what, errors, _ = launch_plan(recv(), executor, is_rank0, refs, finish_first_unless_quick, finish_pending)
+        finish_pending()  # when nothing was launched, or the launch failed before its forward
         if kind == "shutdown":
             return
         if kind == "result":

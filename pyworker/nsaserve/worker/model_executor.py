@@ -100,17 +100,14 @@ class ModelExecutor:
         whole step, which would hold the previous step's tokens back for all of it."""
         return self.device.type != "cpu"
 
-    def launch(self, plan: Plan, is_rank0: bool, patch: InputPatch | None = None) -> LaunchedStep:
-        """Queues the step's device work (forward, sampling and, for a tokens-only step, the copy
-        of its tokens to pinned host memory) without waiting for it. patch: input tokens already
-        on the device (the previous step's samples, worker/pipeline.py)."""
+    def launch(self, plan: Plan, is_rank0: bool, patch: InputPatch | None = None, after_forward=None) -> LaunchedStep:
+        """Queues the step's device work (forward, sampling and the copy of its tokens, and
+        logprobs where asked, to pinned host memory) without waiting for it. patch: input tokens
+        already on the device (the previous step's samples, worker/pipeline.py). after_forward():
+        called once the forward is queued, before the sampling's host work; the pipelined loop
+        sends the previous step's result there, so it reaches the router that much sooner."""
         t0 = time.perf_counter()
         marks = DeviceMarks() if self.step_log is not None and is_rank0 and self.device.type == "cuda" else None
-        # The sampling parameters go to the device before the forward is queued: their
-        # host-to-device copies wait for the stream, so built after it they held the host until
-        # the whole forward had run, and the sampler's launches then left the GPU idle.
-        n_sample = len(sample_rows(plan)) if is_rank0 else 0
-        sb = SamplingBatch.from_plan(plan, self.device, patch) if n_sample else None
         graph = self.graphs is not None and self.graphs.fits(plan)
         if marks is not None:
             marks.forward_queued()
@@ -123,6 +120,12 @@ class ModelExecutor:
             logits = self.graphs.run(plan, patch, float32=False)
         else:
             logits = self.runner.forward_plan(plan, patch)
+        if after_forward is not None:
+            after_forward()
+        # The sampling parameters are built while the forward runs: their uploads go through
+        # pinned memory (host_to_device.upload), so nothing here waits for the device.
+        n_sample = len(sample_rows(plan)) if is_rank0 else 0
+        sb = SamplingBatch.from_plan(plan, self.device, patch) if n_sample else None
         prompt_rows = list(prompt_logprob_rows(plan)) if is_rank0 else []
         if graph and prompt_rows:
             logits = logits.float()  # kept past the launch: a copy of its own

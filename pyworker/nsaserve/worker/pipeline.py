@@ -11,7 +11,9 @@ only the device has yet. Here they stay on the device:
 1. launch(N+1) with an InputPatch: the referenced rows' tokens are gathered from step N's sampled
    tokens on the device (a broadcast from rank 0 first, in stream order, under tensor
    parallelism); N+1's forward is queued behind N's sampler;
-2. finish(N): wait for N's tokens (copied to pinned memory at launch) and send N's result;
+2. finish(N) as soon as N+1's forward is queued, before N+1's sampling is built and queued:
+   wait for N's tokens (copied to pinned memory at launch) and send N's result, so the router
+   plans N+2 while the device runs N+1's forward and the host builds N+1's sampling;
 3. while N+1 runs, receive N+2 (or, when none comes before N+1 is done, send N+1's result and
    wait for the router).
 

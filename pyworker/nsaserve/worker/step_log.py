@@ -14,7 +14,7 @@ flush-and-retry passes (a cudaFree of every cached block, a synchronisation) sin
 line, so that slow steps can be told apart from steps that grew the memory pool, and on CUDA
 the device's own timeline from events recorded around the step's queued work: "gpu_ms" from
 its forward (the forward's own input uploads first) to the end of its sampling, "prep_ms" before
-that (the sampling parameters' uploads), and "gap_ms" from the end of the previous step's
+that (the device waiting for the launch to queue its forward), and "gap_ms" from the end of the previous step's
 work to the start of this one's (the device idled for want of this launch, or ~0 when it was
 queued in time); and the host's side: "host_prep_ms" from the launch's start to its forward being
 queued, "host_launch_ms" to the end of the launch (sampling queued), "host_wait_ms" what finishing
