@@ -4,8 +4,9 @@
 //!
 //! cargo bench --bench plan_codec -- [--json PATH] [--history N]
 //!
-//! `--history N`: every request has a repetition penalty and N tokens of history, which each plan
-//! carries whole (the case a penalised workload pays for every step).
+//! `--history N`: every request has a repetition penalty and its plan carries N tokens of history:
+//! its whole history on its first sampling step (N = its context), one token on a decode step
+//! after that (N = 1; the workers keep the rest since protocol version 4).
 
 use std::time::Instant;
 
@@ -49,6 +50,9 @@ fn decode_plan(history: usize) -> BatchPlan {
                     .map(|t| (t * 7 + i as i32) % 150_000)
                     .collect(),
                 history_prompt_len: (history / 2) as i32,
+                // The whole history, as on a request's first sampling step; later plans carry
+                // only the tokens since (one a decode step).
+                history_reset: history > 0,
             }
         })
         .collect();
@@ -56,6 +60,7 @@ fn decode_plan(history: usize) -> BatchPlan {
         step: 1,
         page_size: PAGE,
         requests,
+        released: Vec::new(),
     }
 }
 

@@ -73,6 +73,7 @@ fn plan_from_json(c: &Value) -> BatchPlan {
                 },
                 history: ints(&q["history"]),
                 history_prompt_len: q["history_prompt_len"].as_i64().unwrap() as i32,
+                history_reset: q["history_reset"].as_bool().unwrap(),
             }
         })
         .collect();
@@ -80,6 +81,12 @@ fn plan_from_json(c: &Value) -> BatchPlan {
         step: c["step"].as_u64().unwrap(),
         page_size: c["page_size"].as_u64().unwrap() as u32,
         requests,
+        released: c["released"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_u64().unwrap())
+            .collect(),
     }
 }
 

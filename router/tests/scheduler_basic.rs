@@ -330,6 +330,29 @@ fn stop_tokens_and_max_new_tokens_finish_requests() {
     assert_eq!(out[&2].finish.unwrap(), (FinishReason::Length, 5, 0, 0));
 }
 
+/// What rank 0 holds as penalty histories, rebuilt from plans as the worker does
+/// (worker/penalty_history.py): `released` drops, a reset replaces, anything else extends.
+#[derive(Default)]
+struct HeldHistories(HashMap<u64, Vec<i32>>);
+
+impl HeldHistories {
+    fn apply(&mut self, plan: &nsaserve_router::protocol::BatchPlan) {
+        for id in &plan.released {
+            self.0.remove(id);
+        }
+        for r in &plan.requests {
+            if r.history_reset {
+                self.0.insert(r.id, r.history.clone());
+            } else if !r.history.is_empty() {
+                self.0
+                    .get_mut(&r.id)
+                    .expect("a history extended without a reset first")
+                    .extend(&r.history);
+            }
+        }
+    }
+}
+
 #[test]
 fn history_goes_only_to_requests_with_penalties_and_prompt_logprobs_arrive_once() {
     let mut cfg = config(4, 64);
@@ -344,19 +367,32 @@ fn history_goes_only_to_requests_with_penalties_and_prompt_logprobs_arrive_once(
     };
     with_penalty.prompt_logprobs = true;
     s.submit(1, with_penalty.clone()).unwrap();
-    s.submit(2, request(seq(6, 0), 3, vec![])).unwrap();
+    // Outlives request 1, so a plan after request 1 ends says it is released.
+    s.submit(2, request(seq(6, 0), 6, vec![])).unwrap();
+    let mut held = HeldHistories::default();
+    let (mut resets, mut released) = (0, false);
     for n in 0.. {
         let Some(plan) = s.schedule(n) else { break };
+        held.apply(&plan);
+        released |= plan.released.contains(&1);
+        assert!(
+            plan.released.iter().all(|&id| id == 1),
+            "only a penalised request holds a history"
+        );
         for r in &plan.requests {
-            let expect_history = r.id == 1 && r.sample;
-            assert_eq!(
-                !r.history.is_empty(),
-                expect_history,
-                "request {} step {n}",
-                r.id
-            );
-            if expect_history {
-                assert_eq!(r.history.len() as i32, r.seq_len());
+            let wants = r.id == 1 && r.sample;
+            if !wants {
+                assert!(
+                    r.history.is_empty() && !r.history_reset,
+                    "request {} step {n}",
+                    r.id
+                );
+            } else {
+                resets += r.history_reset as u32;
+                // The whole history once, then only what is new: one token a decode step.
+                assert!(r.history_reset || r.history.len() <= 1, "step {n}");
+                assert_eq!(held.0[&1].len() as i32, r.seq_len(), "step {n}");
+                assert_eq!(held.0[&1][..6], seq(6, 0));
                 assert_eq!(r.history_prompt_len, 6);
             }
             assert_eq!(r.prompt_logprobs, r.id == 1 && r.cached_len < 6);
@@ -364,14 +400,23 @@ fn history_goes_only_to_requests_with_penalties_and_prompt_logprobs_arrive_once(
         let res = exec.run(&plan);
         record(&mut out, s.on_result(&plan, &res));
     }
+    assert_eq!(resets, 1);
+    assert!(
+        released,
+        "request 1 ended before request 2 and was released"
+    );
     check_outcome(1, &with_penalty, &out[&1], cfg.max_context);
+    assert!(
+        !held.0.contains_key(&1),
+        "its history was dropped once it ended"
+    );
 }
 
 #[test]
 fn penalised_requests_are_planned_ahead_with_the_history_they_know() {
     // Overlap: step 1 is planned before step 0's result. The penalised request runs its pending
-    // token by reference like any other; its history is the tokens known so far (the pending one
-    // is the worker's to add), and its prompt length is unchanged.
+    // token by reference like any other; the history the worker holds is the tokens known so far
+    // (the pending one is the worker's to add), and its prompt length is unchanged.
     let cfg = config(4, 64);
     let mut s = Scheduler::new(cfg.clone());
     let mut exec = FakeExecutor::new(&cfg);
@@ -382,22 +427,41 @@ fn penalised_requests_are_planned_ahead_with_the_history_they_know() {
         ..Default::default()
     };
     s.submit(1, penalised.clone()).unwrap();
+    let mut held = HeldHistories::default();
     let first = s.schedule(0).unwrap();
-    assert_eq!(first.requests[0].history, seq(6, 0));
+    held.apply(&first);
+    assert!(first.requests[0].history_reset);
+    assert_eq!(held.0[&1], seq(6, 0));
     let second = s.schedule(1).unwrap();
+    held.apply(&second);
     let r = &second.requests[0];
     assert_eq!((r.id, r.input_prev_row, r.cached_len), (1, 0, 6));
-    assert_eq!(r.history, seq(6, 0));
+    // Nothing new is known yet: no tokens, no reset.
+    assert!(r.history.is_empty() && !r.history_reset);
+    assert_eq!(held.0[&1], seq(6, 0));
     assert_eq!(r.history_prompt_len, 6);
-    assert_eq!(r.history.len() as i32, r.seq_len() - 1);
+    assert_eq!(held.0[&1].len() as i32, r.seq_len() - 1);
     record(&mut out, s.on_result(&first, &exec.run(&first)));
     record(&mut out, s.on_result(&second, &exec.run(&second)));
     s.check_invariants().unwrap();
     let mut n = 2;
-    while step(&mut s, &mut exec, n, &mut out) {
+    while let Some(plan) = s.schedule(n) {
+        held.apply(&plan);
+        for r in plan.requests.iter().filter(|r| r.sample) {
+            let pending = (r.input_prev_row >= 0) as i32;
+            assert_eq!(
+                held.0[&r.id].len() as i32,
+                r.seq_len() - pending,
+                "step {n}"
+            );
+        }
+        record(&mut out, s.on_result(&plan, &exec.run(&plan)));
         n += 1;
     }
     check_outcome(1, &penalised, &out[&1], cfg.max_context);
+    let mut whole = seq(6, 0);
+    whole.extend(&out[&1].tokens[..out[&1].tokens.len() - 1]);
+    assert_eq!(held.0[&1], whole[..held.0[&1].len()]);
 }
 
 #[test]

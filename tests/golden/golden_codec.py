@@ -34,10 +34,11 @@ def plan_from_json(c: dict):
             sampling=SamplingSpec(**q["sampling"]),
             history=q["history"],
             history_prompt_len=q["history_prompt_len"],
+            history_reset=q["history_reset"],
         )
         for q in c["requests"]
     ]
-    return build_plan(c["step"], c["page_size"], reqs)
+    return build_plan(c["step"], c["page_size"], reqs, c["released"])
 
 
 def result_from_json(c: dict) -> StepResult:

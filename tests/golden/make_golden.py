@@ -19,7 +19,7 @@ PAGE = 4  # a small page size keeps the vectors readable
 
 
 def req(
-    id, input_ids, cached_len, pages, *, sample=True, prompt_logprobs=False, next_prompt_token=-1, input_prev_row=-1, history=(), history_prompt_len=0, **sampling
+    id, input_ids, cached_len, pages, *, sample=True, prompt_logprobs=False, next_prompt_token=-1, input_prev_row=-1, history=(), history_prompt_len=0, history_reset=False, **sampling
 ):
     slots = [pages[(cached_len + k) // PAGE] * PAGE + (cached_len + k) % PAGE for k in range(len(input_ids))]
     return {
@@ -34,6 +34,7 @@ def req(
         "input_prev_row": input_prev_row,
         "history": list(history),
         "history_prompt_len": history_prompt_len,
+        "history_reset": history_reset,
         "sampling": {
             "temperature": 1.0,
             "top_p": 1.0,
@@ -51,7 +52,7 @@ def req(
 
 
 MESSAGES = {
-    "plan_idle": {"kind": "plan", "step": 0, "page_size": PAGE, "requests": []},
+    "plan_idle": {"kind": "plan", "step": 0, "page_size": PAGE, "requests": [], "released": []},
     "plan_decode": {
         "kind": "plan",
         "step": 41,
@@ -61,7 +62,11 @@ MESSAGES = {
             req(2**40 + 3, [500], 8, [1, 2, 6], temperature=0.7, top_p=0.9, top_k=40, seed=1234, top_logprobs=2),
             # Planned while step 40 ran (overlap): its input is what row 3 of step 40 samples.
             req(12, [-1], 6, [4, 11], input_prev_row=3),
+            # Penalised, its history sent before: only the token since (the workers hold the rest).
+            req(13, [8], 9, [12, 13, 14], repetition_penalty=1.2, history=[8], history_prompt_len=4),
         ],
+        # Requests that ended since step 40: the workers drop their histories.
+        "released": [5, 2**40 + 9],
     },
     # The founding crash's batch: a prefix-cached prefill, a fresh prefill (no cached prefix,
     # yet every field present) and a decode in one step, plus a non-final chunk that samples
@@ -73,8 +78,9 @@ MESSAGES = {
         "requests": [
             req(1, [5, 6, 7], 8, [0, 4, 10], prompt_logprobs=True, top_logprobs=0),
             req(2, [1, 2, 3, 4, 5, 6], 0, [5, 8], sample=False, prompt_logprobs=True, next_prompt_token=77),
-            req(3, [9], 2, [7], repetition_penalty=1.1, frequency_penalty=0.5, presence_penalty=-0.25, history=[4, 4, 9], history_prompt_len=2, min_p=0.05, logit_bias=[[4, -2.5], [9, 100.0]]),
+            req(3, [9], 2, [7], repetition_penalty=1.1, frequency_penalty=0.5, presence_penalty=-0.25, history=[4, 4, 9], history_prompt_len=2, history_reset=True, min_p=0.05, logit_bias=[[4, -2.5], [9, 100.0]]),
         ],
+        "released": [],
     },
     "result": {
         "kind": "result",
@@ -90,7 +96,7 @@ MESSAGES = {
         "forward_ms": 1.5,
     },
     "result_empty": {"kind": "result", "step": 9, "sampled": [], "prompt_logprobs": [], "errors": [], "forward_ms": 0.0},
-    "hello": {"kind": "hello", "version": 3, "rank": 1, "tp_size": 2, "pid": 4242, "model_id": "embedded", "num_pages": 1024, "page_size": 64, "max_context": 4096, "vocab_size": 512},
+    "hello": {"kind": "hello", "version": 4, "rank": 1, "tp_size": 2, "pid": 4242, "model_id": "embedded", "num_pages": 1024, "page_size": 64, "max_context": 4096, "vocab_size": 512},
     "heartbeat": {"kind": "heartbeat", "rank": 0, "step": 77},
     "fatal": {"kind": "fatal", "rank": 1, "message": "model path /nonexistent does not exist"},
     "shutdown": {"kind": "shutdown"},

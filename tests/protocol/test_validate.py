@@ -221,3 +221,25 @@ def test_dp_attention_fails_only_a_request_straddling_ranks():
     # Past the last rank's pool is outside the pool.
     _, errors = validate_plan(build_plan(1, PS, [RequestSpec(1, [1], 0, [2 * POOL])]), POOL, dp_size=2)
     assert "outside the pool of 64 pages" in errors[0][1]
+
+
+def test_history_fields_fail_only_their_request_and_released_ids_survive_selection():
+    plan = build_plan(
+        3,
+        PS,
+        [
+            RequestSpec(1, [7], 6, [0, 1], history=[4, 5], history_prompt_len=9, history_reset=False),  # a delta: fine
+            RequestSpec(2, [7], 6, [2, 3], history=[4, 5], history_prompt_len=3, history_reset=True),  # beyond the whole history
+            RequestSpec(3, [7], 6, [4, 5], history=[4], history_prompt_len=1),
+            RequestSpec(4, [7], 6, [6, 7], history_prompt_len=-1, history_reset=False),
+        ],
+        released=[11, 2**40],
+    )
+    reset = plan.history_reset.copy()
+    reset[2] = 2  # neither 0 nor 1
+    plan = replace(plan, history_reset=reset)
+    runnable, errors = validate_plan(plan_from_msg(unpack(encode_plan(plan))), POOL)
+    assert [e[0] for e in errors] == [2, 3, 4], errors
+    assert "history_reset" in dict(errors)[3] and "history_prompt_len" in dict(errors)[2]
+    assert list(runnable.req_ids) == [1] and runnable.history.tolist() == [4, 5]
+    assert runnable.released.tolist() == [11, 2**40]

@@ -216,7 +216,8 @@ def damage(spec: RequestSpec, how: str, rng: random.Random, vocab: int) -> Reque
             sampling=replace(s, repetition_penalty=1.3, presence_penalty=0.5),
         )
     if how == "history_prompt_len out of range":
-        return replace(spec, history_prompt_len=rng.choice([len(spec.history) + 1, -1, HUGE]))
+        # Beyond the history is checkable only when the plan sends the whole history (a reset).
+        return replace(spec, history_prompt_len=rng.choice([len(spec.history) + 1, -1, HUGE]), history_reset=True)
     if how == "broken sampling numbers":
         return replace(
             spec,

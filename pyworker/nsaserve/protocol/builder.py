@@ -41,6 +41,16 @@ class RequestSpec:
     sampling: SamplingSpec = field(default_factory=SamplingSpec)
     history: Sequence[int] = ()
     history_prompt_len: int = 0
+    # Whether `history` is the whole history (replacing what the worker holds) or only the tokens
+    # since the last plan that sent some. None: whole when the request has a history or a
+    # penalty, as the router sends it the first time.
+    history_reset: bool | None = None
+
+    def resets_history(self) -> bool:
+        if self.history_reset is not None:
+            return self.history_reset
+        s = self.sampling
+        return bool(self.history) or s.repetition_penalty != 1.0 or s.frequency_penalty != 0.0 or s.presence_penalty != 0.0
 
 
 def slots_for(cached_len: int, n_new: int, pages: Sequence[int], page_size: int) -> list[int]:
@@ -52,7 +62,7 @@ def _offsets(lengths: list[int]) -> np.ndarray:
     return np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)]).astype(I32)
 
 
-def build_plan(step: int, page_size: int, requests: Sequence[RequestSpec]) -> Plan:
+def build_plan(step: int, page_size: int, requests: Sequence[RequestSpec], released: Sequence[int] = ()) -> Plan:
     r = list(requests)
     slots = [
         list(q.out_slots) if q.out_slots is not None else slots_for(q.cached_len, len(q.input_ids), q.pages, page_size)
@@ -95,7 +105,9 @@ def build_plan(step: int, page_size: int, requests: Sequence[RequestSpec]) -> Pl
         history_start=_offsets([len(q.history) for q in r]),
         history=flat(q.history for q in r),
         history_prompt_lens=col(lambda q: q.history_prompt_len, I32),
+        history_reset=col(lambda q: q.resets_history(), U8),
         bias_start=_offsets([len(q.sampling.logit_bias) for q in r]),
         bias_token=flat([t for t, _ in q.sampling.logit_bias] for q in r),
         bias_value=np.array([b for q in r for _, b in q.sampling.logit_bias], dtype=F32),
+        released=np.array(list(released), dtype=U64),
     )

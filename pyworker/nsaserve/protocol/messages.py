@@ -14,7 +14,7 @@ import numpy as np
 
 from .arrays import F32, I32, U8, U64, ProtocolError, to_bin, view
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 
 MODES = ("idle", "prefill", "decode", "mixed")
 
@@ -50,14 +50,19 @@ class Plan:
     seed: np.ndarray  # u64 [n]
     has_seed: np.ndarray  # u8 [n]
     top_logprobs: np.ndarray  # i32 [n], -1 = no logprobs
+    # Penalty histories. A request's segment extends what rank 0 holds for it from earlier
+    # plans, or replaces it where history_reset is 1 (worker/penalty_history.py).
     history_start: np.ndarray  # i32 [n+1]
     history: np.ndarray  # i32 [H]
-    history_prompt_lens: np.ndarray  # i32 [n]
+    history_prompt_lens: np.ndarray  # i32 [n], prompt tokens among the request's whole history
+    history_reset: np.ndarray  # u8 [n]
     # OpenAI's logit_bias: (token, bias) pairs added to the raw logits before the penalties,
     # ids distinct and ascending per request.
     bias_start: np.ndarray  # i32 [n+1], offsets into bias_token / bias_value
     bias_token: np.ndarray  # i32 [B]
     bias_value: np.ndarray  # f32 [B]
+    # Requests that left since the previous plan: their held histories can go.
+    released: np.ndarray  # u64 [R]
 
     @property
     def num_reqs(self) -> int:
@@ -95,9 +100,11 @@ PLAN_ARRAYS: tuple[tuple[str, np.dtype], ...] = (
     ("history_start", I32),
     ("history", I32),
     ("history_prompt_lens", I32),
+    ("history_reset", U8),
     ("bias_start", I32),
     ("bias_token", I32),
     ("bias_value", F32),
+    ("released", U64),
 )
 
 

@@ -39,6 +39,7 @@ PER_REQUEST = (
     "has_seed",
     "top_logprobs",
     "history_prompt_lens",
+    "history_reset",
 )
 # offsets field -> the flat arrays it indexes
 OFFSETS = {
@@ -115,8 +116,11 @@ def request_faults(plan: Plan, num_pages: int, vocab_size: int | None = None, dp
     neg = np.bincount(np.repeat(np.arange(n), qlen)[plan.input_ids < 0], minlength=n) > 0
     flag(refs & ((qlen != 1) | ~neg), "input_prev_row needs exactly one input token, -1")
     flag(~refs & neg, "a negative input token")
+    reset = plan.history_reset != 0
+    flag(plan.history_reset > 1, "history_reset other than 0 and 1")
+    # Only a reset carries the whole history to check the prompt length against.
     flag(
-        (plan.history_prompt_lens < 0) | (plan.history_prompt_lens > np.diff(plan.history_start)),
+        (plan.history_prompt_lens < 0) | (reset & (plan.history_prompt_lens > np.diff(plan.history_start))),
         "history_prompt_len out of range",
     )
     bias_req = np.repeat(np.arange(n), np.diff(plan.bias_start))

@@ -147,6 +147,14 @@ def receive_plan(data: bytes, executor) -> tuple[Plan, Plan, list[tuple[int, str
     return full, runnable, errors
 
 
+def release_histories(executor, plan: Plan) -> None:
+    """A plan none of whose requests runs still names requests whose penalty histories can go
+    (an executor that keeps them does it in its launch otherwise)."""
+    histories = getattr(executor, "histories", None)
+    if histories is not None:
+        histories.release(plan.released)
+
+
 def unreadable(e: Exception) -> StepResult:
     """The answer to a plan that could not be read: the router fails every request of the step it
     has in flight (it knows them; we could not read them)."""
@@ -183,6 +191,8 @@ def run_plan(
         prev.forget()
         return unreadable(e), 0
     errors += bad_refs
+    if not runnable.num_reqs:
+        release_histories(executor, plan)
     try:
         result = executor.run(runnable, is_rank0) if runnable.num_reqs else StepResult(step=plan.step)
     except Exception as e:  # a failing step fails its requests, not the worker
@@ -214,6 +224,7 @@ def launch_plan(
         return "result", unreadable(e), [], 0
     errors += bad_refs
     if not runnable.num_reqs:
+        release_histories(executor, full)
         refs.record(full, runnable, None)
         return "result", StepResult(step=full.step, errors=errors), [], full.step
     if before_launch is not None:

@@ -12,6 +12,7 @@ import torch
 from ..model.dense_prefill import dense_prefill_on
 from ..protocol.messages import Plan, PromptLogprobs, StepResult
 from .batch import InputPatch, prompt_logprob_rows, sample_rows
+from .penalty_history import PenaltyHistories
 from .pipeline import LaunchedStep
 from .sampler import SamplingBatch, prompt_logprobs, sample
 from .sampling_results import copy_to_host, prompt_entries, sampled_entries
@@ -43,6 +44,7 @@ class ModelExecutor:
         dense = bool(getattr(getattr(runner, "model", None), "dense_prefill", False))
         self.step_log = StepLog.from_env(runner.config.index_topk, dense, device)  # benchmarks only
         self._last_finish = 0.0  # perf_counter() at the last finish()
+        self.histories = PenaltyHistories()  # rank 0's penalty histories (worker/penalty_history.py)
 
     @classmethod
     def from_args(cls, args) -> ModelExecutor:
@@ -124,14 +126,18 @@ class ModelExecutor:
             after_forward()
         # The sampling parameters are built while the forward runs: their uploads go through
         # pinned memory (host_to_device.upload), so nothing here waits for the device.
+        # Every plan goes through the histories on rank 0, in order, sampling or not (its
+        # `released` ids and segments update what is held).
+        whole, history_errors = self.histories.resolve(plan) if is_rank0 else (plan, [])
         n_sample = len(sample_rows(plan)) if is_rank0 else 0
-        sb = SamplingBatch.from_plan(plan, self.device, patch) if n_sample else None
+        sb = SamplingBatch.from_plan(whole, self.device, patch) if n_sample else None
         prompt_rows = list(prompt_logprob_rows(plan)) if is_rank0 else []
         if graph and prompt_rows:
             logits = logits.float()  # kept past the launch: a copy of its own
         step = LaunchedStep(
-            plan=plan, is_rank0=is_rank0, t0=t0, graph=graph, sb=sb, prompt_rows=prompt_rows, on_cpu=self.device.type == "cpu"
-        )
+            plan=plan, is_rank0=is_rank0, t0=t0, graph=graph, sb=sb, prompt_rows=prompt_rows, on_cpu=self.device.type == "cpu",
+            failed=history_errors,
+        )  # fmt: skip
         if not is_rank0:
             return step
         step.marks = marks
@@ -161,6 +167,10 @@ class ModelExecutor:
                 if step.marks is not None:
                     step.marks.host["wait"] = time.perf_counter() - waited
             result.sampled = sampled_entries(plan, step.sb, step.host if step.host is not None else step.sampled)
+        if step.failed:  # their rows were sampled with the rest; their tokens are not sent
+            failed = {r for r, _ in step.failed}
+            result.sampled = [e for e in result.sampled if e[0] not in failed]
+            result.errors += step.failed
         row = step.sb.num_rows if step.sb is not None else 0
         for i, token_rows in step.prompt_rows:
             result.prompt_logprobs.append(self._prompt_logprobs(plan, i, step.logits[row : row + len(token_rows)]))

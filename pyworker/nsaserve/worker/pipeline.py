@@ -49,6 +49,7 @@ class LaunchedStep:
     sb: object | None  # SamplingBatch of rank 0's sampling rows
     prompt_rows: list = field(default_factory=list)  # prompt-logprob rows (batch.prompt_logprob_rows)
     on_cpu: bool = False  # the step ran on the CPU: launch() returned after all of its work
+    failed: list = field(default_factory=list)  # (request, why) failed at launch; their tokens are dropped
     logits: torch.Tensor | None = None  # kept only for prompt logprobs
     sampled: object | None = None  # SampleOutput on the device (the next step's input patch reads its tokens)
     host: object | None = None  # on CUDA, its pinned host copy (sampling_results.copy_to_host)

@@ -39,6 +39,7 @@ import numpy as np
 import torch
 
 from ..protocol.messages import Plan, StepResult
+from .penalty_history import PenaltyHistories
 from .sampler import SamplingBatch, sample
 from .sampling_results import sampled_entries
 
@@ -72,6 +73,7 @@ class ScriptedExecutor:
         self.slot_tokens = np.full(num_pages * page_size, -1, dtype=np.int32)
         self.requests: OrderedDict[int, Assignment] = OrderedDict()
         self._script: dict = {}
+        self.histories = PenaltyHistories()
         self._script_version: tuple = ()
 
     def run(self, plan: Plan, is_rank0: bool) -> StepResult:
@@ -83,6 +85,9 @@ class ScriptedExecutor:
         result.errors += [
             (int(r), "scripted executor: no prompt logprobs without a model") for r in plan.req_ids[no_model]
         ]
+        whole, history_errors = self.histories.resolve(plan) if is_rank0 else (plan, [])
+        result.errors += history_errors
+        failed = {r for r, _ in history_errors}
         targets: dict[int, int] = {}  # request index -> the token its script says comes next
         for i in np.flatnonzero(plan.sample.astype(bool) & ~no_model):
             rid = int(plan.req_ids[i])
@@ -93,12 +98,12 @@ class ScriptedExecutor:
         if targets and is_rank0:
             keep = np.zeros(plan.num_reqs, dtype=np.uint8)
             keep[list(targets)] = 1
-            sub = replace(plan, sample=keep)
+            sub = replace(whole, sample=keep)
             sb = SamplingBatch.from_plan(sub, "cpu")
             logits = torch.zeros((sb.num_rows, self.vocab_size), dtype=torch.float32)
             order = np.flatnonzero(keep)  # sampling rows follow plan order
             logits[torch.arange(len(order)), torch.tensor([targets[int(i)] for i in order])] = MARGIN
-            result.sampled = sampled_entries(sub, sb, sample(logits, sb))
+            result.sampled = [e for e in sampled_entries(sub, sb, sample(logits, sb)) if e[0] not in failed]
         result.forward_ms = (time.perf_counter() - t0) * 1e3
         return result
 

@@ -15,4 +15,4 @@ pub use plan::{BatchPlan, ForwardMode, PlanError, PlannedRequest, SamplingParams
 
 /// Bumped whenever a field is added, removed or changes meaning. A worker whose hello carries
 /// another version is refused at startup with a message naming both versions.
-pub const PROTOCOL_VERSION: u32 = 3;
+pub const PROTOCOL_VERSION: u32 = 4;

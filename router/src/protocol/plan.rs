@@ -109,10 +109,14 @@ pub struct PlannedRequest {
     /// this one). -1 otherwise.
     pub next_prompt_token: i32,
     pub sampling: SamplingParams,
-    /// Prompt and generated tokens so far, sent only when a penalty needs them (else empty).
+    /// Penalty history, only when a penalty needs it (else empty): with `history_reset`, the
+    /// request's prompt and generated tokens so far; without, only those after the tokens an
+    /// earlier plan sent (the workers keep a request's history until `released`).
     pub history: Vec<i32>,
-    /// How many of `history` are prompt tokens (the rest are generated ones).
+    /// How many of the request's whole history are prompt tokens (the rest are generated ones).
     pub history_prompt_len: i32,
+    /// `history` replaces what the workers hold for the request instead of extending it.
+    pub history_reset: bool,
 }
 
 impl PlannedRequest {
@@ -126,6 +130,9 @@ pub struct BatchPlan {
     pub step: u64,
     pub page_size: u32,
     pub requests: Vec<PlannedRequest>,
+    /// Requests that left since the previous plan and had a penalty history on the workers,
+    /// which may now drop it.
+    pub released: Vec<u64>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -141,7 +148,7 @@ pub enum PlanError {
 }
 
 /// Number of keys in a plan message (the fields of `WirePlan`).
-const PLAN_KEYS: u32 = 36;
+const PLAN_KEYS: u32 = 38;
 
 /// The wire form. Field order and names are the protocol; see docs/protocol.md.
 #[derive(Debug, Serialize, Deserialize)]
@@ -179,9 +186,11 @@ struct WirePlan {
     history_start: ByteBuf,
     history: ByteBuf,
     history_prompt_lens: ByteBuf,
+    history_reset: ByteBuf,
     bias_start: ByteBuf,
     bias_token: ByteBuf,
     bias_value: ByteBuf,
+    released: ByteBuf,
 }
 
 /// Writes msgpack directly (the subset a plan needs).
@@ -387,6 +396,7 @@ impl BatchPlan {
             n,
             r.iter().map(|q| q.history_prompt_len),
         );
+        w.array("history_reset", n, r.iter().map(|q| q.history_reset as u8));
         let biases: usize = r.iter().map(|q| q.sampling.logit_bias.len()).sum();
         w.offsets("bias_start", r.iter().map(|q| q.sampling.logit_bias.len()));
         w.array(
@@ -400,6 +410,11 @@ impl BatchPlan {
             biases,
             r.iter()
                 .flat_map(|q| q.sampling.logit_bias.iter().map(|&(_, b)| b)),
+        );
+        w.array(
+            "released",
+            self.released.len(),
+            self.released.iter().copied(),
         );
         Ok(w.finish())
     }
@@ -492,6 +507,11 @@ impl BatchPlan {
         let npt = i32::from_bin("next_prompt_token", &w.next_prompt_token)?;
         let ipr = i32::from_bin("input_prev_row", &w.input_prev_row)?;
         let hpl = i32::from_bin("history_prompt_lens", &w.history_prompt_lens)?;
+        let hreset = u8::from_bin("history_reset", &w.history_reset)?;
+        let released = u64::from_bin("released", &w.released)?;
+        if hreset.iter().any(|&v| v > 1) {
+            return bad("history_reset holds a value other than 0 and 1".into());
+        }
         for (name, len) in [
             ("top_k", top_k.len()),
             ("seed", seed.len()),
@@ -502,6 +522,7 @@ impl BatchPlan {
             ("next_prompt_token", npt.len()),
             ("input_prev_row", ipr.len()),
             ("history_prompt_lens", hpl.len()),
+            ("history_reset", hreset.len()),
         ] {
             if len != n {
                 return bad(format!("{name} has {len} entries for {n} requests"));
@@ -546,12 +567,14 @@ impl BatchPlan {
                 },
                 history: hist[hs[i] as usize..hs[i + 1] as usize].to_vec(),
                 history_prompt_len: hpl[i],
+                history_reset: hreset[i] != 0,
             });
         }
         let plan = BatchPlan {
             step: w.step,
             page_size: w.page_size,
             requests,
+            released,
         };
         if w.mode != plan.mode() {
             return bad(format!(
@@ -626,7 +649,10 @@ impl BatchPlan {
             if r.input_prev_row == -1 && r.input_ids.iter().any(|&t| t < 0) {
                 return bad(format!("request {id}: a negative input token"));
             }
-            if r.history_prompt_len < 0 || r.history_prompt_len as usize > r.history.len() {
+            // Only a reset carries the whole history to check the prompt length against.
+            if r.history_prompt_len < 0
+                || (r.history_reset && r.history_prompt_len as usize > r.history.len())
+            {
                 return bad(format!("request {id}: history_prompt_len out of range"));
             }
             let bias = &r.sampling.logit_bias;

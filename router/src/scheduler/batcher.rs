@@ -31,6 +31,7 @@ impl Scheduler {
             step,
             page_size: self.cfg.page_size,
             requests: Vec::with_capacity(self.running.len()),
+            released: Vec::new(),
         };
         let mut budget = self.cfg.max_prefill_tokens;
         let mut prefilled = false;
@@ -100,6 +101,7 @@ impl Scheduler {
         if plan.requests.is_empty() {
             return None;
         }
+        plan.released = std::mem::take(&mut self.released_histories);
         debug_assert!(
             plan.validate(Some(self.cfg.num_pages)).is_ok(),
             "{:?}",
@@ -254,11 +256,21 @@ impl Scheduler {
         let generated = r.generated() + r.pending_tokens as usize;
         let sample = end == known && generated < r.max_new_tokens as usize;
         // The tokens known here: a pending input is not among them (the worker appends it).
-        let history = if sample && r.sampling.needs_history() {
+        // The workers keep what earlier plans sent, so only the tokens after those go, unless
+        // nothing was sent yet (a reset carries the whole history).
+        let wants_history = sample && r.sampling.needs_history();
+        let history_reset =
+            wants_history && (r.history_sent == 0 || r.history_sent > r.tokens.len());
+        let history = if !wants_history {
+            Vec::new()
+        } else if history_reset {
             r.tokens.clone()
         } else {
-            Vec::new()
+            r.tokens[r.history_sent..].to_vec()
         };
+        if wants_history {
+            r.history_sent = r.tokens.len();
+        }
         let prompt_logprobs = r.owes_prompt_logprobs() && start < r.prompt_len;
         let planned = PlannedRequest {
             id: r.id,
@@ -282,12 +294,13 @@ impl Scheduler {
                 -1
             },
             sampling: r.sampling.clone(),
-            history_prompt_len: if history.is_empty() {
-                0
-            } else {
+            history_prompt_len: if wants_history {
                 r.prompt_len as i32
+            } else {
+                0
             },
             history,
+            history_reset,
         };
         r.planned_len = end;
         r.in_flight += 1;

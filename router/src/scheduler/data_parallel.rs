@@ -183,6 +183,7 @@ impl DataParallelScheduler {
             return self.ranks[0].schedule(step);
         }
         let mut requests: Vec<PlannedRequest> = Vec::new();
+        let mut released: Vec<u64> = Vec::new();
         let mut row_start = vec![0; self.ranks.len()];
         for (r, s) in self.ranks.iter_mut().enumerate() {
             row_start[r] = requests.len();
@@ -192,6 +193,7 @@ impl DataParallelScheduler {
             let page_base = r as i32 * self.rank_pages as i32;
             let slot_base = page_base * self.cfg.page_size as i32;
             let row_base = self.prev_row_start[r] as i32;
+            released.extend(plan.released);
             requests.extend(plan.requests.into_iter().map(|mut pr| {
                 pr.pages.iter_mut().for_each(|p| *p += page_base);
                 pr.out_slots.iter_mut().for_each(|s| *s += slot_base);
@@ -209,6 +211,7 @@ impl DataParallelScheduler {
             step,
             page_size: self.cfg.page_size,
             requests,
+            released,
         };
         debug_assert!(
             plan.validate(Some(self.cfg.num_pages)).is_ok(),

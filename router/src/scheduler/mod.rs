@@ -126,6 +126,9 @@ pub struct Scheduler {
     last_batch_size: usize,
     preemptions_total: u64,
     requests: RequestCounts,
+    /// Requests that left holding a penalty history on the workers, for the next plan's
+    /// `released` (the workers then drop those histories).
+    released_histories: Vec<RequestId>,
 }
 
 impl Scheduler {
@@ -162,6 +165,7 @@ impl Scheduler {
             last_batch_size: 0,
             preemptions_total: 0,
             requests: RequestCounts::default(),
+            released_histories: Vec::new(),
             cfg,
         }
     }
@@ -261,6 +265,9 @@ impl Scheduler {
         let r = self.slots[slot].take().expect("live request slot");
         self.index.remove(&r.id);
         self.free_slots.push(slot);
+        if r.history_sent > 0 {
+            self.released_histories.push(r.id);
+        }
         r
     }
 
@@ -358,6 +365,8 @@ impl Scheduler {
             ));
         }
         self.radix.clear(&mut self.alloc);
+        // The workers that held those histories are gone.
+        self.released_histories.clear();
         events
     }
 

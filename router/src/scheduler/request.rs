@@ -52,6 +52,10 @@ pub struct Request {
     /// It finished, failed or was aborted while a plan with it was in flight: its pages wait
     /// for those plans to come back, then go as `Ending` says.
     pub retiring: Option<Ending>,
+    /// How many of `tokens` the workers hold as this request's penalty history (rank 0 keeps
+    /// it between steps, so a plan sends only the tokens after these). 0: none yet, the next
+    /// plan sends the whole history.
+    pub history_sent: usize,
 }
 
 /// How a request left: decides whether its committed pages stay in the radix cache and which
@@ -94,6 +98,7 @@ impl Request {
             last_row: 0,
             last_step: 0,
             retiring: None,
+            history_sent: 0,
         }
     }
 
