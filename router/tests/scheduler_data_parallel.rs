@@ -628,3 +628,76 @@ fn one_rank_is_the_plain_scheduler() {
         }
     }
 }
+
+#[test]
+fn penalty_histories_and_their_release_cross_ranks_intact() {
+    // Rank 0 of the workers holds every penalised request's history, whichever attention rank
+    // the request lives on: the combined plan must carry each rank's deltas and released ids.
+    let mut s = dp(4, 40, 3);
+    let mut exec = FakeExecutor::new(s.config());
+    let mut out = HashMap::new();
+    let penalised = SamplingParams {
+        repetition_penalty: 1.2,
+        ..Default::default()
+    };
+    let reqs: Vec<GenerateRequest> = (0..9)
+        .map(|k| {
+            let mut r = request(seq(3 + k, 50 * k as i32), 3 + 2 * k as u32, vec![]);
+            if k < 6 {
+                r.sampling = penalised.clone(); // the last three outlive them, unpenalised
+            }
+            r
+        })
+        .collect();
+    for (id, r) in reqs.iter().enumerate() {
+        s.submit(id as u64, r.clone()).unwrap();
+    }
+    let mut held: HashMap<u64, Vec<i32>> = HashMap::new();
+    let mut released: HashSet<u64> = HashSet::new();
+    let mut rank_of: HashMap<u64, usize> = HashMap::new();
+    let mut n = 1;
+    while let Some(plan) = s.schedule(n) {
+        check_dp_plan(&s, &plan);
+        for id in &plan.released {
+            assert!(
+                held.remove(id).is_some() && released.insert(*id),
+                "request {id} released twice or never held"
+            );
+        }
+        for r in &plan.requests {
+            rank_of.insert(
+                r.id,
+                s.rank_of(r.id).expect("a planned request is on a rank"),
+            );
+            if r.history_reset {
+                held.insert(r.id, r.history.clone());
+            } else if !r.history.is_empty() {
+                held.get_mut(&r.id)
+                    .expect("extended before a reset")
+                    .extend(&r.history);
+            }
+            if r.sample && r.id < 6 {
+                assert_eq!(
+                    held[&r.id].len() as i32,
+                    r.seq_len(),
+                    "request {} step {n}",
+                    r.id
+                );
+            } else {
+                assert!(r.history.is_empty() && !r.history_reset);
+            }
+        }
+        let result = exec.run(&plan);
+        record(&mut out, s.on_result(&plan, &result));
+        n += 1;
+    }
+    for (id, r) in reqs.iter().enumerate() {
+        check_outcome(id as u64, r, &out[&(id as u64)], 4096);
+    }
+    let ranks: HashSet<usize> = released.iter().map(|id| rank_of[id]).collect();
+    assert!(
+        released.len() >= 5 && ranks.len() > 1,
+        "released {released:?}"
+    );
+    pool_whole(&s);
+}
