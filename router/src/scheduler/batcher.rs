@@ -101,7 +101,7 @@ impl Scheduler {
         if plan.requests.is_empty() {
             return None;
         }
-        plan.released = std::mem::take(&mut self.released_histories);
+        plan.released = self.take_released();
         debug_assert!(
             plan.validate(Some(self.cfg.num_pages)).is_ok(),
             "{:?}",

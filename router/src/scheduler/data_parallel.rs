@@ -206,6 +206,11 @@ impl DataParallelScheduler {
         if requests.is_empty() {
             return None;
         }
+        // A rank that planned nothing may still have requests that ended: the workers' rank 0
+        // holds their histories whichever rank they ran on.
+        for s in self.ranks.iter_mut() {
+            released.extend(s.take_released());
+        }
         self.prev_row_start = row_start;
         let plan = BatchPlan {
             step,

@@ -260,6 +260,12 @@ impl Scheduler {
         slot
     }
 
+    /// The requests that left holding a penalty history since the last call, for a plan's
+    /// `released` (a plan that goes out carries them; with none to send they wait).
+    pub fn take_released(&mut self) -> Vec<RequestId> {
+        std::mem::take(&mut self.released_histories)
+    }
+
     /// Forgets a request (it must already be off the running and waiting lists).
     fn take(&mut self, slot: usize) -> Request {
         let r = self.slots[slot].take().expect("live request slot");
