@@ -330,29 +330,6 @@ fn stop_tokens_and_max_new_tokens_finish_requests() {
     assert_eq!(out[&2].finish.unwrap(), (FinishReason::Length, 5, 0, 0));
 }
 
-/// What rank 0 holds as penalty histories, rebuilt from plans as the worker does
-/// (worker/penalty_history.py): `released` drops, a reset replaces, anything else extends.
-#[derive(Default)]
-struct HeldHistories(HashMap<u64, Vec<i32>>);
-
-impl HeldHistories {
-    fn apply(&mut self, plan: &nsaserve_router::protocol::BatchPlan) {
-        for id in &plan.released {
-            self.0.remove(id);
-        }
-        for r in &plan.requests {
-            if r.history_reset {
-                self.0.insert(r.id, r.history.clone());
-            } else if !r.history.is_empty() {
-                self.0
-                    .get_mut(&r.id)
-                    .expect("a history extended without a reset first")
-                    .extend(&r.history);
-            }
-        }
-    }
-}
-
 #[test]
 fn history_goes_only_to_requests_with_penalties_and_prompt_logprobs_arrive_once() {
     let mut cfg = config(4, 64);

@@ -652,33 +652,24 @@ fn penalty_histories_and_their_release_cross_ranks_intact() {
     for (id, r) in reqs.iter().enumerate() {
         s.submit(id as u64, r.clone()).unwrap();
     }
-    let mut held: HashMap<u64, Vec<i32>> = HashMap::new();
+    let mut held = HeldHistories::default();
     let mut released: HashSet<u64> = HashSet::new();
     let mut rank_of: HashMap<u64, usize> = HashMap::new();
     let mut n = 1;
     while let Some(plan) = s.schedule(n) {
         check_dp_plan(&s, &plan);
+        held.apply(&plan);
         for id in &plan.released {
-            assert!(
-                held.remove(id).is_some() && released.insert(*id),
-                "request {id} released twice or never held"
-            );
+            assert!(released.insert(*id), "request {id} released twice");
         }
         for r in &plan.requests {
             rank_of.insert(
                 r.id,
                 s.rank_of(r.id).expect("a planned request is on a rank"),
             );
-            if r.history_reset {
-                held.insert(r.id, r.history.clone());
-            } else if !r.history.is_empty() {
-                held.get_mut(&r.id)
-                    .expect("extended before a reset")
-                    .extend(&r.history);
-            }
             if r.sample && r.id < 6 {
                 assert_eq!(
-                    held[&r.id].len() as i32,
+                    held.0[&r.id].len() as i32,
                     r.seq_len(),
                     "request {} step {n}",
                     r.id

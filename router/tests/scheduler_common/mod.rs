@@ -431,3 +431,29 @@ impl Rng {
         self.next() % n
     }
 }
+
+/// What rank 0 holds as penalty histories, rebuilt from plans as the worker does
+/// (worker/penalty_history.py): `released` drops, a reset replaces, anything else extends.
+#[derive(Default)]
+pub struct HeldHistories(pub HashMap<u64, Vec<i32>>);
+
+impl HeldHistories {
+    pub fn apply(&mut self, plan: &BatchPlan) {
+        for id in &plan.released {
+            assert!(
+                self.0.remove(id).is_some(),
+                "request {id} released but not held"
+            );
+        }
+        for r in &plan.requests {
+            if r.history_reset {
+                self.0.insert(r.id, r.history.clone());
+            } else if !r.history.is_empty() {
+                self.0
+                    .get_mut(&r.id)
+                    .expect("a history extended without a reset first")
+                    .extend(&r.history);
+            }
+        }
+    }
+}
