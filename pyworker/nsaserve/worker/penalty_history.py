@@ -61,8 +61,13 @@ class PenaltyHistories:
         this worker does not hold fails (an error for its request; its penalties then see
         nothing, and its result is dropped by the caller)."""
         self.release(plan.released)
-        seg_start = plan.history_start.astype(np.int64)
+        penalised = (plan.sample != 0) & (
+            (plan.repetition_penalty != 1.0) | (plan.frequency_penalty != 0.0) | (plan.presence_penalty != 0.0)
+        )
         reset = plan.history_reset != 0
+        if not penalised.any() and not reset.any() and not len(plan.history):
+            return plan, []  # the common case: nothing held, nothing to hold
+        seg_start = plan.history_start.astype(np.int64)
         touched = np.flatnonzero(reset | (np.diff(seg_start) > 0))
         for i in touched.tolist():
             seg = plan.history[seg_start[i] : seg_start[i + 1]]
@@ -75,9 +80,6 @@ class PenaltyHistories:
             else:
                 held.extend(seg)
 
-        penalised = (plan.sample != 0) & (
-            (plan.repetition_penalty != 1.0) | (plan.frequency_penalty != 0.0) | (plan.presence_penalty != 0.0)
-        )
         errors: list[tuple[int, str]] = []
         parts: list[np.ndarray] = []
         lengths = np.zeros(plan.num_reqs, dtype=np.int64)
