@@ -64,6 +64,11 @@ class Plan:
     # Requests that left since the previous plan: their held histories can go.
     released: np.ndarray  # u64 [R]
 
+    def has_penalty(self) -> np.ndarray:
+        """bool [n]: the request has a repetition, frequency or presence penalty (its sampler
+        needs its token history)."""
+        return (self.repetition_penalty != 1.0) | (self.frequency_penalty != 0.0) | (self.presence_penalty != 0.0)
+
     @property
     def num_reqs(self) -> int:
         return len(self.req_ids)

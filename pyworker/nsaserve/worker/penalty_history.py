@@ -61,9 +61,7 @@ class PenaltyHistories:
         this worker does not hold fails (an error for its request; its penalties then see
         nothing, and its result is dropped by the caller)."""
         self.release(plan.released)
-        penalised = (plan.sample != 0) & (
-            (plan.repetition_penalty != 1.0) | (plan.frequency_penalty != 0.0) | (plan.presence_penalty != 0.0)
-        )
+        penalised = (plan.sample != 0) & plan.has_penalty()
         reset = plan.history_reset != 0
         if not penalised.any() and not reset.any() and not len(plan.history):
             return plan, []  # the common case: nothing held, nothing to hold

@@ -98,7 +98,7 @@ class SamplingBatch:
         kp_rows = np.flatnonzero(k_active | p_active)
         tlp = plan.top_logprobs[sel].astype(np.int32)
         lp_rows = np.flatnonzero(tlp >= 0)
-        pen_rows = np.flatnonzero((rep != 1.0) | (freq != 0.0) | (pres != 0.0))
+        pen_rows = np.flatnonzero(plan.has_penalty()[sel])
 
         # Per-row values and index lists travel in two host->device copies, not one per field.
         per_row = np.stack([np.where(greedy, 1.0, temp), top_p, min_p, rep, freq, pres, top_k, greedy]).astype(
