@@ -76,6 +76,13 @@ def parse_args(argv=None):
     p.add_argument("--extend", default="", help="prefill after a cached prefix, REQUESTSxNEWxCACHED, comma-separated")
     p.add_argument("--steps", type=int, default=5, help="timed steps per scenario (median reported)")
     p.add_argument("--top", type=int, default=12, help="kernels listed per scenario")
+    p.add_argument("--sampling", default="{}",
+                   help='decode requests\' sampling, JSON of protocol.builder.SamplingSpec fields, e.g. '
+                        '\'{"top_p": 0.95, "frequency_penalty": 0.2, "seed": 7, "top_logprobs": 5}\'; with a penalty, '
+                        'each request\'s history is its whole context (the last 200 tokens generated). Default: temperature 1')  # fmt: skip
+    p.add_argument("--sources", type=int, default=0,
+                   help="also list the N torch operators of each eager step that take the most device "
+                        "time, each with the nsaserve source line that called it (the small kernels to fuse)")  # fmt: skip
     p.add_argument("--out", required=True)
     p.add_argument("worker_flags", nargs="*", help="after --: extra worker flags (e.g. --attention-backend torch)")
     return p.parse_args(argv)
@@ -91,14 +98,20 @@ def _pages_needed(a) -> int:
 
 def _plans(a, vocab: int):
     """(name, kind, plan) for every scenario; request pages laid out one after another."""
-    from nsaserve.protocol.builder import RequestSpec, build_plan
+    from nsaserve.protocol.builder import RequestSpec, SamplingSpec, build_plan
 
     ps, g = a.page_size, torch.Generator().manual_seed(0)
+    sampling = SamplingSpec(**json.loads(a.sampling))
+    penalised = RequestSpec(0, [0], 0, [], sampling=sampling).resets_history()
     out = []
     for b, c in parse_shapes(a.decode):
         per = -(-(c + 1) // ps)
-        reqs = [RequestSpec(i, [int(torch.randint(vocab, (1,), generator=g))], c, list(range(i * per, (i + 1) * per)))
+        reqs = [RequestSpec(i, [int(torch.randint(vocab, (1,), generator=g))], c, list(range(i * per, (i + 1) * per)),
+                            sampling=sampling)
                 for i in range(b)]  # fmt: skip
+        for r in reqs if penalised else ():
+            r.history = torch.randint(vocab, (c,), generator=g).tolist()
+            r.history_prompt_len = max(c - 200, 0)
         out.append((f"decode {b}x{c}", "decode", build_plan(1, ps, reqs)))
     for r, n in parse_shapes(a.prefill):
         per = -(-(n + 1) // ps)
@@ -177,6 +190,45 @@ def _profile(executor, plan, device, is_rank0: bool, top: int) -> dict:
     }
 
 
+def _source_line(stack: list[str]) -> str:
+    """The innermost frame of the project's own code in a profiler stack ("path(line): function")."""
+    for frame in stack:
+        if "nsaserve" in frame or "/bench/" in frame:
+            return re.sub(r"^.*?(nsaserve/|bench/)", r"\1", frame)
+    return stack[0] if stack else "?"
+
+
+def _sources(executor, plan, device, is_rank0: bool, top: int) -> list[dict]:
+    """Device time per (torch operator, calling source line) of one eager step: where the many small
+    launches that are not the model's own kernels come from. Triton kernels have no operator and are
+    left out (the kernel list names them). On CPU: the operators' own CPU time."""
+    from torch._C._profiler import _ExperimentalConfig
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    # verbose: without it torch 2.11 records no Python stacks on the operators
+    with profile(activities=acts, with_stack=True, experimental_config=_ExperimentalConfig(verbose=True)) as prof:
+        executor.run(plan, is_rank0=is_rank0)
+        _sync(device)
+    by: dict[tuple[str, str], list[float]] = {}
+    for e in prof.events():
+        if e.device_type != torch.autograd.DeviceType.CPU or not e.name.startswith("aten::"):
+            continue
+        us = (getattr(e, "self_device_time_total", 0) or getattr(e, "self_cuda_time_total", 0)) if cuda else e.self_cpu_time_total
+        if us <= 0:
+            continue
+        caller = e  # only operators called from Python carry a stack: walk up to the nearest
+        while caller is not None and not caller.stack:
+            caller = caller.cpu_parent
+        key = (e.name, _source_line(list(caller.stack)) if caller is not None else "?")
+        acc = by.setdefault(key, [0.0, 0])
+        acc[0] += us / 1e3
+        acc[1] += 1
+    rows = sorted(by.items(), key=lambda kv: -kv[1][0])[:top]
+    return [{"op": op, "source": src, "ms": round(ms, 4), "calls": n} for (op, src), (ms, n) in rows]
+
+
 def _rank(rank: int, a, port: int) -> None:
     from nsaserve.worker.distributed import init_distributed
     from nsaserve.worker.main import parse_args as worker_args
@@ -207,10 +259,14 @@ def _rank(rank: int, a, port: int) -> None:
             executor.graphs = None  # the same steps eagerly
             entry["eager_ms"] = _time(executor, plan, device, a.steps, is_rank0)[2:]
             entry["eager_profile"] = _profile(executor, plan, device, is_rank0, a.top)
+            if a.sources:
+                entry["sources"] = _sources(executor, plan, device, is_rank0, a.sources)
             executor.graphs = graphs
         else:
             entry["first_ms"], entry["eager_ms"] = _split(_time(executor, plan, device, a.steps, is_rank0))
             entry["eager_profile"] = _profile(executor, plan, device, is_rank0, a.top)
+            if a.sources:
+                entry["sources"] = _sources(executor, plan, device, is_rank0, a.sources)
         if kind == "decode":  # back to back, pipelined (graphs where one fits): the step rate with the host hidden
             entry["pipelined_ms"] = _time_pipelined(executor, plan, device, max(a.steps, 3), is_rank0)
         results.append(entry)
@@ -257,6 +313,9 @@ def markdown(doc: dict) -> str:
             if f"{path}_profile" in s:
                 lines += ["", f"Top kernels, {s['scenario']} ({path}):", ""]
                 lines += [f"- {k['ms']:.3f} ms x{k['calls']} [{k['family']}] `{k['name']}`" for k in s[f"{path}_profile"]["top"]]
+        if s.get("sources"):
+            lines += ["", f"Torch operators by calling line, {s['scenario']} (eager):", ""]
+            lines += [f"- {r['ms']:.3f} ms x{r['calls']} `{r['op']}` at `{r['source']}`" for r in s["sources"]]
     return "\n".join(lines) + "\n"
 
 

@@ -34,7 +34,8 @@ def test_profiles_decode_and_prefill_at_tp2_on_cpu(tmp_path):
     out = tmp_path / "out"
     cmd = [sys.executable, str(ROOT / "bench" / "gpu" / "step_profile.py"), "--model-path", str(cfg),
            "--load-format", "random", "--tp", "2", "--device", "cpu", "--decode", "4x40", "--prefill", "2x30", "--extend", "3x5x20",
-           "--steps", "1", "--out", str(out)]  # fmt: skip
+           "--steps", "1", "--sources", "5",
+           "--sampling", '{"top_p": 0.95, "frequency_penalty": 0.2, "seed": 3, "top_logprobs": 2}', "--out", str(out)]  # fmt: skip
     here = str(Path(nsaserve.__file__).resolve().parent.parent)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([here, os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
@@ -47,3 +48,7 @@ def test_profiles_decode_and_prefill_at_tp2_on_cpu(tmp_path):
         assert sum(s["eager_profile"]["families_ms"].values()) > 0
     assert "| decode 4x40 | eager |" in (out / "profile.md").read_text()
     assert doc["scenarios"][0]["pipelined_ms"] > 0 and "pipelined_ms" not in doc["scenarios"][1]
+    # --sources: operators by the project line that called them
+    src = doc["scenarios"][0]["sources"]
+    assert 0 < len(src) <= 5 and all(r["op"].startswith("aten::") and r["ms"] > 0 for r in src)
+    assert any(r["source"].startswith("nsaserve/") for r in src), src
