@@ -19,6 +19,8 @@ from nsaserve.kernels import triton_indexer as ti
 from nsaserve.kernels import triton_kv_store as tkv
 from nsaserve.kernels import triton_moe_w4a16 as tw
 from nsaserve.kernels import triton_norm_rope as tnr
+from nsaserve.kernels import triton_penalties as tpen
+from nsaserve.kernels import triton_row_lse_topk as tlt
 from nsaserve.kernels import triton_sample_pick as tsp
 from nsaserve.kernels import triton_sample_threshold as tst
 from nsaserve.kernels import triton_sparse_mla as tm
@@ -223,6 +225,24 @@ def sample_threshold_cases():
         yield f"threshold bracket refine={refine}", tst._bracket_kernel, sig, consts, 1
 
 
+def logprobs_and_penalties_cases():
+    # The logprobs' lse + top-k (one program per row, and pieces with their merge) and the penalties.
+    for x_ty in ("*bf16", F32):
+        for split in (False, True):
+            sig = {"x_ptr": x_ty, "lse_ptr": F32, "val_ptr": F32, "idx_ptr": "*i32" if split else "*i64",
+                   "vocab": "i32", "stride": "i32", "k": "i32", "piece": "i32"}  # fmt: skip
+            consts = dict(KP=tlt.CANDIDATES, BLOCK=tlt.BLOCK, STEPS=0, SPLIT=split, INTERPRET=False)
+            yield f"row lse + top-k {x_ty[1:]} split={split}", tlt._row_lse_topk_kernel, sig, consts, 8
+    sig = {"part_lse_ptr": F32, "part_val_ptr": F32, "part_idx_ptr": "*i32", "lse_ptr": F32, "val_ptr": F32,
+           "idx_ptr": "*i64", "k": "i32", "pieces": "i32"}  # fmt: skip
+    yield "row lse + top-k merge", tlt._merge_kernel, sig, dict(KP=tlt.CANDIDATES, PIECES=tlt.MAX_PIECES, INTERPRET=False), 4
+    for h_ty in ("*i32", "*i64"):
+        sig = {"out_ptr": F32, "save_ptr": F32, "hist_ptr": h_ty, "rows_ptr": "*i64", "start_ptr": "*i64",
+               "len_ptr": "*i64", "prompt_ptr": "*i64", "pending_ptr": "*i64", "first_ptr": "*i64", "rep_ptr": F32,
+               "freq_ptr": F32, "pres_ptr": F32, "vocab": "i32"}  # fmt: skip
+        yield f"penalties history {h_ty[1:]}", tpen._penalties_kernel, sig, dict(BLOCK=tpen.BLOCK, STEPS=0, INTERPRET=False), 4
+
+
 def kv_store_cases():
     # The indexer key's fused norm, rope, rotation and store at GLM-5's 128 dims (64 roped).
     for fp8, rotate, interleaved in ((True, True, False), (True, True, True), (False, False, True), (True, False, False)):
@@ -252,7 +272,7 @@ def main() -> int:
     failed = 0
     cases = [
         *indexer_cases(), *sparse_mla_cases(), *gluon_sparse_mla_cases(), *moe_cases(), *sample_pick_cases(),
-        *sample_threshold_cases(), *kv_store_cases(),
+        *sample_threshold_cases(), *logprobs_and_penalties_cases(), *kv_store_cases(),
     ]  # fmt: skip
     for name, fn, sig, consts, warps, *extra in cases:
         opts = extra[0] if extra else {}

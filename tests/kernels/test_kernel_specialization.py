@@ -86,6 +86,9 @@ ALLOWED = {
     "triton_row_logsumexp._row_logsumexp_kernel": {
         "vocab": MODEL_CONSTANT, "stride": "the vocabulary (its rows are contiguous copies): " + MODEL_CONSTANT,
     },  # fmt: skip
+    "triton_row_lse_topk._row_lse_topk_kernel": {
+        "vocab": MODEL_CONSTANT, "stride": "the vocabulary (the sampler's rows are contiguous): " + MODEL_CONSTANT,
+    },  # fmt: skip
     "triton_topk._topk_kernel": {"logits_stride": PADDED, "topk": MODEL_CONSTANT},
     "triton_topk._topk_sampled_kernel": {"logits_stride": PADDED, "topk": MODEL_CONSTANT},
     "triton_topk._topk_streamed_kernel": {"logits_stride": PADDED, "topk": MODEL_CONSTANT},

@@ -165,7 +165,7 @@ def test_the_sampler_warm_up_covers_each_kind_of_pick_and_keeps_the_default_gene
     for plan in sampler_plans(page_size=4):
         sb = SamplingBatch.from_plan(plan, "cpu")
         assert not sb.all_greedy  # an all-greedy batch takes argmax, no pick
-        if sb.history_token.numel() == 0:  # no penalty: the model's dtype reaches the pick
+        if sb.penalty_rows.numel() == 0:  # no penalty: the model's dtype reaches the pick
             kinds.add((sb.any_greedy, has_filters(sb)))
     assert kinds == {(False, True), (True, True), (False, False), (True, False)}
     state = torch.get_rng_state()

@@ -27,6 +27,8 @@ from collections.abc import Callable
 #                  (sample_threshold.py; the worker's sampler, not the model)
 #   "sample_uniform": the sampler's uniforms, one Philox stream per row's seed  (sample_uniform.py)
 #   "row_logsumexp": each row's log-sum-exp, the logprobs' normaliser  (row_logsumexp.py)
+#   "penalties": repetition / frequency / presence penalties in place on float32 logits  (penalties.py)
+#   "row_lse_topk": the log-sum-exp and the k largest logits of each row, for top logprobs  (row_logsumexp.py)
 #   "indexer_rows": the indexer with its per-row metadata on the device (a fixed per-request KV
 #                   layout, as CUDA graphs need): the backend of the same name as "indexer"'s
 #                   serves it  (indexer_rows.py). Every "indexer" backend also takes plan=, the
@@ -39,7 +41,7 @@ _BACKENDS: dict[tuple[str, str], Callable] = {}
 # registry alone stays cheap and free of cycles.
 _BUILTIN_MODULES = (
     "sparse_mla", "indexer", "moe", "small_ops", "indexer_rows", "moe_dense", "router_logits", "sample_pick",
-    "sample_threshold", "sample_uniform", "row_logsumexp",
+    "sample_threshold", "sample_uniform", "row_logsumexp", "penalties",
 )  # fmt: skip
 _builtins_loaded = False
 
@@ -62,6 +64,8 @@ _TRITON_BACKENDS = {
     ("sample_threshold", "triton"): "triton_sample_threshold:sample_threshold_triton",
     ("sample_uniform", "triton"): "triton_sample_uniform:sample_uniform_triton",
     ("row_logsumexp", "triton"): "triton_row_logsumexp:row_logsumexp_triton",
+    ("row_lse_topk", "triton"): "triton_row_lse_topk:row_lse_topk_triton",
+    ("penalties", "triton"): "triton_penalties:penalties_triton",
 }
 
 # Backends whose calls neither synchronise with the host nor size a tensor from device data, so a
@@ -159,7 +163,7 @@ def available(kind: str) -> list[str]:
 # tensor cores bf16 operands. A Triton backend counts only where Triton is installed.
 AUTO_ON_CUDA = {
     **dict.fromkeys(("attention", "indexer", "rmsnorm", "rope", "kv_store", "index_key_store", "sample_pick",
-                      "sample_threshold", "sample_uniform", "row_logsumexp"), "triton"),
+                      "sample_threshold", "sample_uniform", "row_logsumexp", "row_lse_topk", "penalties"), "triton"),
     "router_logits": "bf16x3",
 }
 

@@ -104,20 +104,24 @@ def sample(
     if u is not None and fold_filters(sb, logits.device.type, backend):
         # Bias and penalties first (a new float32 tensor, only when some row has one); the
         # division and the filters' cut happen inside the pick: no pass over [S, V] for either.
-        x = apply_bias_and_penalties(logits, sb) if sb.adjusts_logits else logits
+        x = apply_bias_and_penalties(logits, sb, backend) if sb.adjusts_logits else logits
         th = None
         if has_filters(sb):
             find = get_backend("sample_threshold", resolve("sample_threshold", backend, x.device.type))
             th = find(x, sb.temperature, sb.top_k, sb.top_p, sb.min_p)
         tokens = pick_tokens(x, u, sb, backend, temperature=sb.temperature, threshold=th)
     else:
-        tokens = pick_tokens(process_logits(logits, sb), u, sb, backend)
+        tokens = pick_tokens(process_logits(logits, sb, backend), u, sb, backend)
 
     K = min(sb.max_top_logprobs, V)
+    rows = sb.logprob_rows
+    if rows.numel() == S and S:
+        # Every row asked (the common case: one client's settings): no gather of the rows.
+        lp, top_ids, top_lp = token_logprobs(logits, tokens, K, backend)
+        return SampleOutput(tokens=tokens, logprobs=lp, top_ids=top_ids, top_logprobs=top_lp)
     lp = torch.full((S,), float("nan"), dtype=torch.float32, device=logits.device)
     top_ids = torch.full((S, K), -1, dtype=torch.int64, device=logits.device)
     top_lp = torch.full((S, K), float("nan"), dtype=torch.float32, device=logits.device)
-    rows = sb.logprob_rows
     if rows.numel():
         chosen, ids, vals = token_logprobs(logits.index_select(0, rows), tokens.index_select(0, rows), K, backend)
         lp.index_copy_(0, rows, chosen)

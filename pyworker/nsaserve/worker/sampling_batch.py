@@ -36,13 +36,19 @@ class SamplingBatch:
     frequency_penalty: torch.Tensor  # f32 [S]
     presence_penalty: torch.Tensor  # f32 [S]
 
-    # Token history of the rows that have a penalty, as (row, token) pairs; a token that
-    # occurs k times occurs k times here. Ids outside the vocabulary are kept here and
-    # ignored by the penalties (they have no logit to penalise).
+    # Token history of the rows that have a penalty, as the "penalties" kernels take it
+    # (kernels/penalties.py): row p's tokens are history[start[p] : start[p] + length[p]], the
+    # first prompt_len[p] of them prompt tokens, then pending[p] (a generated token, or -1). Ids
+    # outside the vocabulary are kept and ignored by the penalties (they have no logit).
     penalty_rows: torch.Tensor  # int64 [P], the rows with a penalty (sorted)
-    history_row: torch.Tensor  # int64 [H], index into penalty_rows
-    history_token: torch.Tensor  # int64 [H]
-    history_generated: torch.Tensor  # f32 [H], 1.0 for generated tokens, 0.0 for prompt tokens
+    history: torch.Tensor  # int32 [*], the plan's flat history array (int64 when empty)
+    history_start: torch.Tensor  # int64 [P]
+    history_len: torch.Tensor  # int64 [P]
+    history_prompt: torch.Tensor  # int64 [P]
+    history_pending: torch.Tensor  # int64 [P], -1 = none
+    history_first: torch.Tensor  # int64 [P], the exclusive sum of length + 1
+    history_entries: int  # sum of history_len (host)
+    history_max: int  # largest history_len (host)
 
     # logit_bias as (row, token, bias) triples, added to the raw logits before the penalties.
     bias_row: torch.Tensor  # int64 [B]
@@ -70,7 +76,7 @@ class SamplingBatch:
     @property
     def adjusts_logits(self) -> bool:
         """Whether some row has a logit_bias or a penalty (host-known sizes: no device read)."""
-        return self.history_token.numel() > 0 or self.bias_token.numel() > 0
+        return self.penalty_rows.numel() > 0 or self.bias_token.numel() > 0
 
     @staticmethod
     def from_plan(plan: Plan, device: torch.device | str, patch: InputPatch | None = None) -> SamplingBatch:
@@ -109,7 +115,8 @@ class SamplingBatch:
         h_start = plan.history_start[:-1][pen_req].astype(np.int64)
         h_len = plan.history_start[1:][pen_req].astype(np.int64) - h_start
         h_prompt = plan.history_prompt_lens[pen_req].astype(np.int64)
-        lists = (kp_rows, lp_rows, pen_rows, h_start, h_len, h_prompt)
+        h_first = np.cumsum(h_len + 1) - (h_len + 1)
+        lists = (kp_rows, lp_rows, pen_rows, h_start, h_len, h_prompt, h_first)
         ints = torch.split(_to_device(np.concatenate(lists).astype(np.int64), device), [len(a) for a in lists])
 
         # The position of the token being sampled = the position after the request's last
@@ -120,13 +127,14 @@ class SamplingBatch:
         gen_seeds = row_seeds(plan.seed[sel][seeded_rows], positions[seeded_rows])
 
         b_row, b_tok, b_val = _bias_triples(plan, sel, device)
-        h_row, h_tok, h_gen = _expand_history(plan.history, ints[3], ints[4], ints[5], int(h_len.sum()), device)
+        history = _to_device(plan.history, device) if len(pen_rows) else ints[3][:0]
         pending = np.flatnonzero(plan.input_prev_row[pen_req] >= 0)
-        if len(pending):
-            tok = _pending_tokens(plan, pen_req[pending], device, patch)
-            h_row = torch.cat([h_row, upload(pending.astype(np.int64), device)])
-            h_tok = torch.cat([h_tok, tok])
-            h_gen = torch.cat([h_gen, torch.ones(len(pending), dtype=torch.float32, device=h_gen.device)])
+        if len(pending) == len(pen_rows):  # every penalised row appends one (pipelined decode)
+            h_pending = _pending_tokens(plan, pen_req, device, patch)
+        else:
+            h_pending = torch.full((len(pen_rows),), -1, dtype=torch.int64, device=ints[3].device)
+            if len(pending):
+                h_pending[upload(pending.astype(np.int64), device)] = _pending_tokens(plan, pen_req[pending], device, patch)
         return SamplingBatch(
             num_rows=S,
             req_index=sel,
@@ -139,9 +147,14 @@ class SamplingBatch:
             frequency_penalty=f[4],
             presence_penalty=f[5],
             penalty_rows=ints[2],
-            history_row=h_row,
-            history_token=h_tok,
-            history_generated=h_gen,
+            history=history,
+            history_start=ints[3],
+            history_len=ints[4],
+            history_prompt=ints[5],
+            history_pending=h_pending,
+            history_first=ints[6],
+            history_entries=int(h_len.sum()),
+            history_max=int(h_len.max()) if len(h_len) else 0,
             bias_row=b_row,
             bias_token=b_tok,
             bias_value=b_val,
@@ -190,21 +203,3 @@ def _pending_tokens(plan: Plan, reqs: np.ndarray, device, patch: InputPatch | No
             take = upload(k[hit], patch.tokens.device)
             tok.index_copy_(0, upload(np.flatnonzero(hit), device), patch.tokens.index_select(0, take).to(device))
     return tok
-
-
-def _expand_history(history: np.ndarray, start, length, prompt_len, total: int, device):
-    """(pair row, pair token, pair is-generated) of the penalised rows' histories, built on the device.
-
-    `total` (the sum of `length`, known on the host) fixes every output size, so nothing here
-    waits for the device.
-    """
-    if total == 0:
-        empty = torch.zeros(0, dtype=torch.int64, device=device)
-        return empty, empty, torch.zeros(0, dtype=torch.float32, device=device)
-    hist = _to_device(history, device)
-    row = torch.repeat_interleave(torch.arange(len(length), device=device), length, output_size=total)
-    seg_start = torch.cumsum(length, 0) - length
-    offset = torch.arange(total, device=device) - seg_start[row]  # index within the row's history
-    token = hist[start[row] + offset].long()
-    generated = (offset >= prompt_len[row]).float()
-    return row, token, generated

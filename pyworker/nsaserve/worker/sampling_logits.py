@@ -12,25 +12,23 @@ from __future__ import annotations
 
 import torch
 
+from ..kernels.registry import get_backend, resolve
 from .sampling_batch import SamplingBatch
 
 
-def apply_bias_and_penalties(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
+def apply_bias_and_penalties(logits: torch.Tensor, sb: SamplingBatch, backend: str = "auto") -> torch.Tensor:
     """logit_bias, then repetition (HF style) and frequency/presence (OpenAI style) penalties, in
     float32 whatever the logits' dtype (decode graphs hand over bf16 rows); returns a new tensor
     when a row has a bias or a penalty, else the logits as float32 (no copy when they are float32
     already). The order is vLLM's: the bias moves the raw logit, the penalties then see it.
 
     - logit_bias: logit += bias for each (token, bias) of the row;
-    - repetition penalty r over prompt + generated tokens: positive logits / r, others * r;
-    - frequency f and presence q over generated tokens only: logit -= f * count + q * (count > 0).
+    - penalties (kernel kind "penalties", kernels/penalties.py): repetition r over prompt +
+      generated tokens: positive logits / r, others * r; frequency f and presence q over generated
+      tokens only: logit -= f * count + q * (count > 0).
 
-    Only the biased tokens and the (row, token) pairs in the history change, so the work beyond
-    the one float32 copy is O(biases + history): the history's pairs are sorted to find each
-    distinct one and its count of generated occurrences, then each distinct pair's logit is
-    rewritten once. (Counting into dense [rows, vocab] tensors cost a dozen passes over the
-    logits: 7.7 ms at 1024 rows of 1,200 tokens on an H200.) Every output is a pure function of
-    its own logit, bias and count, so the result is the same whatever the history's order.
+    Only the biased tokens and the history's tokens change, so the work beyond the one float32
+    copy is O(biases + history).
     """
     if not sb.adjusts_logits:
         return logits.float()
@@ -44,32 +42,14 @@ def apply_bias_and_penalties(logits: torch.Tensor, sb: SamplingBatch) -> torch.T
         tok = sb.bias_token
         at = torch.where((tok >= 0) & (tok < V), sb.bias_row * V + tok.clamp(0, V - 1), S * V)
         flat.index_add_(0, at, sb.bias_value)  # a row names a token once: one add per logit
-    if sb.history_token.numel():
-        _penalise(flat, S, V, sb)
+    if sb.penalty_rows.numel():
+        penalise = get_backend("penalties", resolve("penalties", backend, logits.device.type))
+        penalise(
+            flat, V, sb.history, sb.penalty_rows, sb.history_start, sb.history_len, sb.history_prompt,
+            sb.history_pending, sb.history_first, sb.repetition_penalty, sb.frequency_penalty,
+            sb.presence_penalty, sb.history_entries, sb.history_max,
+        )  # fmt: skip
     return out
-
-
-def _penalise(flat: torch.Tensor, S: int, V: int, sb: SamplingBatch) -> None:
-    """The penalties, in place on `flat` (the [S, V] logits and the spare slot after them)."""
-    tok = sb.history_token
-    row = sb.penalty_rows.index_select(0, sb.history_row)
-    valid = (tok >= 0) & (tok < V)
-    key = torch.where(valid, row * V + tok.clamp(0, V - 1), S * V)  # invalid ids sort last
-    key, order = key.sort()
-    first = torch.ones_like(valid)
-    first[1:] = key[1:] != key[:-1]
-    pair = first.cumsum(0) - 1  # the distinct pair each entry belongs to
-    gen = sb.history_generated.index_select(0, order)
-    count = torch.zeros(key.numel(), dtype=torch.float32, device=key.device).index_add_(0, pair, gen)
-    count = count.index_select(0, pair)  # exact: sums of 0s and 1s
-    hrow = sb.history_row.index_select(0, order)
-    r = sb.repetition_penalty.index_select(0, sb.penalty_rows).index_select(0, hrow)
-    f = sb.frequency_penalty.index_select(0, sb.penalty_rows).index_select(0, hrow)
-    q = sb.presence_penalty.index_select(0, sb.penalty_rows).index_select(0, hrow)
-    x = flat.index_select(0, key.clamp(max=S * V - 1))
-    x = torch.where(x > 0, x / r, x * r)
-    x = x - (f * count + q * (count > 0).float())
-    flat.index_put_((torch.where(first & (key < S * V), key, S * V),), x)
 
 
 # Up to this many candidates, top-k (and top-p on top of it) reads the k largest logits
@@ -128,13 +108,13 @@ def filter_logits(x: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
     return x
 
 
-def process_logits(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
+def process_logits(logits: torch.Tensor, sb: SamplingBatch, backend: str = "auto") -> torch.Tensor:
     """Penalties, temperature, filters: the logits each non-greedy row samples from.
 
     Greedy rows come out penalised but otherwise unscaled (their temperature reads 1), so their
     argmax is the greedy token.
     """
-    x = apply_bias_and_penalties(logits, sb)
+    x = apply_bias_and_penalties(logits, sb, backend)
     if sb.all_greedy:
         return x
     x = x / sb.temperature.unsqueeze(1)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from ..kernels.registry import get_backend, resolve
+from ..kernels.row_logsumexp import LSE_TOPK_MAX_K
 
 # Rows taken at once by `prompt_logprobs`: bounds the scratch of a long prompt times a 150k
 # vocabulary (the torch lse's float32 copy, topk's buffers) to a few hundred megabytes.
@@ -23,18 +24,22 @@ def token_logprobs(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(logprob of each row's token [N], top-k ids [N, k] int64, top-k logprobs [N, k] f32).
 
-    logprob = x.float() - logsumexp(x.float()) (kernel kind "row_logsumexp"): only the [N] lse,
-    the chosen logits and the top-k are computed, never an [N, V] log_softmax. The top-k is taken
-    on the raw logits in their own dtype; subtracting one number per row keeps their order.
+    logprob = x.float() - logsumexp(x.float()): only the [N] lse, the chosen logits and the top-k
+    are computed, never an [N, V] log_softmax. The top-k is taken on the raw logits; subtracting
+    one number per row keeps their order. With k > 0 the lse and the top-k come from one kernel
+    (kind "row_lse_topk": on CUDA one read of each row), else from "row_logsumexp".
     """
-    lse_of = get_backend("row_logsumexp", resolve("row_logsumexp", backend, logits.device.type))
-    lse = lse_of(logits)
-    chosen = logits.gather(1, tokens.long().unsqueeze(1)).squeeze(1).float() - lse
     k = min(k, logits.shape[1])
+    device = logits.device.type
     if k == 0:
-        return chosen, lse.new_empty(lse.shape[0], 0, dtype=torch.int64), lse.new_empty(lse.shape[0], 0)
-    top = logits.topk(k, dim=1)
-    return chosen, top.indices, top.values.float() - lse.unsqueeze(1)
+        lse = get_backend("row_logsumexp", resolve("row_logsumexp", backend, device))(logits)
+        ids, vals = lse.new_empty(lse.shape[0], 0, dtype=torch.int64), lse.new_empty(lse.shape[0], 0)
+    else:
+        name = resolve("row_lse_topk", backend, device)
+        lse, vals, ids = get_backend("row_lse_topk", name if k <= LSE_TOPK_MAX_K else "torch")(logits, k)
+        vals = vals - lse.unsqueeze(1)
+    chosen = logits.gather(1, tokens.long().unsqueeze(1)).squeeze(1).float() - lse
+    return chosen, ids, vals
 
 
 def prompt_logprobs(
