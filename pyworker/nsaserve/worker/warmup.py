@@ -142,6 +142,11 @@ SAMPLER_MIXES: tuple[tuple[SamplingSpec, ...], ...] = (
 )
 
 
+# Rows from which the Triton "row_lse_topk" gives each row one program (more than its
+# PROGRAMS_WANTED // 2 = 132): the warm-up's logprobs batch of that form.
+LOGPROB_ROWS_WHOLE = 140
+
+
 def sampler_plans(page_size: int) -> list[Plan]:
     """One decode plan (a request per row, on page 0, with a token history for the penalties) for
     each of SAMPLER_MIXES."""
@@ -161,6 +166,8 @@ def warm_up_sampler(device, vocab_size: int, page_size: int, model_dtype=None) -
 
     from .sampler import SamplingBatch, sample
 
+    from .sampling_logprobs import token_logprobs
+
     g = torch.Generator(device=device).manual_seed(0)
     dtypes = dict.fromkeys((torch.float32, model_dtype or torch.float32))
     for plan in sampler_plans(page_size):
@@ -168,6 +175,11 @@ def warm_up_sampler(device, vocab_size: int, page_size: int, model_dtype=None) -
         for dtype in dtypes:
             logits = torch.randn(sb.num_rows, vocab_size, device=device, generator=g).to(dtype)
             sample(logits, sb, generator=g)
+    # The logprobs' lse + top-k splits the rows of small batches into pieces (the mixes above) and
+    # gives larger ones a program per row: that form too.
+    for dtype in dtypes:
+        logits = torch.randn(LOGPROB_ROWS_WHOLE, vocab_size, device=device, generator=g).to(dtype)
+        token_logprobs(logits, torch.zeros(LOGPROB_ROWS_WHOLE, dtype=torch.int64, device=device), 5)
 
 
 def warm_up(runner, shape: WarmupShape, log=None) -> tuple[int, float]:
