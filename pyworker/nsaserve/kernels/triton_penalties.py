@@ -87,7 +87,9 @@ def _penalties_kernel(
         j = s * BLOCK + lanes
         tok = _entry_tokens(hist_ptr, start, n, pending, j)
         ok = (j < entries) & (tok >= 0) & (tok < vocab)
-        count = tl.load(base + tok, mask=ok, other=0.0)
+        # The counts were made by atomics, which happen in L2: read them there (".cg"), never
+        # from a line this multiprocessor's L1 kept from the save phase.
+        count = tl.load(base + tok, mask=ok, other=0.0, cache_modifier=".cg")
         x = tl.load(save_ptr + first + j, mask=j < entries, other=0.0)
         x = tl.where(x > 0, tl.math.div_rn(x, rep), _mul_rn(x, rep, INTERPRET))
         x = x - (_mul_rn(freq, count, INTERPRET) + _mul_rn(pres, (count > 0).to(tl.float32), INTERPRET))
