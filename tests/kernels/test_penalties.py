@@ -65,9 +65,9 @@ def run(fn, logits, args):
     return flat[: S * V].view(S, V).cpu()
 
 
-def test_registered_and_auto_on_cuda():
+def test_registered_and_torch_by_default():
     assert {"torch", "triton"} <= set(available("penalties"))
-    assert resolve("penalties", "auto", "cuda") == "triton"
+    assert resolve("penalties", "auto", "cuda") == "torch"  # the Triton backend awaits its first GPU run
     assert resolve("penalties", "auto", "cpu") == "torch"
 
 

@@ -26,20 +26,24 @@ def token_logprobs(
 
     logprob = x.float() - logsumexp(x.float()): only the [N] lse, the chosen logits and the top-k
     are computed, never an [N, V] log_softmax. The top-k is taken on the raw logits; subtracting
-    one number per row keeps their order. With k > 0 the lse and the top-k come from one kernel
-    (kind "row_lse_topk": on CUDA one read of each row), else from "row_logsumexp".
+    one number per row keeps their order. With k > 0 and a "row_lse_topk" backend other than the
+    torch reference (the Triton one reads each row once), both come from it; else the lse from
+    "row_logsumexp" and the top-k from torch.topk.
     """
     k = min(k, logits.shape[1])
     device = logits.device.type
-    if k == 0:
-        lse = get_backend("row_logsumexp", resolve("row_logsumexp", backend, device))(logits)
-        ids, vals = lse.new_empty(lse.shape[0], 0, dtype=torch.int64), lse.new_empty(lse.shape[0], 0)
+    fused = resolve("row_lse_topk", backend, device)
+    if 0 < k <= LSE_TOPK_MAX_K and fused != "torch":
+        lse, vals, ids = get_backend("row_lse_topk", fused)(logits, k)
     else:
-        name = resolve("row_lse_topk", backend, device)
-        lse, vals, ids = get_backend("row_lse_topk", name if k <= LSE_TOPK_MAX_K else "torch")(logits, k)
-        vals = vals - lse.unsqueeze(1)
+        lse = get_backend("row_logsumexp", resolve("row_logsumexp", backend, device))(logits)
+        if k:
+            top = logits.topk(k, dim=1)
+            vals, ids = top.values.float(), top.indices
+        else:
+            ids, vals = lse.new_empty(lse.shape[0], 0, dtype=torch.int64), lse.new_empty(lse.shape[0], 0)
     chosen = logits.gather(1, tokens.long().unsqueeze(1)).squeeze(1).float() - lse
-    return chosen, ids, vals
+    return chosen, ids, vals - lse.unsqueeze(1)
 
 
 def prompt_logprobs(

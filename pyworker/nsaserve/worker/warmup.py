@@ -165,7 +165,6 @@ def warm_up_sampler(device, vocab_size: int, page_size: int, model_dtype=None) -
     import torch
 
     from .sampler import SamplingBatch, sample
-
     from .sampling_logprobs import token_logprobs
 
     g = torch.Generator(device=device).manual_seed(0)
