@@ -218,10 +218,7 @@ def _sources(executor, plan, device, is_rank0: bool, top: int) -> list[dict]:
         us = (getattr(e, "self_device_time_total", 0) or getattr(e, "self_cuda_time_total", 0)) if cuda else e.self_cpu_time_total
         if us <= 0:
             continue
-        caller = e  # only operators called from Python carry a stack: walk up to the nearest
-        while caller is not None and not caller.stack:
-            caller = caller.cpu_parent
-        key = (e.name, _source_line(list(caller.stack)) if caller is not None else "?")
+        key = (e.name, _source_line(list(e.stack or [])))
         acc = by.setdefault(key, [0.0, 0])
         acc[0] += us / 1e3
         acc[1] += 1

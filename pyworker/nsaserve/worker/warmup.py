@@ -142,11 +142,6 @@ SAMPLER_MIXES: tuple[tuple[SamplingSpec, ...], ...] = (
 )
 
 
-# Rows from which the Triton "row_lse_topk" gives each row one program (more than its
-# PROGRAMS_WANTED // 2 = 132): the warm-up's logprobs batch of that form.
-LOGPROB_ROWS_WHOLE = 140
-
-
 def sampler_plans(page_size: int) -> list[Plan]:
     """One decode plan (a request per row, on page 0, with a token history for the penalties) for
     each of SAMPLER_MIXES."""
@@ -164,6 +159,7 @@ def warm_up_sampler(device, vocab_size: int, page_size: int, model_dtype=None) -
     unseeded draws, is left as it was."""
     import torch
 
+    from ..kernels.registry import resolve
     from .sampler import SamplingBatch, sample
     from .sampling_logprobs import token_logprobs
 
@@ -174,11 +170,15 @@ def warm_up_sampler(device, vocab_size: int, page_size: int, model_dtype=None) -
         for dtype in dtypes:
             logits = torch.randn(sb.num_rows, vocab_size, device=device, generator=g).to(dtype)
             sample(logits, sb, generator=g)
-    # The logprobs' lse + top-k splits the rows of small batches into pieces (the mixes above) and
-    # gives larger ones a program per row: that form too.
-    for dtype in dtypes:
-        logits = torch.randn(LOGPROB_ROWS_WHOLE, vocab_size, device=device, generator=g).to(dtype)
-        token_logprobs(logits, torch.zeros(LOGPROB_ROWS_WHOLE, dtype=torch.int64, device=device), 5)
+    # The Triton lse + top-k of the logprobs splits the rows of small batches into pieces (the
+    # mixes above) and gives larger ones a program per row: that form too.
+    if resolve("row_lse_topk", "auto", torch.device(device).type) == "triton":
+        from ..kernels.triton_row_lse_topk import PROGRAMS_WANTED
+
+        rows = PROGRAMS_WANTED // 2 + 1
+        for dtype in dtypes:
+            logits = torch.randn(rows, vocab_size, device=device, generator=g).to(dtype)
+            token_logprobs(logits, torch.zeros(rows, dtype=torch.int64, device=device), 5)
 
 
 def warm_up(runner, shape: WarmupShape, log=None) -> tuple[int, float]:
