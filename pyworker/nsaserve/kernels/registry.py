@@ -161,11 +161,10 @@ def available(kind: str) -> list[str]:
 # there against the torch references: tests/kernels/test_triton_*.py, tests/model/test_triton_backend.py,
 # tests/kernels/test_router_logits.py); torch elsewhere. A float32 model keeps torch: these feed the
 # tensor cores bf16 operands. A Triton backend counts only where Triton is installed.
-# Not yet here: "row_lse_topk" and "penalties" (Triton backends compiled for sm_90 and tested in the
-# interpreter, not yet run on a GPU); until then "auto" keeps their torch paths.
 AUTO_ON_CUDA = {
     **dict.fromkeys(("attention", "indexer", "rmsnorm", "rope", "kv_store", "index_key_store", "sample_pick",
-                      "sample_threshold", "sample_uniform", "row_logsumexp"), "triton"),
+                      "sample_threshold", "sample_uniform", "row_logsumexp", "row_lse_topk",
+                      "penalties"), "triton"),
     "router_logits": "bf16x3",
 }
 
