@@ -1601,6 +1601,194 @@ async fn api_key_guards_v1_routes_only() {
     assert!(h.engine.submitted.lock().len() == 1);
 }
 
+// ---------------------------------------------------------------- tokenize, detokenize
+
+#[tokio::test]
+async fn tokenize_a_prompt_as_completions_does() {
+    let h = harness();
+    let r = h.post("/tokenize", json!({"prompt": "hello world"})).await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.body);
+    let v = r.json();
+    let want = h.tokenizer.encode("hello world", true).unwrap();
+    assert_eq!(want[0], BOS, "raw prompts get the tokenizer's BOS");
+    assert_eq!(v["tokens"], json!(want));
+    assert_eq!(v["count"], want.len());
+    assert_eq!(v["max_model_len"], CONTEXT);
+    assert!(v.get("token_strs").is_none(), "{v}");
+    // The same count a completion request reports as its prompt tokens.
+    let c = h
+        .post(
+            "/v1/completions",
+            json!({"prompt": "hello world", "max_tokens": 2}),
+        )
+        .await
+        .json();
+    assert_eq!(c["usage"]["prompt_tokens"], v["count"]);
+    let v = h
+        .post(
+            "/tokenize",
+            json!({"model": "tiny", "prompt": "hello world", "add_special_tokens": false, "return_token_strs": true}),
+        )
+        .await
+        .json();
+    assert_eq!(
+        v["tokens"],
+        json!(h.tokenizer.encode("hello world", false).unwrap())
+    );
+    let pieces: Vec<&str> = v["token_strs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| p.as_str().unwrap())
+        .collect();
+    assert_eq!(pieces.len(), v["count"].as_u64().unwrap() as usize);
+    assert_eq!(pieces.concat(), "hello world");
+    assert!(
+        h.engine.submitted.lock().len() == 1,
+        "tokenize generates nothing"
+    );
+}
+
+#[tokio::test]
+async fn tokenize_messages_as_chat_completions_does() {
+    let h = harness();
+    let messages = json!([
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": [{"type": "text", "text": "one"}, {"type": "text", "text": "two"}]}
+    ]);
+    let kwargs = json!({"greeting": "!"});
+    let v = h
+        .post(
+            "/tokenize",
+            json!({"messages": messages, "chat_template_kwargs": kwargs}),
+        )
+        .await
+        .json();
+    let r = h
+        .post(
+            "/v1/chat/completions",
+            json!({"messages": messages, "chat_template_kwargs": kwargs, "max_completion_tokens": 1}),
+        )
+        .await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.body);
+    let submitted = h.engine.submitted.lock()[0].prompt_ids.clone();
+    assert_eq!(v["tokens"], json!(submitted));
+    assert_eq!(
+        h.tokenizer.decode(&submitted, false),
+        "<s><|system|>be brief<|user|>one\ntwo<|assistant|>!"
+    );
+    let v = h
+        .post(
+            "/tokenize",
+            json!({"messages": messages, "add_generation_prompt": false}),
+        )
+        .await
+        .json();
+    let ids: Vec<i32> = serde_json::from_value(v["tokens"].clone()).unwrap();
+    assert_eq!(
+        h.tokenizer.decode(&ids, false),
+        "<s><|system|>be brief<|user|>one\ntwo"
+    );
+}
+
+#[tokio::test]
+async fn tokenize_refuses_bad_requests() {
+    let h = harness();
+    let cases = [
+        (json!({}), StatusCode::BAD_REQUEST, "is required"),
+        (
+            json!({"prompt": "a", "messages": [{"role": "user", "content": "b"}]}),
+            StatusCode::BAD_REQUEST,
+            "not both",
+        ),
+        (
+            json!({"messages": []}),
+            StatusCode::BAD_REQUEST,
+            "must not be empty",
+        ),
+        (
+            json!({"messages": [{"role": "robot", "content": "b"}]}),
+            StatusCode::BAD_REQUEST,
+            "must be one of",
+        ),
+        (
+            json!({"messages": [{"role": "tool", "content": "42"}]}),
+            StatusCode::BAD_REQUEST,
+            "tool messages need tools",
+        ),
+        (
+            json!({"prompt": 7}),
+            StatusCode::BAD_REQUEST,
+            "Invalid JSON body",
+        ),
+        (
+            json!({"model": "other", "prompt": "a"}),
+            StatusCode::NOT_FOUND,
+            "`other` does not exist",
+        ),
+    ];
+    for (body, status, fragment) in cases {
+        assert_error(&h.post("/tokenize", body).await, status, fragment);
+    }
+}
+
+#[tokio::test]
+async fn detokenize_round_trips_and_checks_ids() {
+    let h = harness();
+    let ids = h.tokenizer.encode("hello world", true).unwrap();
+    let r = h.post("/detokenize", json!({"tokens": ids})).await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.body);
+    assert_eq!(r.json(), json!({"prompt": "<s>hello world"}));
+    assert_eq!(
+        h.post("/detokenize", json!({"tokens": []})).await.json(),
+        json!({"prompt": ""})
+    );
+    assert_error(
+        &h.post("/detokenize", json!({"tokens": [1, VOCAB]})).await,
+        StatusCode::BAD_REQUEST,
+        "outside the vocabulary",
+    );
+    assert_error(
+        &h.post("/detokenize", json!({"tokens": [-1]})).await,
+        StatusCode::BAD_REQUEST,
+        "outside the vocabulary",
+    );
+    assert_error(
+        &h.post("/detokenize", json!({})).await,
+        StatusCode::BAD_REQUEST,
+        "`tokens` is required",
+    );
+    assert_error(
+        &h.post("/detokenize", json!({"model": "x", "tokens": [1]}))
+            .await,
+        StatusCode::NOT_FOUND,
+        "does not exist",
+    );
+}
+
+#[tokio::test]
+async fn tokenize_needs_the_api_key_like_v1() {
+    let h = harness_with(|c| c.api_key = Some("sesame".into()));
+    assert_eq!(
+        h.post("/tokenize", json!({"prompt": "a"})).await.status,
+        StatusCode::UNAUTHORIZED
+    );
+    assert_eq!(
+        h.post("/detokenize", json!({"tokens": [1]})).await.status,
+        StatusCode::UNAUTHORIZED
+    );
+    let r = h
+        .send(
+            Request::post("/tokenize")
+                .header(header::AUTHORIZATION, "Bearer sesame")
+                .header(header::CONTENT_TYPE, "application/json")
+                .body(Body::from(json!({"prompt": "a"}).to_string()))
+                .unwrap(),
+        )
+        .await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.body);
+}
+
 // ---------------------------------------------------------------- small endpoints
 
 #[tokio::test]
@@ -1611,6 +1799,24 @@ async fn models_health_version_and_fallbacks() {
     assert_eq!(v["data"][0]["id"], "tiny");
     assert_eq!(v["data"][0]["object"], "model");
     assert_eq!(v["data"][0]["max_model_len"], CONTEXT);
+    // One model by name (the OpenAI client's models.retrieve): the same card, or a 404.
+    assert_eq!(h.get("/v1/models/tiny").await.json(), v["data"][0]);
+    let missing = h.get("/v1/models/org/other").await;
+    assert_error(
+        &missing,
+        StatusCode::NOT_FOUND,
+        "`org/other` does not exist",
+    );
+    assert_eq!(missing.json()["error"]["code"], "model_not_found");
+    let slashed = harness_with(|c| c.served_model_name = "org/tiny".into());
+    assert_eq!(
+        slashed.get("/v1/models/org/tiny").await.json()["id"],
+        "org/tiny"
+    );
+    assert_eq!(
+        slashed.get("/v1/models/org%2Ftiny").await.json()["id"],
+        "org/tiny"
+    );
     assert_eq!(h.get("/health").await.status, StatusCode::OK);
     h.engine.healthy.store(false, Ordering::Relaxed);
     assert_error(

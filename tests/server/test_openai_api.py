@@ -153,3 +153,27 @@ def test_bad_requests_get_openai_errors(server, body, status):
 def test_invalid_json_is_400(server):
     code, err = post(server, "/v1/completions", b"{not json", raw=True)
     assert code == 400 and "error" in err
+
+
+def test_models_retrieve_through_the_client(client):
+    openai = pytest.importorskip("openai")
+    assert [m.id for m in client.models.list().data] == ["zen"]
+    model = client.models.retrieve("zen")
+    assert model.id == "zen" and model.object == "model"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("org/other")
+
+
+def test_tokenize_counts_what_generation_sees_and_detokenize_inverts_it(client, server):
+    prompt = "Beautiful is better than"
+    out = client.completions.create(model="zen", prompt=prompt, max_tokens=1, temperature=0)
+    code, tok = post(server, "/tokenize", {"model": "zen", "prompt": prompt})
+    assert code == 200 and tok["count"] == len(tok["tokens"]) == out.usage.prompt_tokens, tok
+    code, back = post(server, "/detokenize", {"tokens": tok["tokens"]})
+    assert code == 200 and back["prompt"].endswith(prompt), back
+    messages = [{"role": "user", "content": prompt}]
+    chat = client.chat.completions.create(model="zen", messages=messages, max_tokens=1, temperature=0)
+    code, tok = post(server, "/tokenize", {"messages": messages})
+    assert code == 200 and tok["count"] == chat.usage.prompt_tokens, tok
+    code, err = post(server, "/detokenize", {"tokens": [10**9]})
+    assert code == 400 and "vocabulary" in err["error"]["message"], err

@@ -42,7 +42,7 @@ pub async fn handler(State(app): State<AppState>, request: Request) -> Response 
 /// Checks one message and flattens its `content`: chat templates expect a string, so a list
 /// of text parts becomes their texts joined by newlines. Other keys (`tool_calls`,
 /// `tool_call_id`, `name`, ...) pass through to the template untouched.
-fn normalize_message(i: usize, message: Value) -> Result<Value, ApiError> {
+pub(super) fn normalize_message(i: usize, message: Value) -> Result<Value, ApiError> {
     let param = format!("messages[{i}]");
     let Value::Object(mut m) = message else {
         return Err(ApiError::invalid_param(
@@ -121,15 +121,16 @@ fn parse_tool_call_arguments(call: &mut Value) {
     }
 }
 
-/// Renders the conversation and tokenizes it (without adding special tokens: the template
-/// writes them). The rendered text comes back too: its end says whether generation starts
-/// inside the model's thinking.
-async fn chat_prompt(
+/// Renders the conversation and tokenizes it (generation requests add no special tokens: the
+/// template writes them). The rendered text comes back too: its end says whether generation
+/// starts inside the model's thinking.
+pub(super) async fn chat_prompt(
     tokenizer: &Arc<TokenizerBundle>,
     messages: Vec<Value>,
     tools: Option<Vec<Value>>,
     add_generation_prompt: bool,
     kwargs: Map<String, Value>,
+    add_special_tokens: bool,
 ) -> Result<(Vec<i32>, String), ApiError> {
     let tokenizer = Arc::clone(tokenizer);
     blocking(move || {
@@ -140,7 +141,7 @@ async fn chat_prompt(
             .render(&messages, tools.as_deref(), add_generation_prompt, &kwargs)
             .map_err(|e| ApiError::invalid_param("messages", e.0))?;
         let ids = tokenizer
-            .encode(&text, false)
+            .encode(&text, add_special_tokens)
             .map_err(|e| ApiError::invalid_param("messages", e.to_string()))?;
         Ok((ids, text))
     })
@@ -223,6 +224,7 @@ async fn handle(app: AppState, request: Request) -> Result<Response, ApiError> {
         tool_choice.rendered_tools(body.tools),
         body.add_generation_prompt.unwrap_or(true),
         body.chat_template_kwargs.unwrap_or_default(),
+        false,
     )
     .await?;
     let output = OutputSetup::new(

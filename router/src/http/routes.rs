@@ -1,6 +1,6 @@
-//! The small endpoints (models, health, metrics, version), fallbacks, and request counting.
+//! The small endpoints (models, one model, health, metrics, version), fallbacks, and request counting.
 
-use axum::extract::{MatchedPath, Request, State};
+use axum::extract::{MatchedPath, Path, Request, State};
 use axum::http::{header, StatusCode};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
@@ -10,18 +10,31 @@ use super::errors::ApiError;
 use super::openai_types::{ModelCard, ModelList};
 use super::AppState;
 
+fn model_card(app: &AppState) -> ModelCard {
+    ModelCard {
+        id: app.cfg.served_model_name.clone(),
+        object: "model",
+        created: app.started_at,
+        owned_by: "nsaserve",
+        max_model_len: app.model_info().max_context,
+    }
+}
+
 pub async fn models(State(app): State<AppState>) -> Json<ModelList> {
-    let info = app.model_info();
     Json(ModelList {
         object: "list",
-        data: vec![ModelCard {
-            id: app.cfg.served_model_name.clone(),
-            object: "model",
-            created: app.started_at,
-            owned_by: "nsaserve",
-            max_model_len: info.max_context,
-        }],
+        data: vec![model_card(&app)],
     })
+}
+
+/// GET /v1/models/{model} (the OpenAI client's `models.retrieve`): the served model, or a 404
+/// naming the model asked for. The name may hold slashes ("org/name").
+pub async fn model(State(app): State<AppState>, Path(model): Path<String>) -> Response {
+    if model == app.cfg.served_model_name {
+        Json(model_card(&app)).into_response()
+    } else {
+        ApiError::model_not_found(&model).into_response()
+    }
 }
 
 /// 200 only while the engine can serve; load balancers take the server out otherwise.
