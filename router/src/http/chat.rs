@@ -39,10 +39,25 @@ pub async fn handler(State(app): State<AppState>, request: Request) -> Response 
     }
 }
 
+/// The conversation checked (not empty, each message as `normalize_message` wants it).
+pub(super) fn normalize_messages(messages: Vec<Value>) -> Result<Vec<Value>, ApiError> {
+    if messages.is_empty() {
+        return Err(ApiError::invalid_param(
+            "messages",
+            "`messages` must not be empty.",
+        ));
+    }
+    messages
+        .into_iter()
+        .enumerate()
+        .map(|(i, m)| normalize_message(i, m))
+        .collect()
+}
+
 /// Checks one message and flattens its `content`: chat templates expect a string, so a list
 /// of text parts becomes their texts joined by newlines. Other keys (`tool_calls`,
 /// `tool_call_id`, `name`, ...) pass through to the template untouched.
-pub(super) fn normalize_message(i: usize, message: Value) -> Result<Value, ApiError> {
+fn normalize_message(i: usize, message: Value) -> Result<Value, ApiError> {
     let param = format!("messages[{i}]");
     let Value::Object(mut m) = message else {
         return Err(ApiError::invalid_param(
@@ -201,17 +216,7 @@ async fn handle(app: AppState, request: Request) -> Result<Response, ApiError> {
     let messages = body
         .messages
         .ok_or_else(|| ApiError::invalid_param("messages", "`messages` is required."))?;
-    if messages.is_empty() {
-        return Err(ApiError::invalid_param(
-            "messages",
-            "`messages` must not be empty.",
-        ));
-    }
-    let messages = messages
-        .into_iter()
-        .enumerate()
-        .map(|(i, m)| normalize_message(i, m))
-        .collect::<Result<_, _>>()?;
+    let messages = normalize_messages(messages)?;
     let tool_set = match (app.cfg.tool_call_parser, &body.tools, &tool_choice) {
         (Some(kind), Some(tools), choice) if *choice != ToolChoice::None => {
             Some((kind, ToolSet::from_request(tools, choice.only())))

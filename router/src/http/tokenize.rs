@@ -16,7 +16,7 @@ use axum::Json;
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
-use super::chat::{chat_prompt, normalize_message};
+use super::chat::{chat_prompt, normalize_messages};
 use super::errors::ApiError;
 use super::json_body::read_json;
 use super::prompt::blocking;
@@ -83,20 +83,9 @@ async fn handle_tokenize(app: AppState, request: Request) -> Result<TokenizeResp
                 .map_err(|e| ApiError::invalid_param("prompt", e.to_string()))?
         }
         (None, Some(messages)) => {
-            if messages.is_empty() {
-                return Err(ApiError::invalid_param(
-                    "messages",
-                    "`messages` must not be empty.",
-                ));
-            }
-            let messages = messages
-                .into_iter()
-                .enumerate()
-                .map(|(i, m)| normalize_message(i, m))
-                .collect::<Result<_, _>>()?;
             let (ids, _) = chat_prompt(
                 &app.tokenizer,
-                messages,
+                normalize_messages(messages)?,
                 body.tools,
                 body.add_generation_prompt.unwrap_or(true),
                 body.chat_template_kwargs.unwrap_or_default(),
