@@ -1601,6 +1601,66 @@ async fn api_key_guards_v1_routes_only() {
     assert!(h.engine.submitted.lock().len() == 1);
 }
 
+// ---------------------------------------------------------------- request ids
+
+#[tokio::test]
+async fn every_response_carries_a_request_id_and_keeps_the_clients() {
+    let h = harness_with(|c| c.api_key = Some("sesame".into()));
+    let id_of = |r: &Reply_| {
+        r.headers
+            .get("x-request-id")
+            .unwrap_or_else(|| panic!("no x-request-id: {:?}", r.headers))
+            .to_str()
+            .unwrap()
+            .to_owned()
+    };
+    let authed = |path: &str, id: Option<&str>, body: Value| {
+        let mut b = Request::post(path)
+            .header(header::AUTHORIZATION, "Bearer sesame")
+            .header(header::CONTENT_TYPE, "application/json");
+        if let Some(id) = id {
+            b = b.header("x-request-id", id);
+        }
+        b.body(Body::from(body.to_string())).unwrap()
+    };
+    let body = json!({"prompt": "hi", "max_tokens": 2});
+    // Made by the server when the client sends none (or an unusable one) ...
+    let a = h.send(authed("/v1/completions", None, body.clone())).await;
+    let b = h
+        .send(authed("/v1/completions", Some("has space"), body.clone()))
+        .await;
+    assert_eq!((a.status, b.status), (StatusCode::OK, StatusCode::OK));
+    assert!(id_of(&a).starts_with("req-") && id_of(&b).starts_with("req-"));
+    assert_ne!(id_of(&a), id_of(&b));
+    // ... the client's own otherwise, streaming or not.
+    let r = h
+        .send(authed("/v1/completions", Some("gw-42"), body.clone()))
+        .await;
+    assert_eq!(id_of(&r), "gw-42");
+    let mut streamed = body.clone();
+    streamed["stream"] = json!(true);
+    let r = h
+        .send(authed("/v1/completions", Some("gw-43"), streamed))
+        .await;
+    assert_eq!((r.status, id_of(&r).as_str()), (StatusCode::OK, "gw-43"));
+    // Refusals carry one too: a bad body, a missing key, an unknown route.
+    let r = h
+        .send(authed(
+            "/v1/completions",
+            Some("gw-44"),
+            json!({"prompt": 7}),
+        ))
+        .await;
+    assert_eq!(
+        (r.status, id_of(&r).as_str()),
+        (StatusCode::BAD_REQUEST, "gw-44")
+    );
+    let r = h.post("/v1/completions", body).await;
+    assert_eq!(r.status, StatusCode::UNAUTHORIZED);
+    assert!(id_of(&r).starts_with("req-"));
+    assert!(id_of(&h.get("/nowhere").await).starts_with("req-"));
+}
+
 // ---------------------------------------------------------------- tokenize, detokenize
 
 #[tokio::test]

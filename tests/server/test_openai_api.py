@@ -177,3 +177,12 @@ def test_tokenize_counts_what_generation_sees_and_detokenize_inverts_it(client, 
     assert code == 200 and tok["count"] == chat.usage.prompt_tokens, tok
     code, err = post(server, "/detokenize", {"tokens": [10**9]})
     assert code == 400 and "vocabulary" in err["error"]["message"], err
+
+
+def test_request_ids_reach_the_client(client):
+    out = client.completions.create(model="zen", prompt="Flat is", max_tokens=2, temperature=0)
+    assert out._request_id and out._request_id.startswith("req-")
+    raw = client.completions.with_raw_response.create(
+        model="zen", prompt="Flat is", max_tokens=2, temperature=0, extra_headers={"X-Request-Id": "gateway-17"}
+    )
+    assert raw.headers["x-request-id"] == "gateway-17" and raw.parse().choices[0].text

@@ -25,6 +25,9 @@
 //! With `--reasoning-parser`, chat answers carry the model's thinking in `reasoning_content`;
 //! with `--tool-call-parser`, its tool-call markup becomes `tool_calls` (see `parsers`).
 //!
+//! Every response carries `X-Request-Id`: the client's own when it sent a usable one, else a new
+//! one (`request_id`).
+//!
 //! Statuses: 400 for bad input (including invalid JSON and wrong types, and the engine's
 //! `SubmitError::Invalid`), 401 without the API key, 404 for an unknown model or route, 413 for
 //! a body over the limit, 408 for a body not received within `body_timeout`, 429 with
@@ -44,6 +47,7 @@ mod logprobs;
 mod openai_types;
 mod openapi;
 mod prompt;
+mod request_id;
 mod routes;
 mod sampling_defaults;
 mod sse;
@@ -197,6 +201,8 @@ pub fn router(
             state.clone(),
             routes::count_requests,
         ))
+        // Outermost: every response carries its X-Request-Id, refusals and 404s included.
+        .layer(axum::middleware::from_fn(request_id::request_id))
         .with_state(state)
 }
 
