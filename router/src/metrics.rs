@@ -122,6 +122,7 @@ pub struct Metrics {
     prompt_tokens: AtomicU64,
     generation_tokens: AtomicU64,
     prefix_hit_tokens: AtomicU64,
+    preemptions: AtomicU64,
     waiting: AtomicU64,
     running: AtomicU64,
     kv_pages_used: AtomicU64,
@@ -171,6 +172,7 @@ impl Metrics {
             prompt_tokens: AtomicU64::new(0),
             generation_tokens: AtomicU64::new(0),
             prefix_hit_tokens: AtomicU64::new(0),
+            preemptions: AtomicU64::new(0),
             waiting: AtomicU64::new(0),
             running: AtomicU64::new(0),
             kv_pages_used: AtomicU64::new(0),
@@ -221,6 +223,10 @@ impl Metrics {
     /// Prompt tokens served from the prefix cache instead of being computed.
     pub fn add_prefix_hit_tokens(&self, tokens: u64) {
         self.prefix_hit_tokens.fetch_add(tokens, Ordering::Relaxed);
+    }
+
+    pub fn add_preemptions(&self, count: u64) {
+        self.preemptions.fetch_add(count, Ordering::Relaxed);
     }
 
     // --- Called by the HTTP layer. ---
@@ -345,6 +351,11 @@ impl Metrics {
                 "Prompt tokens served from the prefix cache.",
                 &self.prefix_hit_tokens,
             ),
+            (
+                "nsaserve_preemptions_total",
+                "Running requests preempted for KV pages (they recompute, mostly from the prefix cache).",
+                &self.preemptions,
+            ),
         ];
         for (name, help, value) in counters {
             let _ = writeln!(
@@ -430,6 +441,8 @@ mod tests {
         m.observe_batch_size(3);
         m.observe_batch_size(100);
         m.add_prefix_hit_tokens(64);
+        m.add_preemptions(2);
+        m.add_preemptions(1);
         m.observe_time_to_first_token(0.05);
         m.observe_generation(1.25, Some(0.25), 7, 11);
         m.add_parser_fallbacks("glm47", 2);
@@ -452,6 +465,8 @@ mod tests {
         assert!(text.contains("nsaserve_engine_requests_ended_total{outcome=\"failed\"} 2\n"));
         assert!(text.contains("nsaserve_worker_restarts_total 1\n"));
         assert!(text.contains("nsaserve_prefix_cache_hit_tokens_total 64\n"));
+        assert!(text
+            .contains("# TYPE nsaserve_preemptions_total counter\nnsaserve_preemptions_total 3\n"));
         assert!(text.contains("nsaserve_batch_size_bucket{le=\"2\"} 0\n"));
         assert!(text.contains("nsaserve_batch_size_bucket{le=\"4\"} 1\n"));
         assert!(text.contains("nsaserve_batch_size_bucket{le=\"+Inf\"} 2\n"));

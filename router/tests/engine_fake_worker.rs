@@ -393,6 +393,35 @@ async fn a_dead_worker_is_replaced_and_the_engine_serves_again_from_an_empty_poo
     engine.shutdown();
 }
 
+/// More generation than the 64-page pool holds at once: the scheduler preempts running requests
+/// (they recompute, mostly from the prefix cache), every request still gets its exact tokens,
+/// and /metrics counts the preemptions.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn preemptions_keep_outputs_exact_and_are_counted() {
+    let started = start_engine(Behaviour::Count);
+    let engine = &started.engine;
+    // 8 requests of 10 + 40 tokens need 8 x 13 pages of 4 tokens; the pool has 64.
+    let streams: Vec<_> = (0..8)
+        .map(|i| {
+            let prompt = (0..10).map(|k| i * 10 + k).collect();
+            engine.submit(request(prompt, 40, vec![])).unwrap()
+        })
+        .collect();
+    for s in streams {
+        let events = collect(s).await;
+        assert_eq!(tokens(&events), (110..150).collect::<Vec<_>>());
+    }
+    let text = wait_for_metrics(&started.metrics, &["nsaserve_kv_pages_used 0"]).await;
+    let preemptions: u64 = text
+        .lines()
+        .find_map(|l| l.strip_prefix("nsaserve_preemptions_total "))
+        .expect("no preemption counter")
+        .parse()
+        .unwrap();
+    assert!(preemptions > 0, "{text}");
+    engine.shutdown();
+}
+
 /// Outputs and finish reasons of a mixed workload (chunked prompts, stop tokens, max_tokens of
 /// 1 and 0, more requests than may run at once) on one engine.
 async fn workload(overlap: bool) -> Vec<(Vec<i32>, String)> {

@@ -18,8 +18,10 @@ pub struct Shared {
     pub num_pages: u32,
     pub page_size: u32,
     pub metrics: Arc<Metrics>,
-    /// The scheduler's cumulative prefix-hit count last published (metrics take deltas).
+    /// The scheduler's cumulative prefix-hit and preemption counts last published (metrics take
+    /// deltas).
     prefix_hits_published: AtomicU64,
+    preemptions_published: AtomicU64,
     /// The scheduler's request counts last published (likewise).
     requests_published: Mutex<RequestCounts>,
 }
@@ -34,6 +36,7 @@ impl Shared {
             page_size,
             metrics,
             prefix_hits_published: AtomicU64::new(0),
+            preemptions_published: AtomicU64::new(0),
             requests_published: Mutex::new(RequestCounts::default()),
         }
     }
@@ -46,6 +49,13 @@ impl Shared {
         if stats.prefix_hit_tokens_total > before {
             self.metrics
                 .add_prefix_hit_tokens(stats.prefix_hit_tokens_total - before);
+        }
+        let before = self
+            .preemptions_published
+            .swap(stats.preemptions_total, Ordering::Relaxed);
+        if stats.preemptions_total > before {
+            self.metrics
+                .add_preemptions(stats.preemptions_total - before);
         }
         let mut published = self.requests_published.lock();
         let (now, before) = (stats.requests, *published);
