@@ -43,20 +43,10 @@ impl Shared {
 
     pub fn set_scheduler_stats(&self, stats: &SchedulerStats) {
         self.waiting.store(stats.waiting, Ordering::Relaxed);
-        let before = self
-            .prefix_hits_published
-            .swap(stats.prefix_hit_tokens_total, Ordering::Relaxed);
-        if stats.prefix_hit_tokens_total > before {
-            self.metrics
-                .add_prefix_hit_tokens(stats.prefix_hit_tokens_total - before);
-        }
-        let before = self
-            .preemptions_published
-            .swap(stats.preemptions_total, Ordering::Relaxed);
-        if stats.preemptions_total > before {
-            self.metrics
-                .add_preemptions(stats.preemptions_total - before);
-        }
+        let hits = since(&self.prefix_hits_published, stats.prefix_hit_tokens_total);
+        self.metrics.add_prefix_hit_tokens(hits);
+        let preemptions = since(&self.preemptions_published, stats.preemptions_total);
+        self.metrics.add_preemptions(preemptions);
         let mut published = self.requests_published.lock();
         let (now, before) = (stats.requests, *published);
         // Gauges and counts in one update, so that no scrape sees the one without the other.
@@ -80,5 +70,32 @@ impl Shared {
 
     pub fn observe_step(&self, plan: &BatchPlan) {
         self.metrics.observe_batch_size(plan.requests.len());
+    }
+}
+
+/// How much a scheduler's cumulative count grew since it was last published (`published` then
+/// holds `total`). A total below the last one comes from a new scheduler (after a worker
+/// restart), which counted from zero: all of it is new.
+fn since(published: &AtomicU64, total: u64) -> u64 {
+    let before = published.swap(total, Ordering::Relaxed);
+    if total >= before {
+        total - before
+    } else {
+        total
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn deltas_of_a_cumulative_count_survive_a_restart() {
+        let published = AtomicU64::new(0);
+        assert_eq!(since(&published, 5), 5);
+        assert_eq!(since(&published, 5), 0);
+        assert_eq!(since(&published, 9), 4);
+        assert_eq!(since(&published, 3), 3); // a new scheduler's first count
+        assert_eq!(since(&published, 4), 1);
     }
 }
