@@ -74,8 +74,9 @@ impl Shared {
 }
 
 /// How much a scheduler's cumulative count grew since it was last published (`published` then
-/// holds `total`). A total below the last one comes from a new scheduler (after a worker
-/// restart), which counted from zero: all of it is new.
+/// holds `total`). A run's scheduler and its `Shared` start together from zero (a worker restart
+/// makes both anew), so totals only grow; one that went down would have counted again from zero,
+/// so all of it counts as new rather than wrapping around.
 fn since(published: &AtomicU64, total: u64) -> u64 {
     let before = published.swap(total, Ordering::Relaxed);
     if total >= before {
