@@ -118,6 +118,7 @@ pub struct Metrics {
     time_per_output_token: Histogram,
     inter_token: Histogram,
     e2e: Histogram,
+    queue_time: Histogram,
     batch_size: Histogram,
     prompt_tokens: AtomicU64,
     generation_tokens: AtomicU64,
@@ -162,6 +163,11 @@ impl Metrics {
             e2e: Histogram::new(
                 "nsaserve_e2e_request_latency_seconds",
                 "Time from request arrival to its last token.",
+                E2E_BUCKETS,
+            ),
+            queue_time: Histogram::new(
+                "nsaserve_request_queue_time_seconds",
+                "Time from a request's arrival at the engine (after tokenization) to its first step.",
                 E2E_BUCKETS,
             ),
             batch_size: Histogram::new(
@@ -218,6 +224,11 @@ impl Metrics {
 
     pub fn observe_batch_size(&self, requests: usize) {
         self.batch_size.observe(requests as f64);
+    }
+
+    /// One request's wait between reaching the engine and its first planned step.
+    pub fn observe_queue_time(&self, seconds: f64) {
+        self.queue_time.observe(seconds);
     }
 
     /// Prompt tokens served from the prefix cache instead of being computed.
@@ -388,6 +399,7 @@ impl Metrics {
             &self.time_per_output_token,
             &self.inter_token,
             &self.e2e,
+            &self.queue_time,
             &self.batch_size,
         ] {
             h.render(&mut out);
@@ -442,6 +454,7 @@ mod tests {
         m.observe_batch_size(100);
         m.add_prefix_hit_tokens(64);
         m.add_preemptions(2);
+        m.observe_queue_time(0.3);
         m.add_preemptions(1);
         m.observe_time_to_first_token(0.05);
         m.observe_generation(1.25, Some(0.25), 7, 11);

@@ -395,7 +395,7 @@ async fn a_dead_worker_is_replaced_and_the_engine_serves_again_from_an_empty_poo
 
 /// More generation than the 64-page pool holds at once: the scheduler preempts running requests
 /// (they recompute, mostly from the prefix cache), every request still gets its exact tokens,
-/// and /metrics counts the preemptions.
+/// and /metrics counts the preemptions and each request's queue time once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn preemptions_keep_outputs_exact_and_are_counted() {
     let started = start_engine(Behaviour::Count);
@@ -411,7 +411,15 @@ async fn preemptions_keep_outputs_exact_and_are_counted() {
         let events = collect(s).await;
         assert_eq!(tokens(&events), (110..150).collect::<Vec<_>>());
     }
-    let text = wait_for_metrics(&started.metrics, &["nsaserve_kv_pages_used 0"]).await;
+    // Each request's wait for its first step is observed once, preempted or not.
+    let text = wait_for_metrics(
+        &started.metrics,
+        &[
+            "nsaserve_kv_pages_used 0",
+            "nsaserve_request_queue_time_seconds_count 8",
+        ],
+    )
+    .await;
     let preemptions: u64 = text
         .lines()
         .find_map(|l| l.strip_prefix("nsaserve_preemptions_total "))

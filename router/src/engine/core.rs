@@ -48,6 +48,8 @@ pub struct EngineCore {
     pub shared: Arc<Shared>,
     pub heartbeat_timeout: Duration,
     pub streams: HashMap<RequestId, UnboundedSender<GenerateEvent>>,
+    /// When each request not yet in any plan reached the engine (for the queue-time metric).
+    pub queued_since: HashMap<RequestId, Instant>,
     pub last_seen: Vec<Instant>,
     pub step: u64,
     /// Plan step N+1 while step N runs.
@@ -118,6 +120,7 @@ impl EngineCore {
             } => match self.scheduler.submit(id, request) {
                 Ok(()) => {
                     self.streams.insert(id, events);
+                    self.queued_since.insert(id, Instant::now());
                 }
                 Err(e) => {
                     // The handle checks the queue bound against the last published count, so a
@@ -127,6 +130,7 @@ impl EngineCore {
                 }
             },
             Input::Abort(id) => {
+                self.queued_since.remove(&id);
                 self.scheduler.abort(id);
                 self.streams.remove(&id);
             }
@@ -186,6 +190,7 @@ impl EngineCore {
             return false;
         };
         self.step += 1;
+        self.observe_queue_times(&plan);
         match plan.encode() {
             Ok(bytes) => {
                 if let Err(e) = self.sender.broadcast(&bytes) {
@@ -268,6 +273,23 @@ impl EngineCore {
             }
             if done {
                 self.streams.remove(&id);
+                self.queued_since.remove(&id);
+            }
+        }
+    }
+
+    /// Each request's first plan ends its wait in the queue (a preempted request's later
+    /// re-admission does not count again).
+    fn observe_queue_times(&mut self, plan: &BatchPlan) {
+        if self.queued_since.is_empty() {
+            return;
+        }
+        let now = Instant::now();
+        for r in &plan.requests {
+            if let Some(since) = self.queued_since.remove(&r.id) {
+                self.shared
+                    .metrics
+                    .observe_queue_time(now.duration_since(since).as_secs_f64());
             }
         }
     }

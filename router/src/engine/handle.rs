@@ -115,6 +115,7 @@ impl Run {
             shared: shared.clone(),
             heartbeat_timeout: limits.heartbeat_timeout,
             streams: HashMap::new(),
+            queued_since: HashMap::new(),
             last_seen: vec![Instant::now(); workers.tp_size as usize],
             step: 1,
             overlap: !limits.disable_overlap_schedule,
