@@ -504,11 +504,15 @@ mod tests {
     /// it: the engine publishes gauges and counts as one update, and /metrics reads them as one.
     #[test]
     fn a_scrape_sees_gauges_and_request_counts_of_the_same_update() {
+        use std::sync::atomic::AtomicBool;
         let m = std::sync::Arc::new(Metrics::new());
+        // The writer runs until the reader has checked enough scrapes of both states (a fixed
+        // number of writes could end before a loaded machine schedules the reader at all).
+        let stop = std::sync::Arc::new(AtomicBool::new(false));
         let writer = {
-            let m = m.clone();
+            let (m, stop) = (m.clone(), stop.clone());
             std::thread::spawn(move || {
-                for _ in 0..20_000 {
+                while !stop.load(Ordering::Relaxed) {
                     // One request in, running; then out, drained.
                     let gauges = |running| SchedulerGauges {
                         running,
@@ -530,8 +534,13 @@ mod tests {
                 }
             })
         };
-        let mut drained_scrapes = 0;
-        while !writer.is_finished() {
+        let (mut drained, mut busy) = (0u32, 0u32);
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+        while drained < 200 || busy < 200 {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "only {drained} drained and {busy} busy scrapes in 60 s"
+            );
             let text = m.render();
             let running = value(&text, "nsaserve_requests_running");
             let submitted = value(&text, "nsaserve_engine_requests_submitted_total");
@@ -540,9 +549,13 @@ mod tests {
                 "nsaserve_engine_requests_ended_total{outcome=\"finished\"}",
             );
             assert_eq!(submitted, finished + running, "{text}");
-            drained_scrapes += (running == 0) as u32;
+            if running == 0 {
+                drained += 1;
+            } else {
+                busy += 1;
+            }
         }
+        stop.store(true, Ordering::Relaxed);
         writer.join().unwrap();
-        assert!(drained_scrapes > 0);
     }
 }
