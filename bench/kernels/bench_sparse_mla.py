@@ -67,6 +67,10 @@ CONFIGS = {
     # (gluon_sparse_mla.FP8_STAGE), against loads into registers after the PV issue
     "gluon-stage": {"kernel": "gluon", "stage": True},
     "gluon-nostage": {"kernel": "gluon", "stage": False},
+    # The next block's copies issued before this block's QK^T, slots loaded a block ahead
+    # (gluon_sparse_mla.EARLY_GATHER), against their issue after it
+    "gluon-early": {"kernel": "gluon", "early": True},
+    "gluon-late": {"kernel": "gluon", "early": False},
 }
 PREFILL_TOKENS = 2048  # a prompt chunk after CTX cached positions: every row selects a full top-k
 

@@ -186,6 +186,9 @@ def gluon_sparse_mla_cases():
             yield name, gm._sparse_mla_gluon_kernel, sig, consts, 8, {"gluon": True}
             if fp8:
                 yield name + " stage", gm._sparse_mla_gluon_kernel, sig, {**consts, "STAGE": True}, 8, {"gluon": True}
+            # Copies issued before QK^T from slots loaded a block ahead (staged rows with FP8).
+            early = {**consts, "STAGE": fp8, "EARLY": True}
+            yield name + " early", gm._sparse_mla_gluon_kernel, sig, early, 8, {"gluon": True}
 
 
 def sample_pick_cases():

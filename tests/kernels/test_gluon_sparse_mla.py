@@ -87,6 +87,27 @@ def test_staged_fp8_blocks_equal_the_register_path(tokens, num_splits):
 
 @hopper
 @pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("tokens, num_splits", [(5, None), (5, 1), (5, 3), (64, None), (1, None)])
+def test_early_copies_equal_the_late_issue(fp8, tokens, num_splits):
+    """early=True (block i + 1's copies issued before block i's QK^T, from slots loaded a block
+    ahead) gives the late issue's output bit for bit: the same operands and MMAs. -1 tails, a
+    one-entry list (a single block, so the slots loaded ahead are all past its end) and trimmed
+    loops included; and it matches the reference."""
+    (q_lat, q_pe, cache, slots), _ = case(tokens, 64, fp8, seed=31 + tokens + fp8)
+    for t in range(0, tokens, 2):
+        slots[t, 700 + 37 * t :] = -1
+    if tokens > 1:
+        slots[1, 1:] = -1
+    want = sparse_mla_torch(q_lat.cpu(), q_pe.cpu(), cache.cpu(), slots.cpu(), SCALE)
+    for trim in (False, True):
+        kw = dict(num_splits=num_splits, trim=trim, stage=True)
+        early = sparse_mla_decode_gluon(q_lat, q_pe, cache, slots, SCALE, early=True, **kw)
+        assert torch.equal(early, sparse_mla_decode_gluon(q_lat, q_pe, cache, slots, SCALE, early=False, **kw))
+        assert rel_err(early.cpu(), want) < 1e-2
+
+
+@hopper
+@pytest.mark.parametrize("fp8", [False, True])
 def test_model_dtype_output_is_the_float32_output_rounded(fp8):
     (q_lat, q_pe, cache, slots), _ = case(3, 64, fp8, seed=11)
     f32 = sparse_mla_decode_gluon(q_lat, q_pe, cache, slots, SCALE, num_splits=1)

@@ -15,10 +15,11 @@ tensor-core work and ~430 KB of shared-memory operand reads per 64 rows are spen
   which the warpgroups split by output columns (256 of the 512 each).
 
 Pipeline (two buffers of rows in shared memory): block i+1's rows are gathered while block i's
-softmax and PV run (a bf16 cache by cp.async, issued before the softmax; an FP8 cache's stored
-bytes by cp.async into the same buffer, issued before the softmax, then dequantised in shared
-memory by the warps after issuing block i's PV: FP8_STAGE). PV of block i is waited for together
-with block i+1's QK^T. Indices are physical slots, -1 for none (masked, never
+QK^T, softmax and PV run (EARLY_GATHER: a bf16 cache by cp.async; an FP8 cache's stored bytes by
+cp.async into the same buffer, then dequantised in shared memory by the warps after issuing block
+i's PV: FP8_STAGE). The copies are issued at the top of block i, once block i-1's PV (the last
+reader of their buffer) is done, from slots the warps read from a small ring of index blocks in
+shared memory, loaded two blocks ahead. Indices are physical slots, -1 for none (masked, never
 read).
 
 Gluon has no CPU interpreter: the CPU path (and every shape this kernel does not take) stays on
@@ -51,6 +52,15 @@ NUM_WARPS = gl.constexpr(8)  # two warpgroups
 # in the model's graph-replayed decode step the sparse MLA family 1.78 against 1.95-1.98 ms at 256
 # rows, 6.97 against 7.56-7.70 at 1024. False restores the register path (for A/B runs).
 FP8_STAGE = True
+# Issue block i + 1's copies before block i's QK^T (the kernel's EARLY) rather than after its wait,
+# with their slots from a shared-memory ring of index blocks loaded two blocks ahead, so that no copy
+# issue waits for an index load. Same operands bit for bit. Measured on the H200 at GLM-5 shapes
+# (bench/results/2026-12-03-gluon-sparse-mla-early-copies): FP8 decode 76.9 against 84.2 us at 64
+# tokens, 261 / 280 at 256, 1021 / 1097 at 1024; bf16 75.7 / 82.7, 245 / 261, 961 / 1006; in the
+# model's graph-replayed decode step at 256 x 1400 the sparse MLA 1.77 against 1.84 ms. (Slots held
+# in registers instead cost the FP8 path's dequantisation its registers: 15% slower there.)
+# False restores the late issue (for A/B runs).
+EARLY_GATHER = True
 
 
 @gluon.jit
@@ -63,29 +73,52 @@ def _load_slots(idx_ptr, t, idx_stride, j, j1, BLOCK_N: gl.constexpr, layout: gl
     return valid, gl.where(valid, idx, 0).to(gl.int64)
 
 
+@gluon.constexpr_function
+def _pe_layout(P):
+    """k_pe rows [rows, P]: 8 consecutive values a thread."""
+    return gl.BlockedLayout([1, 8], [32 // (P // 8), P // 8], [NUM_WARPS, 1], [1, 0])
+
+
+# bf16 latent rows [rows, R]: 8 consecutive values a thread, a row over a warp.
+_ROWS_L = gl.constexpr(gl.BlockedLayout([1, 8], [1, 32], [NUM_WARPS, 1], [1, 0]))
+
+
 @gluon.jit
-def _gather_pe(pe_buf, ptr, idx_ptr, t, idx_stride, j, j1,
-               ROW: gl.constexpr, AT: gl.constexpr, P: gl.constexpr, BLOCK_N: gl.constexpr):  # fmt: skip
-    """cp.async the block rows' bf16 k_pe (P values at element AT of rows of ROW bf16 elements from
-    ptr: the bf16 row's tail, or the FP8 row's after its codes and scales) into pe_buf [BLOCK_N, P]."""
-    pe_l: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (P // 8), P // 8], [NUM_WARPS, 1], [1, 0])
-    valid, slot = _load_slots(idx_ptr, t, idx_stride, j, j1, BLOCK_N, gl.SliceLayout(1, pe_l))
-    offs_p = gl.arange(0, P, layout=gl.SliceLayout(0, pe_l))
+def _gather_pe_at(pe_buf, ptr, valid, slot, ROW: gl.constexpr, AT: gl.constexpr, P: gl.constexpr):
+    """cp.async the rows' bf16 k_pe (P values at element AT of rows of ROW bf16 elements from ptr: the
+    bf16 row's tail, or the FP8 row's after its codes and scales) into pe_buf [BLOCK_N, P]; (valid,
+    slot) in _pe_layout's row slice."""
+    offs_p = gl.arange(0, P, layout=gl.SliceLayout(0, _pe_layout(P)))
     async_copy.async_copy_global_to_shared(
         pe_buf, ptr + slot[:, None] * ROW + AT + offs_p[None, :], mask=valid[:, None]
     )
 
 
 @gluon.jit
+def _gather_pe(pe_buf, ptr, idx_ptr, t, idx_stride, j, j1,
+               ROW: gl.constexpr, AT: gl.constexpr, P: gl.constexpr, BLOCK_N: gl.constexpr):  # fmt: skip
+    """_gather_pe_at for list entries j .. j + BLOCK_N (their slots loaded here)."""
+    valid, slot = _load_slots(idx_ptr, t, idx_stride, j, j1, BLOCK_N, gl.SliceLayout(1, _pe_layout(P)))
+    _gather_pe_at(pe_buf, ptr, valid, slot, ROW, AT, P)
+
+
+@gluon.jit
+def _gather_bf16_at(c_buf, pe_buf, cache_ptr, valid_r, slot_r, valid_p, slot_p, R: gl.constexpr, P: gl.constexpr):
+    """cp.async rows (c | k_pe, model dtype) into c_buf [BLOCK_N, R] and pe_buf [BLOCK_N, P]; the
+    slots in _ROWS_L's and _pe_layout's row slices."""
+    offs_r = gl.arange(0, R, layout=gl.SliceLayout(0, _ROWS_L))
+    row = cache_ptr + slot_r[:, None] * (R + P)
+    async_copy.async_copy_global_to_shared(c_buf, row + offs_r[None, :], mask=valid_r[:, None])
+    _gather_pe_at(pe_buf, cache_ptr, valid_p, slot_p, R + P, R, P)
+
+
+@gluon.jit
 def _gather_bf16(c_buf, pe_buf, cache_ptr, idx_ptr, t, idx_stride, j, j1,
                  R: gl.constexpr, P: gl.constexpr, BLOCK_N: gl.constexpr):  # fmt: skip
-    """cp.async block rows (c | k_pe, model dtype) into c_buf [BLOCK_N, R] and pe_buf [BLOCK_N, P]."""
-    rows_l: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [NUM_WARPS, 1], [1, 0])
-    valid, slot = _load_slots(idx_ptr, t, idx_stride, j, j1, BLOCK_N, gl.SliceLayout(1, rows_l))
-    offs_r = gl.arange(0, R, layout=gl.SliceLayout(0, rows_l))
-    row = cache_ptr + slot[:, None] * (R + P)
-    async_copy.async_copy_global_to_shared(c_buf, row + offs_r[None, :], mask=valid[:, None])
-    _gather_pe(pe_buf, cache_ptr, idx_ptr, t, idx_stride, j, j1, R + P, R, P, BLOCK_N)
+    """_gather_bf16_at for list entries j .. j + BLOCK_N (their slots loaded here)."""
+    valid_r, slot_r = _load_slots(idx_ptr, t, idx_stride, j, j1, BLOCK_N, gl.SliceLayout(1, _ROWS_L))
+    valid_p, slot_p = _load_slots(idx_ptr, t, idx_stride, j, j1, BLOCK_N, gl.SliceLayout(1, _pe_layout(P)))
+    _gather_bf16_at(c_buf, pe_buf, cache_ptr, valid_r, slot_r, valid_p, slot_p, R, P)
 
 
 @gluon.constexpr_function
@@ -96,17 +129,26 @@ def _codes_layout(R, G):
 
 
 @gluon.jit
+def _fp8_code_ptrs_at(cache_ptr, slot, R: gl.constexpr, G: gl.constexpr, ROW_BYTES: gl.constexpr):
+    """(pointers to the codes [ROWS, R / G, G] of rows `slot` (in _codes_layout's row slice),
+    group offsets [R / G])."""
+    codes_l: gl.constexpr = _codes_layout(R, G)
+    sc_l: gl.constexpr = gl.SliceLayout(2, codes_l)
+    offs_g = gl.arange(0, R // G, layout=gl.SliceLayout(0, sc_l))
+    offs_e = gl.arange(0, G, layout=gl.SliceLayout(0, gl.SliceLayout(1, codes_l)))
+    at = slot[:, None] * ROW_BYTES + offs_g[None, :] * G  # [ROWS, R / G]
+    return cache_ptr + at[:, :, None] + offs_e[None, None, :], offs_g
+
+
+@gluon.jit
 def _fp8_code_ptrs(cache_ptr, idx_ptr, t, idx_stride, j, j1,
                    R: gl.constexpr, G: gl.constexpr, ROW_BYTES: gl.constexpr, ROWS: gl.constexpr):  # fmt: skip
     """(pointers to the codes [ROWS, R / G, G] of list entries j .. j + ROWS in _codes_layout, valid
     [ROWS], slot [ROWS], group offsets [R / G]); invalid entries point at slot 0."""
     codes_l: gl.constexpr = _codes_layout(R, G)
-    sc_l: gl.constexpr = gl.SliceLayout(2, codes_l)
-    valid, slot = _load_slots(idx_ptr, t, idx_stride, j, j1, ROWS, gl.SliceLayout(1, sc_l))
-    offs_g = gl.arange(0, R // G, layout=gl.SliceLayout(0, sc_l))
-    offs_e = gl.arange(0, G, layout=gl.SliceLayout(0, gl.SliceLayout(1, codes_l)))
-    at = slot[:, None] * ROW_BYTES + offs_g[None, :] * G  # [ROWS, R / G]
-    return cache_ptr + at[:, :, None] + offs_e[None, None, :], valid, slot, offs_g
+    valid, slot = _load_slots(idx_ptr, t, idx_stride, j, j1, ROWS, gl.SliceLayout(1, gl.SliceLayout(2, codes_l)))
+    ptrs, offs_g = _fp8_code_ptrs_at(cache_ptr, slot, R, G, ROW_BYTES)
+    return ptrs, valid, slot, offs_g
 
 
 @gluon.jit
@@ -150,6 +192,56 @@ def _fill_fp8(c_buf, pe_buf, cache_ptr, cache_f32_ptr, cache_bf16_ptr, idx_ptr, 
     _store_fp8_rows(c_buf, c3, s3, 3 * Q, R, Q)
 
 
+@gluon.constexpr_function
+def _stage_scales_layout(R, G):
+    """An FP8 block's group scales [rows, R / G] as _stage_fp8 copies them: a row a thread."""
+    return gl.BlockedLayout([1, R // G], [32, 1], [NUM_WARPS, 1], [1, 0])
+
+
+@gluon.jit
+def _stage_fp8_at(stage_buf, sc_buf, pe_buf, cache_ptr, cache_f32_ptr, cache_bf16_ptr, slots,
+                  R: gl.constexpr, P: gl.constexpr, G: gl.constexpr, ROW_BYTES: gl.constexpr):  # fmt: skip
+    """_stage_fp8 with the rows' slots already loaded: slots as _fp8_block_slots returns them."""
+    valid_p, slot_p, valid_c, slot_c, valid_s, slot_s = slots
+    _gather_pe_at(pe_buf, cache_bf16_ptr, valid_p, slot_p, ROW_BYTES // 2, (R + 4 * (R // G)) // 2, P)
+    ptrs, _ = _fp8_code_ptrs_at(cache_ptr, slot_c, R, G, ROW_BYTES)
+    async_copy.async_copy_global_to_shared(stage_buf, ptrs, mask=valid_c[:, None, None])
+    offs_sg = gl.arange(0, R // G, layout=gl.SliceLayout(0, _stage_scales_layout(R, G)))
+    async_copy.async_copy_global_to_shared(
+        sc_buf, cache_f32_ptr + slot_s[:, None] * (ROW_BYTES // 4) + R // 4 + offs_sg[None, :], mask=valid_s[:, None]
+    )
+
+
+@gluon.jit
+def _fp8_block_slots(idx_ptr, t, idx_stride, j, j1, R: gl.constexpr, P: gl.constexpr, G: gl.constexpr,
+                     BLOCK_N: gl.constexpr):  # fmt: skip
+    """(valid, slot) of list entries j .. j + BLOCK_N in each layout _stage_fp8_at copies with: k_pe,
+    codes, scales."""
+    valid_p, slot_p = _load_slots(idx_ptr, t, idx_stride, j, j1, BLOCK_N, gl.SliceLayout(1, _pe_layout(P)))
+    codes_row: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, _codes_layout(R, G)))
+    valid_c, slot_c = _load_slots(idx_ptr, t, idx_stride, j, j1, BLOCK_N, codes_row)
+    valid_s, slot_s = _load_slots(idx_ptr, t, idx_stride, j, j1, BLOCK_N, gl.SliceLayout(1, _stage_scales_layout(R, G)))
+    return valid_p, slot_p, valid_c, slot_c, valid_s, slot_s
+
+
+@gluon.jit
+def _smem_slots(idx_buf, layout: gl.constexpr):
+    """(valid, slot) of a block's list entries from idx_buf ([BLOCK_N] int32 in shared memory, -1 for
+    none) in `layout` (1-D): -1 entries are invalid and read as slot 0 under a mask."""
+    idx = idx_buf.load(layout)
+    valid = idx >= 0
+    return valid, gl.where(valid, idx, 0).to(gl.int64)
+
+
+@gluon.jit
+def _fp8_smem_slots(idx_buf, R: gl.constexpr, P: gl.constexpr, G: gl.constexpr):
+    """_fp8_block_slots from a shared-memory index buffer (_smem_slots)."""
+    valid_p, slot_p = _smem_slots(idx_buf, gl.SliceLayout(1, _pe_layout(P)))
+    valid_c, slot_c = _smem_slots(idx_buf, gl.SliceLayout(1, gl.SliceLayout(2, _codes_layout(R, G))))
+    valid_s, slot_s = _smem_slots(idx_buf, gl.SliceLayout(1, _stage_scales_layout(R, G)))
+    return valid_p, slot_p, valid_c, slot_c, valid_s, slot_s
+
+
 @gluon.jit
 def _stage_fp8(stage_buf, sc_buf, pe_buf, cache_ptr, cache_f32_ptr, cache_bf16_ptr, idx_ptr, t, idx_stride, j, j1,
                R: gl.constexpr, P: gl.constexpr, G: gl.constexpr, ROW_BYTES: gl.constexpr, BLOCK_N: gl.constexpr):  # fmt: skip
@@ -157,17 +249,8 @@ def _stage_fp8(stage_buf, sc_buf, pe_buf, cache_ptr, cache_f32_ptr, cache_bf16_p
     R / G, G] (uint8), the group scales into sc_buf [BLOCK_N, R / G] (float32), k_pe into pe_buf.
     Nothing waits here: the copies land while the current block's softmax and PV run, and
     _unstage_fp8 dequantises from shared memory (no global latency in its path)."""
-    _gather_pe(
-        pe_buf, cache_bf16_ptr, idx_ptr, t, idx_stride, j, j1, ROW_BYTES // 2, (R + 4 * (R // G)) // 2, P, BLOCK_N
-    )
-    ptrs, valid, _, _ = _fp8_code_ptrs(cache_ptr, idx_ptr, t, idx_stride, j, j1, R, G, ROW_BYTES, BLOCK_N)
-    async_copy.async_copy_global_to_shared(stage_buf, ptrs, mask=valid[:, None, None])
-    sc_l: gl.constexpr = gl.BlockedLayout([1, R // G], [32, 1], [NUM_WARPS, 1], [1, 0])
-    valid_s, slot_s = _load_slots(idx_ptr, t, idx_stride, j, j1, BLOCK_N, gl.SliceLayout(1, sc_l))
-    offs_sg = gl.arange(0, R // G, layout=gl.SliceLayout(0, sc_l))
-    async_copy.async_copy_global_to_shared(
-        sc_buf, cache_f32_ptr + slot_s[:, None] * (ROW_BYTES // 4) + R // 4 + offs_sg[None, :], mask=valid_s[:, None]
-    )
+    slots = _fp8_block_slots(idx_ptr, t, idx_stride, j, j1, R, P, G, BLOCK_N)
+    _stage_fp8_at(stage_buf, sc_buf, pe_buf, cache_ptr, cache_f32_ptr, cache_bf16_ptr, slots, R, P, G, ROW_BYTES)
 
 
 @gluon.jit
@@ -194,6 +277,20 @@ def _unstage_fp8(c_buf, stage_buf, sc_buf, R: gl.constexpr, G: gl.constexpr, BLO
     _store_fp8_rows(c_buf, c3, s3, 3 * Q, R, Q)
 
 
+@gluon.jit
+def _softmax_pv(s, valid, m_i, l_i, acc, c_buf, scale_log2, o_l: gl.constexpr, p_l: gl.constexpr):
+    """One block's online softmax (scores s of the block's valid entries, base 2) and the issue of its
+    PV into acc (asynchronous: waited for later) -> (m_i, l_i, acc)."""
+    s = gl.where(valid[None, :], s * scale_log2, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(s, axis=1))
+    alpha = gl.exp2(m_i - m_new)
+    p = gl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + gl.sum(p, axis=1)
+    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_l))[:, None]
+    p_op = gl.convert_layout(p.to(gl.bfloat16), p_l)
+    return m_new, l_i, warpgroup_mma(p_op, c_buf, acc, is_async=True)
+
+
 # The list length and its split are runtime values (not specialised), as in the Triton kernel.
 @gluon.jit(do_not_specialize=["topk", "split_len"])
 def _sparse_mla_gluon_kernel(
@@ -201,6 +298,7 @@ def _sparse_mla_gluon_kernel(
     heads, topk, idx_stride, num_splits, scale_log2, split_len,
     R: gl.constexpr, P: gl.constexpr, G: gl.constexpr, ROW_BYTES: gl.constexpr, BLOCK_N: gl.constexpr,
     FP8: gl.constexpr, SPLIT: gl.constexpr, TRIM: gl.constexpr, TRIM_LEN: gl.constexpr, STAGE: gl.constexpr = False,
+    EARLY: gl.constexpr = False,
 ):  # fmt: skip
     t = gl.program_id(0)
     sp = gl.program_id(1)
@@ -264,56 +362,97 @@ def _sparse_mla_gluon_kernel(
     # Carried as an in-flight MMA accumulator: each block's PV is waited for under the next QK^T.
     acc = warpgroup_mma_init(gl.zeros([BLOCK_H, R], gl.float32, layout=o_l))
     s_zero = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=s_l)
-    for i in range(n_blocks):
-        buf = i % 2
-        j = j0 + i * BLOCK_N
-        # Block i's rows are in buffer `buf` once every thread's copies and stores have landed and
-        # are fenced for the async proxy the MMA reads shared memory through.
-        async_copy.wait_group(0)
-        fence_async_shared()
-        gl.thread_barrier()
-        c_buf = c_smem.index(buf)
-        pe_buf = pe_smem.index(buf)
-        s = warpgroup_mma(q_smem, c_buf.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        s = warpgroup_mma(qpe_smem, pe_buf.permute((1, 0)), s, is_async=True)
-        # Also waits for block i - 1's PV, the last reader of the other buffer ...
-        s, acc = warpgroup_mma_wait(num_outstanding=0, deps=(s, acc))
-        # ... in both warpgroups, before block i + 1 is written into it.
-        gl.thread_barrier()
-        nxt = 1 - buf
-        if FP8 and STAGE:
-            stage = c_smem.index(nxt)._reinterpret(gl.uint8, [2 * BLOCK_N, R // G, G], plain3).slice(0, BLOCK_N)
-            _stage_fp8(stage, sc_smem.index(nxt), pe_smem.index(nxt), cache_ptr, cache_f32_ptr, cache_bf16_ptr,
-                       idx_ptr, t, idx_stride, j + BLOCK_N, j1, R, P, G, ROW_BYTES, BLOCK_N)  # fmt: skip
-            async_copy.commit_group()
-        if not FP8:
-            # The copies run while this block's softmax and PV do.
-            _gather_bf16(
-                c_smem.index(nxt), pe_smem.index(nxt), cache_ptr, idx_ptr, t, idx_stride, j + BLOCK_N, j1, R, P, BLOCK_N
-            )
-            async_copy.commit_group()
-
-        valid, _ = _load_slots(idx_ptr, t, idx_stride, j, j1, BLOCK_N, gl.SliceLayout(0, s_l))
-        s = gl.where(valid[None, :], s * scale_log2, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(s, axis=1))
-        alpha = gl.exp2(m_i - m_new)
-        p = gl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + gl.sum(p, axis=1)
-        m_i = m_new
-        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_l))[:, None]
-        p_op = gl.convert_layout(p.to(gl.bfloat16), p_l)
-        acc = warpgroup_mma(p_op, c_buf, acc, is_async=True)
-        if FP8 and STAGE:
+    if EARLY:
+        # Block i + 1's copies are issued before block i's QK^T (after block i - 1's PV, the last
+        # reader of their buffer, is waited for), so they have the QK^T, the softmax and the PV
+        # issue to land in. Their slots come from a ring of index blocks in shared memory, loaded
+        # two blocks ahead (held in registers, the loads would cost the unstaging its registers;
+        # loaded where used, each copy issue would wait for them).
+        IDX_L: gl.constexpr = gl.BlockedLayout([1], [32], [NUM_WARPS], [0])
+        idx_smem = gl.allocate_shared_memory(gl.int32, [4, BLOCK_N], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+        offs_idx = gl.arange(0, BLOCK_N, layout=IDX_L)
+        idx_row = idx_ptr + t.to(gl.int64) * idx_stride
+        idx_smem.index(0).store(gl.load(idx_row + j0 + offs_idx, mask=j0 + offs_idx < j1, other=-1).to(gl.int32))
+        j_ = j0 + BLOCK_N + offs_idx
+        idx_smem.index(1).store(gl.load(idx_row + j_, mask=j_ < j1, other=-1).to(gl.int32))
+        for i in range(n_blocks):
+            buf = i % 2
+            nxt = 1 - buf
+            j = j0 + i * BLOCK_N
+            # Block i - 1's PV has read buffer `nxt` (this warpgroup's; the barrier covers both),
+            # block i's rows are in buffer `buf`, landed and fenced for the MMA's async proxy, and
+            # the index blocks stored last iteration are visible.
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             async_copy.wait_group(0)
-            gl.thread_barrier()  # every thread's staged copies have landed
-            _unstage_fp8(c_smem.index(nxt), stage, sc_smem.index(nxt), R, G, BLOCK_N)
-        elif FP8:
-            # Dequantised by the warps themselves, so after the PV issue: it runs meanwhile. (Codes
-            # loaded before the softmax and stored here measured slower at batch >= 256: 317
-            # against 294 us at 256, bench/results/2026-12-02-gluon-sparse-mla-v2.)
-            _fill_fp8(c_smem.index(nxt), pe_smem.index(nxt), cache_ptr, cache_f32_ptr, cache_bf16_ptr, idx_ptr, t, idx_stride,
-                      j + BLOCK_N, j1, R, P, G, ROW_BYTES, BLOCK_N)  # fmt: skip
+            fence_async_shared()
+            gl.thread_barrier()
+            if FP8:
+                stage = c_smem.index(nxt)._reinterpret(gl.uint8, [2 * BLOCK_N, R // G, G], plain3).slice(0, BLOCK_N)
+                _stage_fp8_at(stage, sc_smem.index(nxt), pe_smem.index(nxt), cache_ptr, cache_f32_ptr, cache_bf16_ptr,
+                              _fp8_smem_slots(idx_smem.index((i + 1) % 4), R, P, G), R, P, G, ROW_BYTES)  # fmt: skip
+            else:
+                vr, sr = _smem_slots(idx_smem.index((i + 1) % 4), gl.SliceLayout(1, _ROWS_L))
+                vp, sp_ = _smem_slots(idx_smem.index((i + 1) % 4), gl.SliceLayout(1, _pe_layout(P)))
+                _gather_bf16_at(c_smem.index(nxt), pe_smem.index(nxt), cache_ptr, vr, sr, vp, sp_, R, P)
             async_copy.commit_group()
+            # Block i + 2's indices: loaded now, stored into the ring at the end of the iteration.
+            j_ = j + 2 * BLOCK_N + offs_idx
+            idx_ahead = gl.load(idx_row + j_, mask=j_ < j1, other=-1).to(gl.int32)
+            c_buf = c_smem.index(buf)
+            pe_buf = pe_smem.index(buf)
+            s = warpgroup_mma(q_smem, c_buf.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            s = warpgroup_mma(qpe_smem, pe_buf.permute((1, 0)), s, is_async=True)
+            s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+            valid = idx_smem.index(i % 4).load(gl.SliceLayout(0, s_l)) >= 0
+            m_i, l_i, acc = _softmax_pv(s, valid, m_i, l_i, acc, c_buf, scale_log2, o_l, p_l)
+            if FP8:
+                async_copy.wait_group(0)
+                gl.thread_barrier()  # every thread's staged copies have landed
+                _unstage_fp8(c_smem.index(nxt), stage, sc_smem.index(nxt), R, G, BLOCK_N)
+            idx_smem.index((i + 2) % 4).store(idx_ahead)
+    else:
+        for i in range(n_blocks):
+            buf = i % 2
+            j = j0 + i * BLOCK_N
+            # Block i's rows are in buffer `buf` once every thread's copies and stores have landed and
+            # are fenced for the async proxy the MMA reads shared memory through.
+            async_copy.wait_group(0)
+            fence_async_shared()
+            gl.thread_barrier()
+            c_buf = c_smem.index(buf)
+            pe_buf = pe_smem.index(buf)
+            s = warpgroup_mma(q_smem, c_buf.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            s = warpgroup_mma(qpe_smem, pe_buf.permute((1, 0)), s, is_async=True)
+            # Also waits for block i - 1's PV, the last reader of the other buffer ...
+            s, acc = warpgroup_mma_wait(num_outstanding=0, deps=(s, acc))
+            # ... in both warpgroups, before block i + 1 is written into it.
+            gl.thread_barrier()
+            nxt = 1 - buf
+            if FP8 and STAGE:
+                stage = c_smem.index(nxt)._reinterpret(gl.uint8, [2 * BLOCK_N, R // G, G], plain3).slice(0, BLOCK_N)
+                _stage_fp8(stage, sc_smem.index(nxt), pe_smem.index(nxt), cache_ptr, cache_f32_ptr, cache_bf16_ptr,
+                           idx_ptr, t, idx_stride, j + BLOCK_N, j1, R, P, G, ROW_BYTES, BLOCK_N)  # fmt: skip
+                async_copy.commit_group()
+            if not FP8:
+                # The copies run while this block's softmax and PV do.
+                _gather_bf16(
+                    c_smem.index(nxt), pe_smem.index(nxt), cache_ptr, idx_ptr, t, idx_stride, j + BLOCK_N, j1, R, P, BLOCK_N
+                )
+                async_copy.commit_group()
+
+            valid, _ = _load_slots(idx_ptr, t, idx_stride, j, j1, BLOCK_N, gl.SliceLayout(0, s_l))
+            m_i, l_i, acc = _softmax_pv(s, valid, m_i, l_i, acc, c_buf, scale_log2, o_l, p_l)
+            if FP8 and STAGE:
+                async_copy.wait_group(0)
+                gl.thread_barrier()  # every thread's staged copies have landed
+                _unstage_fp8(c_smem.index(nxt), stage, sc_smem.index(nxt), R, G, BLOCK_N)
+            elif FP8:
+                # Dequantised by the warps themselves, so after the PV issue: it runs meanwhile. (Codes
+                # loaded before the softmax and stored here measured slower at batch >= 256: 317
+                # against 294 us at 256, bench/results/2026-12-02-gluon-sparse-mla-v2.)
+                _fill_fp8(c_smem.index(nxt), pe_smem.index(nxt), cache_ptr, cache_f32_ptr, cache_bf16_ptr, idx_ptr, t, idx_stride,
+                          j + BLOCK_N, j1, R, P, G, ROW_BYTES, BLOCK_N)  # fmt: skip
+                async_copy.commit_group()
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
     async_copy.wait_group(0)
 
@@ -367,11 +506,14 @@ def sparse_mla_decode_gluon(
     trim: bool = False,
     out_dtype: torch.dtype = torch.float32,
     stage: bool | None = None,
+    early: bool | None = None,
 ) -> torch.Tensor:
     """-> o_lat [T, H, R] in out_dtype; the arguments as triton_sparse_mla.sparse_mla_decode's
     (physical slots only). Device-only (no host sync): CUDA-graph capturable. stage (FP8 cache;
     default FP8_STAGE): the next block's rows come in by cp.async and are dequantised from shared
-    memory (_stage_fp8) instead of loaded into registers after the PV issue."""
+    memory (_stage_fp8) instead of loaded into registers after the PV issue. early (default
+    EARLY_GATHER; with an FP8 cache only when staged): the next block's copies are issued before
+    this block's QK^T, from slots loaded a block ahead."""
     tokens, heads, rank = q_lat.shape
     out = torch.empty(tokens, heads, rank, dtype=out_dtype, device=q_lat.device)
     if tokens == 0:
@@ -385,11 +527,13 @@ def sparse_mla_decode_gluon(
     num_splits, split_len, o_part, lse = plan_splits(out, head_blocks, topk, block_n, num_splits)
     split = num_splits > 1
     trim_len = max(TRIM_SCAN, triton.next_power_of_2(split_len))
+    stage = fp8 and (FP8_STAGE if stage is None else stage)
+    early = (EARLY_GATHER if early is None else early) and (stage or not fp8)
     _sparse_mla_gluon_kernel[(tokens, num_splits, head_blocks)](
         q_lat.contiguous(), q_pe.contiguous(), cache, f32_view, bf16_view, indices.contiguous(), o_part, lse,
         heads, topk, topk, num_splits, softmax_scale * 1.4426950408889634, split_len,
         R=rank, P=rope, G=min(128, rank), ROW_BYTES=row_bytes, BLOCK_N=block_n, FP8=fp8, SPLIT=split,
-        TRIM=trim, TRIM_LEN=trim_len, STAGE=fp8 and (FP8_STAGE if stage is None else stage), num_warps=NUM_WARPS,
+        TRIM=trim, TRIM_LEN=trim_len, STAGE=stage, EARLY=early, num_warps=NUM_WARPS,
     )  # fmt: skip
     if split:
         combine_splits(o_part, lse, out)
