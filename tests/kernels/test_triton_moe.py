@@ -107,6 +107,26 @@ def test_tiny_matches_reference(num_tokens, skew, block_m, asm):
     assert rel_err(out, ref) < TOL
 
 
+@pytest.mark.parametrize("first_expert", [0, 6])
+def test_add_is_summed_in_float32_then_rounded(first_expert):
+    """add= (the MoE block's shared experts) gives exactly (sum + add.float()).to(add.dtype), also
+    for tokens none of whose experts live here and for a step with no local slot at all."""
+    gen = torch.Generator().manual_seed(77 + first_expert)
+    e, h, i, k = TINY["num_experts"], TINY["hidden"], TINY["inter"], TINY["top_k"]
+    w13, w2 = quantized_stacks(e, h, i, gen)
+    x = torch.randn(9, h, generator=gen).to(DEV, torch.bfloat16)
+    ids, weights = route(9, 2 * e, k, gen)
+    add = torch.randn(9, h, generator=gen).to(DEV, torch.bfloat16)
+    plain = tm.moe_experts_nvfp4_triton(x, ids, weights, *w13, *w2, first_expert, config=TINY_CFG)
+    fused = tm.moe_experts_nvfp4_triton(x, ids, weights, *w13, *w2, first_expert, config=TINY_CFG, add=add)
+    assert fused.dtype == torch.bfloat16
+    assert torch.equal(fused, (plain + add.float()).to(torch.bfloat16))
+    none = tm.moe_experts_nvfp4_triton(x[:0], ids[:0], weights[:0], *w13, *w2, first_expert, add=add[:0])
+    assert none.shape == (0, h) and none.dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="add has shape"):
+        tm.moe_experts_nvfp4_triton(x, ids, weights, *w13, *w2, first_expert, config=TINY_CFG, add=add[:3])
+
+
 @pytest.mark.parametrize("num_tokens,block_m", [(120, 64), (600, 64)])
 def test_tiny_prompt_presets_match_reference(num_tokens, block_m):
     """Steps with >= 32 rows per expert (here 40 and 200: several blocks an expert) take PROMPT_PRESETS' blocks when no

@@ -24,7 +24,7 @@ worst case for the token count (so a CUDA graph captured for T tokens replays fo
    bf16, per sorted row.
 3. _moe_down_kernel, grid (H / BLOCK_N, blocks): y = (a_2·W2 · h^T)^T · routing weight, bf16, one
    row per (token, k) slot.
-4. _moe_sum_kernel: out[t] = sum over k of y[t, k] in float32, in a fixed order (deterministic; slots whose expert
+4. _moe_sum_kernel: out[t] = sum over k of y[t, k] in float32 (plus the optional add[t]), in a fixed order (deterministic; slots whose expert
    lives on another rank count as 0).
 
 Packed bytes hold element 2j in the low nibble and 2j+1 in the high one; the kernels read them as
@@ -82,6 +82,7 @@ from .quant.nvfp4 import (  # noqa: F401
 )
 from .quant.precision import NVFP4
 from .triton_common import mma_operand
+from .triton_rounding import cast
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -716,9 +717,11 @@ def _down_tile(
 
 @triton.jit
 def _moe_sum_kernel(
-    y_ptr, ids_ptr, out_ptr, first_expert, num_local,
-    HIDDEN: tl.constexpr, TOP_K: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False,
+    y_ptr, ids_ptr, add_ptr, out_ptr, first_expert, num_local,
+    HIDDEN: tl.constexpr, TOP_K: tl.constexpr, BLOCK: tl.constexpr, ADD: tl.constexpr = False,
+    INTERPRET: tl.constexpr = False, PDL: tl.constexpr = False,
 ):  # fmt: skip
+    """out[t] = the sum over k of y[t, k] in float32 (then + add[t] with ADD), in out's dtype."""
     _dependent_launch(PDL)
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -727,7 +730,9 @@ def _moe_sum_kernel(
         loc = tl.load(ids_ptr + t * TOP_K + j) - first_expert
         if (loc >= 0) & (loc < num_local):
             acc += tl.load(y_ptr + (t * TOP_K + j) * HIDDEN + offs, mask=offs < HIDDEN).to(tl.float32)
-    tl.store(out_ptr + t * HIDDEN + offs, acc, mask=offs < HIDDEN)
+    if ADD:
+        acc += tl.load(add_ptr + t * HIDDEN + offs, mask=offs < HIDDEN).to(tl.float32)
+    tl.store(out_ptr + t * HIDDEN + offs, cast(acc, out_ptr.dtype.element_ty, INTERPRET), mask=offs < HIDDEN)
 
 
 def _fit(block: int, dim: int, least: int) -> int:
@@ -921,11 +926,14 @@ def moe_experts_nvfp4_triton(
     relayout: bool = False,
     tiled: bool = False,
     num_experts: int | None = None,
+    add: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Sum over the token's chosen experts that live on this rank -> float32 [T, H]. relayout: the
     weights and scales are in relayout_nvfp4's layout (uint8 scales), not the checkpoint's; tiled:
     and then in tile_nvfp4's tiles (hidden and intermediate sizes multiples of 256, K blocks of 256).
-    num_experts: the layer's routed experts on all ranks (default: this rank's), for block sizes."""
+    num_experts: the layer's routed experts on all ranks (default: this rank's), for block sizes.
+    add ([T, H]): added to the float32 sum, and the result rounded to add's dtype: exactly
+    (sum + add.float()).to(add.dtype), in the sum's own launch (the MoE block's shared experts)."""
     num_tokens, hidden = x.shape
     top_k = expert_ids.shape[1]
     num_local, two_inter, _ = w13.shape
@@ -965,8 +973,11 @@ def moe_experts_nvfp4_triton(
     if tiled and (gu["BLOCK_K"] != TILE_K or dn["BLOCK_K"] != TILE_K):
         raise ValueError(f"the tiled layout needs K blocks of {TILE_K} (hidden {hidden}, intermediate {inter})")
     layout = 2 if tiled else 1 if relayout else 0
+    if add is not None and add.shape != (num_tokens, hidden):
+        raise ValueError(f"add has shape {tuple(add.shape)}, expected {(num_tokens, hidden)}")
     if n_slots == 0:
-        return torch.zeros(num_tokens, hidden, dtype=torch.float32, device=x.device)
+        out = torch.zeros(num_tokens, hidden, dtype=torch.float32, device=x.device)
+        return out if add is None else (out + add.float()).to(add.dtype)
     bm = block_m or pick_block_m(sizing_slots, num_local)
     if bm == 16 and "maxnreg" not in (config or {}).get("gate_up", {}):
         gu = {**gu, "maxnreg": DECODE_GATE_UP_MAXNREG}
@@ -1011,12 +1022,13 @@ def moe_experts_nvfp4_triton(
         num_warps=dn["num_warps"], num_stages=dn["num_stages"], **_reg_cap(dn),
     )  # fmt: skip
 
-    out = torch.empty(num_tokens, hidden, dtype=torch.float32, device=dev)
+    out = torch.empty(num_tokens, hidden, dtype=torch.float32 if add is None else add.dtype, device=dev)
     block = min(1024, triton.next_power_of_2(hidden))
     _moe_sum_kernel[(num_tokens, triton.cdiv(hidden, block))](
-        y, ids, out, first_expert, num_local, HIDDEN=hidden, TOP_K=top_k, BLOCK=block, PDL=dn["PDL"],
-        launch_pdl=dn["PDL"], num_warps=4,
-    )
+        y, ids, y if add is None else add.contiguous(), out, first_expert, num_local, HIDDEN=hidden, TOP_K=top_k,
+        BLOCK=block, ADD=add is not None, INTERPRET=_INTERPRET or not x.is_cuda, PDL=dn["PDL"], launch_pdl=dn["PDL"],
+        num_warps=4,
+    )  # fmt: skip
     return out
 
 
@@ -1045,10 +1057,11 @@ def stacks_to_kernel_layout(w13, w2, layout: str | None = None) -> None:
     w2.to_kernel_layout(layout)
 
 
-def moe_experts_triton(x, expert_ids, expert_weights, w13, w2, first_expert: int) -> torch.Tensor:
+def moe_experts_triton(x, expert_ids, expert_weights, w13, w2, first_expert: int, add=None) -> torch.Tensor:
     """The registry's ("moe_experts", "triton") backend: like moe_experts_torch, but w13 / w2 are
     the model's NVFP4 ExpertStacks (model/expert_stack.py), read in their quantised layout (put in
-    STACK_LAYOUT on the first call, when the runner has not done so at load)."""
+    STACK_LAYOUT on the first call, when the runner has not done so at load). add: as
+    moe_experts_nvfp4_triton's (this backend only)."""
     if w13.precision != NVFP4 or w2.precision != NVFP4:
         raise ValueError(f"the triton MoE backend runs NVFP4 experts, got {w13.precision}/{w2.precision}")
     stacks_to_kernel_layout(w13, w2)
@@ -1065,5 +1078,5 @@ def moe_experts_triton(x, expert_ids, expert_weights, w13, w2, first_expert: int
         x, expert_ids, expert_weights,
         w13.weight, s13, w13.weight_scale_2,
         w2.weight, s2, w2.weight_scale_2,
-        first_expert, relayout=relayout, tiled=layout == "tiled", num_experts=w13.num_experts,
+        first_expert, relayout=relayout, tiled=layout == "tiled", num_experts=w13.num_experts, add=add,
     )  # fmt: skip

@@ -155,6 +155,12 @@ class MoE(nn.Module):
         )  # fmt: skip
         if kernels["moe_experts"] in ("torch", "torch_dense"):  # torch references take dense weights
             y = self._routed(x, ids, weights, kernels.moe_experts, kernels["moe_experts"] == "torch_dense")
+        elif kernels["moe_experts"] == "triton" and self.shared_experts is not None and kernels.resolved:
+            # The shared experts first: the routed experts' last launch adds their output to its
+            # float32 sum and rounds to the model dtype (the same values as the branch below, two
+            # launches fewer).
+            shared = self.shared_experts(x, stacked=True)
+            return kernels.moe_experts(x, ids, weights, self.w13, self.w2, self.first_expert, add=shared)
         else:  # fused kernels read the stacks in their checkpoint layout (no dequantised copy)
             y = kernels.moe_experts(x, ids, weights, self.w13, self.w2, self.first_expert)
         if self.shared_experts is not None:
