@@ -363,6 +363,7 @@ def _sparse_mla_gluon_kernel(
     acc = warpgroup_mma_init(gl.zeros([BLOCK_H, R], gl.float32, layout=o_l))
     s_zero = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=s_l)
     if EARLY:
+        gl.static_assert(STAGE or not FP8, "the early copies of an FP8 cache are staged (STAGE)")
         # Block i + 1's copies are issued before block i's QK^T (after block i - 1's PV, the last
         # reader of their buffer, is waited for), so they have the QK^T, the softmax and the PV
         # issue to land in. Their slots come from a ring of index blocks in shared memory, loaded
