@@ -24,8 +24,8 @@ worst case for the token count (so a CUDA graph captured for T tokens replays fo
    bf16, per sorted row.
 3. _moe_down_kernel, grid (H / BLOCK_N, blocks): y = (a_2·W2 · h^T)^T · routing weight, bf16, one
    row per (token, k) slot.
-4. _moe_sum_kernel: out[t] = sum over k of y[t, k] in float32 (plus the optional add[t]), in a fixed order (deterministic; slots whose expert
-   lives on another rank count as 0).
+4. _moe_sum_kernel: out[t] = sum over k of y[t, k] in float32, in a fixed order (deterministic; slots
+   whose expert lives on another rank count as 0), plus the optional add[t] (the shared experts).
 
 Packed bytes hold element 2j in the low nibble and 2j+1 in the high one; the kernels read them as
 32-bit words (word j of a row = inputs 8j..8j+7) and dequantise one byte position of every word at
