@@ -514,7 +514,8 @@ def sparse_mla_decode_gluon(
     default FP8_STAGE): the next block's rows come in by cp.async and are dequantised from shared
     memory (_stage_fp8) instead of loaded into registers after the PV issue. early (default
     EARLY_GATHER; with an FP8 cache only when staged): the next block's copies are issued before
-    this block's QK^T, from slots loaded a block ahead."""
+    this block's QK^T, from slots kept in a shared-memory ring two blocks ahead (as int32: caches of
+    2^31 rows or more take the late issue)."""
     tokens, heads, rank = q_lat.shape
     out = torch.empty(tokens, heads, rank, dtype=out_dtype, device=q_lat.device)
     if tokens == 0:
@@ -529,7 +530,7 @@ def sparse_mla_decode_gluon(
     split = num_splits > 1
     trim_len = max(TRIM_SCAN, triton.next_power_of_2(split_len))
     stage = fp8 and (FP8_STAGE if stage is None else stage)
-    early = (EARLY_GATHER if early is None else early) and (stage or not fp8)
+    early = (EARLY_GATHER if early is None else early) and (stage or not fp8) and latent_cache.shape[0] < 2**31
     _sparse_mla_gluon_kernel[(tokens, num_splits, head_blocks)](
         q_lat.contiguous(), q_pe.contiguous(), cache, f32_view, bf16_view, indices.contiguous(), o_part, lse,
         heads, topk, topk, num_splits, softmax_scale * 1.4426950408889634, split_len,
