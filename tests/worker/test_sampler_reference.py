@@ -194,3 +194,22 @@ def test_filters_and_penalties_are_not_plain():
                 setattr(r, k, v)
         sb = SamplingBatch.from_plan(make_plan(reqs), "cpu")
         assert plain_sampling(sb) == (change == {}), change
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_greedy_rows_without_adjustments_read_bf16_logits_as_they_are(device):
+    """An all-greedy batch with no bias or penalty samples from the logits as given (the decode
+    graphs' bf16 rows, no float32 copy): the same tokens as the float32 path, ties to the lowest
+    id included; a penalised greedy batch still gets its float32 copy."""
+    gen = torch.Generator().manual_seed(3)
+    vocab, rows = 1000, 12
+    # Few distinct values, so that many rows hold ties for their maximum.
+    logits = (torch.randint(-4, 5, (rows, vocab), generator=gen) * 0.5).to(torch.bfloat16).to(device)
+    plain = SamplingBatch.from_plan(make_plan([SamplingRequest(prompt=[1, 2], temperature=0.0)] * rows), device)
+    assert process_logits(logits, plain) is logits
+    tokens = sample(logits, plain).tokens
+    assert torch.equal(tokens, logits.float().argmax(dim=1))
+    assert tokens.tolist() == [int(torch.nonzero(r == r.max())[0]) for r in logits.float().cpu()]
+    penalised = [SamplingRequest(prompt=[1, 2], temperature=0.0, repetition_penalty=1.5)] * rows
+    pb = SamplingBatch.from_plan(make_plan(penalised), device)
+    assert process_logits(logits, pb).dtype == torch.float32

@@ -112,8 +112,13 @@ def process_logits(logits: torch.Tensor, sb: SamplingBatch, backend: str = "auto
     """Penalties, temperature, filters: the logits each non-greedy row samples from.
 
     Greedy rows come out penalised but otherwise unscaled (their temperature reads 1), so their
-    argmax is the greedy token.
+    argmax is the greedy token. A batch of greedy rows with no bias or penalty gets the logits
+    back as they are (bf16 from the decode graphs): their argmax is the same token as that of the
+    float32 copy (the conversion is exact and keeps the order, ties included), and the copy, a
+    pass over [rows, vocab] at twice the bytes, is left out.
     """
+    if sb.all_greedy and not sb.adjusts_logits:
+        return logits
     x = apply_bias_and_penalties(logits, sb, backend)
     if sb.all_greedy:
         return x
