@@ -40,6 +40,25 @@ def test_buckets():
     assert len_buckets(5000, 64) == [1024, 2048, 4096, 5056]  # whole pages
 
 
+def test_lm_head_writes_into_a_given_buffer(tmp_path):
+    """The decode graphs hand lm_head their shared output buffer: it writes the logits there (one
+    rank, the model's dtype), with the values it returns otherwise; asked for float32 logits, or
+    given a buffer of another shape, it leaves the buffer alone."""
+    make_checkpoint("glm_moe_dsa", str(tmp_path), seed=1)
+    model = graph_runner(str(tmp_path), "cpu").model
+    w = model.lm_head.weight
+    h = torch.randn(3, w.shape[1], generator=torch.Generator().manual_seed(0)).to(w.dtype)
+    plain = model._logits(h, float_logits=False)
+    out = torch.full((3, w.shape[0]), float("nan"), dtype=w.dtype)
+    got = model._logits(h, False, out)
+    assert got.data_ptr() == out.data_ptr()
+    torch.testing.assert_close(out, plain, rtol=1e-6, atol=1e-6)
+    for kwargs, buf in (({"float_logits": True}, out[:3]), ({"float_logits": False}, out[:2])):
+        buf.fill_(float("nan"))
+        assert model._logits(h, out=buf, **kwargs).data_ptr() != buf.data_ptr()
+        assert buf.isnan().all()
+
+
 def test_plans_that_fit_and_blockers(tmp_path):
     make_checkpoint("glm_moe_dsa", str(tmp_path), seed=1)
     r = graph_runner(str(tmp_path), "cpu")

@@ -156,11 +156,14 @@ class CausalLM(nn.Module):
         return names
 
     @torch.no_grad()
-    def forward(self, batch, pool, dp: DPStep | None = None, float_logits: bool = True) -> torch.Tensor:
+    def forward(
+        self, batch, pool, dp: DPStep | None = None, float_logits: bool = True, logits_out: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """dp: under data-parallel attention, the step's layout (batch: this rank's requests, or None
         when it has none this step). float_logits=False: the logits as lm_head computes them, in the
         model's dtype (the decode graphs convert after the replay: the same values, half the bytes
-        copied inside the graph)."""
+        copied inside the graph). logits_out: with float_logits=False, a [rows, vocab] buffer that
+        lm_head may write into (see _logits); the return value says where the logits are."""
         if dp is not None:
             return self._forward_dp(batch, pool, dp, float_logits)
         cfg = self.cfg
@@ -178,14 +181,23 @@ class CausalLM(nn.Module):
             h = rms_norm(h[rows], self.model.norm.weight, cfg.rms_norm_eps)
         else:
             h = rms_norm(pending[rows], self.model.norm.weight, cfg.rms_norm_eps, h[rows])[0]
-        return self._logits(h, float_logits)
+        return self._logits(h, float_logits, logits_out)
 
     def _logits_dtype(self, float_logits: bool) -> torch.dtype:
         return torch.float32 if float_logits else self.lm_head.weight.dtype
 
-    def _logits(self, h, float_logits: bool) -> torch.Tensor:
-        """lm_head on the final hidden rows (float32 unless asked otherwise), gathered over vocab shards."""
-        logits = torch.nn.functional.linear(h, self.lm_head.weight)
+    def _logits(self, h, float_logits: bool, out: torch.Tensor | None = None) -> torch.Tensor:
+        """lm_head on the final hidden rows (float32 unless asked otherwise), gathered over vocab shards.
+        out: where the GEMM writes the logits when they need no conversion and no gather (one rank,
+        the model's dtype), and out is their shape: the decode graphs' shared output buffer, which
+        then needs no copy of a [rows, vocab] tensor per step. Otherwise out is not used."""
+        w = self.lm_head.weight
+        if (
+            out is not None and not float_logits and self.tp.size == 1 and out.dtype == w.dtype
+            and out.shape == (h.shape[0], w.shape[0]) and out.is_contiguous() and h.dtype == w.dtype
+        ):  # fmt: skip
+            return torch.mm(h, w.t(), out=out)
+        logits = torch.nn.functional.linear(h, w)
         if float_logits:
             logits = logits.float()
         return self.tp.all_gather_rows(logits, self.vocab_share, self.cfg.vocab_size)

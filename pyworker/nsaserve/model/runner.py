@@ -131,12 +131,13 @@ class ModelRunner:
                 stacks_to_kernel_layout(w13, w2)
 
     @torch.no_grad()
-    def forward(self, batch: ForwardBatch, float_logits: bool = True) -> torch.Tensor:
+    def forward(self, batch: ForwardBatch, float_logits: bool = True, logits_out=None) -> torch.Tensor:
+        """logits_out: see model.forward."""
         if self.dp_attention:
             raise RuntimeError("with data-parallel attention a step needs its whole plan: use forward_plan")
         if batch.page_size != self.page_size:
             raise ValueError(f"plan page_size {batch.page_size} != pool page_size {self.page_size}")
-        return self.model(batch, self.pool, float_logits=float_logits)
+        return self.model(batch, self.pool, float_logits=float_logits, logits_out=logits_out)
 
     @torch.no_grad()
     def forward_plan(self, plan: Plan, patch=None) -> torch.Tensor:

@@ -167,7 +167,8 @@ class DecodeGraphs:
         s = self.static[: g.words]
         return s[:bs], s[bs : 2 * bs], s[2 * bs : 3 * bs], s[3 * bs : 4 * bs], s[4 * bs :].view(bs, g.n_pages)
 
-    def _forward(self, g: _Graph) -> torch.Tensor:
+    def _forward(self, g: _Graph, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The static batch's logits; out: a buffer lm_head may write them into (model.forward)."""
         bs, length, dev = g.bs, g.len, self.runner.device
         input_ids, positions, out_slots, seq_lens, page_table = self._views(g)
         pos = torch.arange(length, device=dev)
@@ -185,7 +186,7 @@ class DecodeGraphs:
             static_kv_len=length,
         )  # fmt: skip
         if self.dp == 1:
-            return self.runner.forward(batch, float_logits=False)
+            return self.runner.forward(batch, float_logits=False, logits_out=out)
         # Every rank runs bs rows (its requests, then padding), so every collective's block is bs
         # rows and the logits come back in rank blocks of bs (the plan order is restored in run()).
         n = self.dp
@@ -226,7 +227,11 @@ class DecodeGraphs:
             torch.cuda.current_stream(dev).wait_stream(side)
             g.graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g.graph, pool=pool, capture_error_mode=mode):
-                self.out[: g.bs * self.dp].copy_(self._forward(g))
+                # lm_head writes into the shared buffer where it can (one rank); else one copy.
+                out = self.out[: g.bs * self.dp]
+                logits = self._forward(g, out)
+                if logits.data_ptr() != out.data_ptr():
+                    out.copy_(logits)
         torch.cuda.synchronize(dev)
         self.capture_s = time.perf_counter() - t0
         # What the capture kept: the graphs' shared pool and allocator blocks grown on the way.
