@@ -1,7 +1,8 @@
 """MoE router logits at GLM-5 shapes (256 experts x 6144 inputs) on one GPU: the float32 GEMM against
 "bf16x3" (the weight as three bf16 parts on the tensor cores) with the high part's accumulation
 chain cut into pieces of a given size (HI_CHUNK_K), for several sizes, at every token count (the
-model takes the float32 GEMM below FLOAT32_BELOW tokens). Per case: time (CUDA-graph replays
+model takes the float32 GEMM below FLOAT32_BELOW tokens), and the Triton kernel over the same
+parts in one launch (triton_router_logits.py, chains of its BLOCK_K). Per case: time (CUDA-graph replays
 over rotated inputs), the largest error against a float64 product, and that error over the
 float32 GEMM's (the reference the model defines).
 
@@ -19,6 +20,7 @@ import torch
 from bench_common import bf16_matmul_rate, copy_bandwidth, graph_time_us, print_table, write_results
 
 from nsaserve.kernels import router_logits as rl
+from nsaserve.kernels.triton_router_logits import BLOCK_K, router_logits_triton
 
 HIDDEN, EXPERTS = 6144, 256
 CHUNKS = (None, 1024, 512, 384, 256)
@@ -34,7 +36,7 @@ def draw(tokens: int, gen: torch.Generator):
 
 def case(tokens: int, seeds: int) -> list[dict]:
     gen = torch.Generator(device="cuda").manual_seed(tokens)
-    err = {"float32 GEMM": 0.0, **{f"bf16x3 chunk {c}": 0.0 for c in CHUNKS}}
+    err = {"float32 GEMM": 0.0, **{f"bf16x3 chunk {c}": 0.0 for c in CHUNKS}, "triton": 0.0}
     for _ in range(seeds):
         x, w = draw(tokens, gen)
         exact = x.double() @ w.double().t()
@@ -47,6 +49,8 @@ def case(tokens: int, seeds: int) -> list[dict]:
             rl.HI_CHUNK_K = c
             got = rl.router_logits_bf16x3(x, w, split).double()
             err[f"bf16x3 chunk {c}"] = max(err[f"bf16x3 chunk {c}"], (got - exact).abs().max().item() / scale)
+        got = router_logits_triton(x, w, split).double()
+        err["triton"] = max(err["triton"], (got - exact).abs().max().item() / scale)
     # Timing: enough input sets that one replay does not find the last one's x in L2.
     sets = max(2, min(16, L2_BYTES // (tokens * HIDDEN * 2) + 1))
     inputs = [draw(tokens, gen) for _ in range(sets)]
@@ -62,6 +66,10 @@ def case(tokens: int, seeds: int) -> list[dict]:
         e = err[f"bf16x3 chunk {c}"]
         rows.append({"tokens": tokens, "variant": f"bf16x3 chunk {c}", "us": us, "rel_err": e,
                      "err_vs_fp32": e / max(err["float32 GEMM"], 1e-30), "speedup": ref_us / us})  # fmt: skip
+    us = graph_time_us([lambda x=x: router_logits_triton(x, w, split) for x, _ in inputs])
+    e = err["triton"]
+    rows.append({"tokens": tokens, "variant": f"triton (chains of {BLOCK_K})", "us": us, "rel_err": e,
+                 "err_vs_fp32": e / max(err["float32 GEMM"], 1e-30), "speedup": ref_us / us})  # fmt: skip
     return rows
 
 

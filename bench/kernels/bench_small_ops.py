@@ -1,5 +1,5 @@
 """Triton small ops (RMSNorm + residual, RoPE, KV-cache stores with FP8 quantisation, the indexer
-key's norm + rope + rotation + store) and the MoE router's logits on the tensor cores ("bf16x3")
+key's norm + rope + rotation + store, a gated MLP's SiLU·mul) and the MoE router's logits on the tensor cores ("bf16x3")
 against their torch references, at GLM-5 shapes on one GPU.
 
     PYTHONPATH=pyworker python bench/kernels/bench_small_ops.py [--out bench/results] [--tokens 1,64,1024,16384]
@@ -27,6 +27,7 @@ from nsaserve.kernels.small_ops import IndexKeyPrep
 
 HIDDEN, Q_LORA, KV_LORA, ROPE, NOPE, HEADS, IDX_HEADS, IDX_DIM = 6144, 2048, 512, 64, 192, 64, 32, 128
 EXPERTS = 256
+DENSE_INTER, SHARED_INTER = 12288, 2048  # GLM-5's dense MLP and shared-expert intermediate sizes
 PAGE = 64
 L2_BYTES = 60 << 20
 BF16 = torch.bfloat16
@@ -88,6 +89,9 @@ def cases(n: int):
         lambda: (index_fp8, slots(), rnd(n, IDX_DIM), PAGE, IndexKeyPrep(*k_norm, 1e-6, *cs(), True, True)),
         "index_key_store",
     )  # fmt: skip
+    # A gated MLP's silu(gate) * up from its stacked gate/up GEMM output (torch: silu, then the product).
+    for inter, tag in ((DENSE_INTER, "dense"), (SHARED_INTER, "shared expert")):
+        yield f"silu*mul {tag} 2x{inter}", n * 3 * inter * 2, lambda inter=inter: (rnd(n, 2 * inter),), "silu_mul"
     # The router: x bf16 against the float32 weight (torch: a float32 GEMM) or its three bf16 parts.
     router_w = torch.randn(EXPERTS, HIDDEN, device="cuda") * HIDDEN**-0.5
     router_split = split_bf16x3(router_w)

@@ -51,6 +51,10 @@ ALLOWED = {
         "c_stride": MODEL_CONSTANT, "pe_stride": MODEL_CONSTANT, "cs_stride": MODEL_CONSTANT, "eps": FLOAT,
     },  # fmt: skip
     "triton_moe_route._route_kernel": {"num_experts": MODEL_CONSTANT, "routed_scaling_factor": FLOAT},
+    "triton_router_logits._router_logits_kernel": {"E": MODEL_CONSTANT, "stride_x": MODEL_CONSTANT},
+    "triton_silu_mul._silu_mul_kernel": dict.fromkeys(
+        ("n", "stride_h", "stride_out"), "an MLP's intermediate size on this rank (dense or shared): fixed by the model"
+    ),
     "triton_moe_w4a16._moe_align_count_kernel": {"first_expert": MODEL_CONSTANT, "num_local": MODEL_CONSTANT},
     "triton_moe_w4a16._moe_align_kernel": {"first_expert": MODEL_CONSTANT, "num_local": MODEL_CONSTANT},
     "triton_moe_w4a16._moe_align_place_kernel": {"first_expert": MODEL_CONSTANT, "num_local": MODEL_CONSTANT},

@@ -1,4 +1,4 @@
-"""Triton small ops (RMSNorm + residual, RoPE, KV and indexer-key stores) against their torch
+"""Triton small ops (RMSNorm + residual, RoPE, KV and indexer-key stores, SiLU·mul) against their torch
 references on fresh random inputs.
 
 On the GPU at GLM-5 shapes; without one in Triton's CPU interpreter at small shapes (seconds).
@@ -35,7 +35,7 @@ def randn(*shape, seed, dtype=torch.float32, scale=1.0):
     return (torch.randn(*shape, generator=gen(seed), device=DEV) * scale).to(dtype)
 
 
-@pytest.mark.parametrize("kind", ["rmsnorm", "rope", "kv_store", "index_key_store"])
+@pytest.mark.parametrize("kind", ["rmsnorm", "rope", "kv_store", "index_key_store", "silu_mul"])
 def test_registered(kind):
     assert {"torch", "triton"} <= set(available(kind))
 
@@ -281,3 +281,32 @@ def test_rope_then_rotation_matches_torch(dtype, interleaved):
         assert ((got - want).abs() <= 1e-5 * want.abs().amax(-1, keepdim=True)).float().mean() > 0.95, SEED
     unrotated = get_backend("rope", "triton")(x, cos, sin, interleaved)
     assert unrotated.dtype == dtype  # (rotate off: the plain RoPE, unchanged)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("inter", [12288, 2048, 1000] if GPU else [96, 40])
+def test_silu_mul(dtype, inter):
+    """silu(gate) * up from the stacked gate/up GEMM's rows: on the GPU bit for bit the torch
+    reference (the same expf, correctly rounded division and roundings); in the interpreter, whose
+    exp is numpy's, at most one unit in the last place in a few elements."""
+    rows = 37 if GPU else 5
+    # Wide enough values to reach silu's both tails (where exp under- and overflows).
+    h = randn(rows, 2 * inter, seed=7, dtype=dtype, scale=6.0)
+    h[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0], dtype=dtype)
+    wide = randn(rows, 2 * inter + 16, seed=8, dtype=dtype)[:, : 2 * inter]  # rows with a longer stride
+    for x in (h, wide):
+        want = get_backend("silu_mul", "torch")(x)
+        got = get_backend("silu_mul", "triton")(x)
+        assert got.dtype == want.dtype and got.shape == want.shape == (rows, inter)
+        if GPU:
+            assert torch.equal(got, want), f"seed {SEED}"
+        else:
+            assert (got.float() != want.float()).float().mean() < 0.01, SEED
+            assert torch.allclose(got.float(), want.float(), rtol=2**-7, atol=1e-6), SEED
+
+
+def test_silu_mul_rejects_odd_columns_and_float32():
+    with pytest.raises(ValueError, match="2n"):
+        get_backend("silu_mul", "triton")(torch.zeros(2, 5, dtype=torch.bfloat16, device=DEV))
+    with pytest.raises(ValueError, match="bf16 or fp16"):
+        get_backend("silu_mul", "triton")(torch.zeros(2, 4, device=DEV))

@@ -20,6 +20,7 @@ from collections.abc import Callable
 #                  backend takes the two ExpertStacks (model/expert_stack.py) and reads their
 #                  checkpoint layout itself.
 #   "rmsnorm", "rope", "kv_store", "index_key_store": the small per-layer ops  (small_ops.py)
+#   "silu_mul": a gated MLP's silu(gate) * up from its stacked gate/up output  (small_ops.py)
 #   "router_logits": the MoE router's float32 logits  (router_logits.py; "bf16x3" on the tensor cores)
 #   "sample_pick": the sampler's argmax(logits + Gumbel noise) per row  (sample_pick.py; used by the
 #                  worker's sampler, not the model)
@@ -57,6 +58,8 @@ _TRITON_BACKENDS = {
     ("rope", "triton"): "triton_norm_rope:rope_triton",
     ("kv_store", "triton"): "triton_kv_store:kv_store_triton",
     ("index_key_store", "triton"): "triton_kv_store:index_key_store_triton",
+    ("silu_mul", "triton"): "triton_silu_mul:silu_mul_triton",
+    ("router_logits", "triton"): "triton_router_logits:router_logits_triton",
     ("indexer_rows", "triton"): "triton_indexer:indexer_topk_rows",
     ("indexer", "triton_fp8q"): "triton_indexer:indexer_topk_triton_fp8q",
     ("indexer_rows", "triton_fp8q"): "triton_indexer:indexer_topk_rows_fp8q",
@@ -79,7 +82,8 @@ _GRAPH_SAFE = {
     ("moe_experts", "torch_dense"), ("moe_experts", "triton"),
     ("rmsnorm", "torch"), ("rmsnorm", "triton"), ("rope", "torch"), ("rope", "triton"),
     ("kv_store", "torch"), ("kv_store", "triton"), ("index_key_store", "torch"), ("index_key_store", "triton"),
-    ("router_logits", "torch"), ("router_logits", "bf16x3"),
+    ("router_logits", "torch"), ("router_logits", "bf16x3"), ("router_logits", "triton"),
+    ("silu_mul", "torch"), ("silu_mul", "triton"),
 }  # fmt: skip
 
 
@@ -159,13 +163,13 @@ def available(kind: str) -> list[str]:
 
 # The "auto" backend of a kind on CUDA for 16-bit models, where it is not torch (tested and measured
 # there against the torch references: tests/kernels/test_triton_*.py, tests/model/test_triton_backend.py,
-# tests/kernels/test_router_logits.py); torch elsewhere. A float32 model keeps torch: these feed the
+# tests/kernels/test_*router_logits.py); torch elsewhere. A float32 model keeps torch: these feed the
 # tensor cores bf16 operands. A Triton backend counts only where Triton is installed.
 AUTO_ON_CUDA = {
-    **dict.fromkeys(("attention", "indexer", "rmsnorm", "rope", "kv_store", "index_key_store", "sample_pick",
-                      "sample_threshold", "sample_uniform", "row_logsumexp", "row_lse_topk",
+    **dict.fromkeys(("attention", "indexer", "rmsnorm", "rope", "kv_store", "index_key_store", "silu_mul",
+                      "sample_pick", "sample_threshold", "sample_uniform", "row_logsumexp", "row_lse_topk",
                       "penalties"), "triton"),
-    "router_logits": "bf16x3",
+    "router_logits": "triton",
 }
 
 

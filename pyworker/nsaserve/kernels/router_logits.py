@@ -23,7 +23,8 @@ take the float32 GEMM.
 
 Kind "router_logits": (x [T, H] in the model dtype, weight float32 [E, H], split bf16 [3E, H] or
 None) -> float32 [T, E]. "bf16x3" needs split (the model's Router builds it once, when the
-runner chooses the backend).
+runner chooses the backend), and so does "triton" (triton_router_logits.py: the same parts, one
+launch).
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ import torch.nn.functional as F
 from .registry import register
 
 PARTS = 3
+# Backends that take the weight's bf16 parts (the model's Router builds them once, at load).
+TAKES_SPLIT = ("bf16x3", "triton")
 
 
 def split_bf16x3(weight: torch.Tensor) -> torch.Tensor:

@@ -15,9 +15,10 @@ Kinds (every backend of a kind takes these arguments and returns this):
                        indexer keys in place (fp8: DeepGEMM's paged layout, one scale per key);
                        with prep (an IndexKeyPrep), k is wk's output and is first normalised, roped
                        and (fp8) rotated as the indexer does (index_key_prep_torch)
+    "silu_mul":        (h [T, 2n]: a gated MLP's gate, then up) -> silu(gate) * up [T, n]
 
 The torch functions are the definitions (kernels.norms, kernels.rope, kernels.kv_cache_format);
-fused GPU versions of the same four live in triton_norm_rope.py and triton_kv_store.py.
+fused GPU versions live in triton_norm_rope.py, triton_kv_store.py and triton_silu_mul.py.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 
 from . import kv_cache_format as fmt
 from .hadamard import hadamard_rotate
@@ -51,6 +53,12 @@ def rope_torch(
     else:
         out = torch.cat((apply_rope(x[..., :rot], cos, sin, interleaved), x[..., rot:]), dim=-1)
     return hadamard_rotate(out) if rotate else out
+
+
+@register("silu_mul", "torch")
+def silu_mul_torch(h: torch.Tensor) -> torch.Tensor:
+    n = h.shape[-1] // 2
+    return F.silu(h[..., :n]) * h[..., n:]
 
 
 @register("kv_store", "torch")

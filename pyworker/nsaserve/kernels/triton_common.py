@@ -41,3 +41,19 @@ def times_hadamard(piece, dims, offs_d, BF16: tl.constexpr, INTERPRET: tl.conste
     if BF16:
         return tl.dot(mma_operand(piece, INTERPRET), mma_operand(sign, INTERPRET))
     return tl.dot(piece, sign, input_precision="ieee")
+
+
+@triton.jit
+def exact_exp(x, INTERPRET: tl.constexpr):
+    """exp as torch's CUDA kernels compute it (libdevice's expf, not the fast ex2-based exp)."""
+    if INTERPRET:
+        return tl.exp(x)
+    return tl.extra.cuda.libdevice.exp(x)
+
+
+@triton.jit
+def exact_log(x, INTERPRET: tl.constexpr):
+    """log as torch's CUDA kernels compute it (libdevice's logf)."""
+    if INTERPRET:
+        return tl.log(x)
+    return tl.extra.cuda.libdevice.log(x)

@@ -17,19 +17,14 @@ import torch
 import triton
 import triton.language as tl
 
+from .triton_common import exact_log
+
 # Values per loop step of a program, and the fewest programs to aim for (two per multiprocessor of
 # an H100/H200), with a piece of at least MIN_PIECE values.
 BLOCK = 2048
 PROGRAMS_WANTED = 264
 MIN_PIECE = 8192
 _U_MAX = 1.0 - 2.0**-24  # the reference's clamp
-
-
-@triton.jit
-def _log(x, INTERPRET: tl.constexpr):
-    if INTERPRET:
-        return tl.log(x)
-    return tl.extra.cuda.libdevice.log(x)
 
 
 @triton.jit
@@ -62,7 +57,7 @@ def _sample_pick_kernel(
         if HAS_TH:
             x = tl.where(x < th, float("-inf"), x)  # the filters' cut, as the reference's masked_fill
         u = tl.load(u_ptr + row * stride_u + offs, mask=m, other=0.5)
-        g = -_log(-_log(tl.minimum(u, U_MAX), INTERPRET), INTERPRET)
+        g = -exact_log(-exact_log(tl.minimum(u, U_MAX), INTERPRET), INTERPRET)
         if HAS_GREEDY:
             g = tl.where(greedy, 0.0, g)
         v = g + x

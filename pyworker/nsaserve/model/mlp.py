@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..kernels.router_logits import split_bf16x3
+from ..kernels.router_logits import TAKES_SPLIT, split_bf16x3
 from .linear import Linear, empty_param, stacked_weight
 
 # Most bytes of dequantised expert weights a quantised MoE materialises at once; experts with tokens
@@ -25,17 +25,17 @@ class GatedMLP(nn.Module):
         self.up_proj = wf.linear(prefix + "up_proj", hidden, inter, shard_dim=0, start=i0, length=n)
         self.down_proj = wf.linear(prefix + "down_proj", inter, hidden, shard_dim=1, start=i0, length=n)
         # gate and up read the same x: when both are plain Linears, one GEMM on their stacked
-        # weights (linear.stacked_weight) serves both.
+        # weights (linear.stacked_weight) serves both, and one "silu_mul" kernel reads its output.
         self._gate_up = None
         self._stack = isinstance(self.gate_proj, Linear) and isinstance(self.up_proj, Linear)
 
-    def forward(self, x, stacked: bool = False):
-        if not (stacked and self._stack):
+    def forward(self, x, silu_mul=None):
+        """silu_mul: a "silu_mul" backend (the stacked path, gate and up in one GEMM); None: the
+        separate projections and torch's silu and product (the model's plain definition)."""
+        if silu_mul is None or not self._stack:
             return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
         self._gate_up = w = stacked_weight(self._gate_up, self.gate_proj, self.up_proj)
-        h = F.linear(x.to(w.dtype), w)
-        n = h.shape[1] // 2
-        return self.down_proj(F.silu(h[:, :n]) * h[:, n:])
+        return self.down_proj(silu_mul(F.linear(x.to(w.dtype), w)))
 
 
 class DenseMLP(GatedMLP):
@@ -45,7 +45,7 @@ class DenseMLP(GatedMLP):
 
     def partial(self, x, kernels=None):
         """This rank's share of the output, before the sum over ranks."""
-        return super().forward(x, kernels is not None and kernels.resolved)
+        return super().forward(x, kernels.silu_mul if kernels is not None and kernels.resolved else None)
 
     def forward(self, x, kernels=None):
         return self.tp.all_reduce(self.partial(x, kernels))
@@ -57,7 +57,7 @@ class Router(nn.Module):
         # float32 like the reference: routing decisions are sensitive to rounding.
         self.weight = empty_param([cfg.n_routed_experts, cfg.hidden_size], torch.float32, device)
         self.e_score_correction_bias = empty_param([cfg.n_routed_experts], torch.float32, device)
-        self._split = None  # the weight's bf16 parts, for the "bf16x3" logits
+        self._split = None  # the weight's bf16 parts, for the "bf16x3" and "triton" logits
 
     @torch.no_grad()
     def split_weight(self) -> torch.Tensor:
@@ -71,7 +71,7 @@ class Router(nn.Module):
 
     def logits(self, x, kernels) -> torch.Tensor:
         """float32 [T, E] router logits through the "router_logits" backend."""
-        split = self.split_weight() if kernels["router_logits"] == "bf16x3" else None
+        split = self.split_weight() if kernels["router_logits"] in TAKES_SPLIT else None
         return kernels.router_logits(x, self.weight, split)
 
 
@@ -159,13 +159,13 @@ class MoE(nn.Module):
             # The shared experts first: the routed experts' last launch adds their output to its
             # float32 sum and rounds to the model dtype (the same values as the branch below, two
             # launches fewer).
-            shared = self.shared_experts(x, stacked=True)
+            shared = self.shared_experts(x, kernels.silu_mul)
             return kernels.moe_experts(x, ids, weights, self.w13, self.w2, self.first_expert, add=shared)
         else:  # fused kernels read the stacks in their checkpoint layout (no dequantised copy)
             y = kernels.moe_experts(x, ids, weights, self.w13, self.w2, self.first_expert)
         if self.shared_experts is not None:
             if kernels.resolved:
-                y.add_(self.shared_experts(x, stacked=True))  # float32 += bf16: the same sum, one launch fewer
+                y.add_(self.shared_experts(x, kernels.silu_mul))  # float32 += bf16: the same sum, one launch fewer
             else:
                 y = y + self.shared_experts(x).float()
         return y.to(x.dtype)

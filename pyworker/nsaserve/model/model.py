@@ -27,6 +27,7 @@ from .weight_factory import WeightFactory
 DEFAULT_BACKENDS = {
     "attention": "torch", "indexer": "torch", "moe_route": "torch", "moe_experts": "torch",
     "rmsnorm": "torch", "rope": "torch", "kv_store": "torch", "index_key_store": "torch", "router_logits": "torch",
+    "silu_mul": "torch",
 }  # fmt: skip
 
 # The eager forward's host path: "resolved" (kernel functions looked up once per change of the

@@ -109,13 +109,14 @@ class ModelRunner:
         """Pick a registered kernel backend for one kernel kind (see kernels.registry); "auto"
         picks the one preferred on this device."""
         from ..kernels.registry import get_backend, resolve
+        from ..kernels.router_logits import TAKES_SPLIT
 
         name = resolve(kind, name, self.device.type, self.dtype.itemsize * 8)
         get_backend(kind, name)  # fails now, not mid-step, when the name is unknown
         self.model.backends[kind] = name
         if kind == "moe_experts" and name == "triton":
             self._experts_to_kernel_layout()
-        if kind == "router_logits" and name == "bf16x3":  # at load, like the experts' layout
+        if kind == "router_logits" and name in TAKES_SPLIT:  # at load, like the experts' layout
             for layer in self.model.model.layers:
                 if hasattr(layer.mlp, "gate"):
                     layer.mlp.gate.split_weight()

@@ -80,7 +80,7 @@ class ModelExecutor:
         indexer_backend = getattr(args, "indexer_backend", "auto")
         runner.set_backend("attention", attention_backend)
         runner.set_backend("indexer", attention_backend if indexer_backend == "auto" else indexer_backend)
-        for kind in ("rmsnorm", "rope", "kv_store", "index_key_store", "router_logits"):  # small ops follow the device
+        for kind in ("rmsnorm", "rope", "kv_store", "index_key_store", "router_logits", "silu_mul"):  # small ops follow the device
             runner.set_backend(kind, "auto")
         executor = cls(runner, device, decode_graphs(runner, args))
         if getattr(args, "warmup_tokens", 0) > 0 and device.type == "cuda":
