@@ -87,6 +87,7 @@ KERNELS = {
     "_moe_align_place_kernel": "align_us",
     "_moe_gate_up_kernel": "gate_up_us",
     "_moe_down_kernel": "down_us",
+    "_moe_down_gluon_kernel": "down_us",
     "_moe_sum_kernel": "sum_us",
 }
 
@@ -190,6 +191,9 @@ def configs(batch: int, sweep: bool):
         ("down 64 rows", {}, {"BLOCK_N": 64}),
         ("gate_up 128 rows w8", {"BLOCK_N": 128, "num_warps": 8, "maxnreg": None}, {}),
         ("gate_up s4", {"num_stages": 4}, {}),
+        # gluon_moe_down: one persistent pipeline across tiles, the operand a quarter block at a time.
+        ("down gluon (2 stages x 3 programs, 168 registers)", {}, {"GLUON": True}),
+        ("down gluon 4 stages x 2 programs", {}, {"GLUON": True, "STAGES": 4, "PROGRAMS_PER_SM": 2, "maxnreg": None}),
     )  # fmt: skip
     for name, gate_up, down in tries:
         yield f"tiled {name}", {"gate_up": gate_up, "down": down}, None, True, "tiled"

@@ -14,6 +14,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.experimental.gluon._runtime import GluonASTSource
 
+from nsaserve.kernels import gluon_moe_down as gmd
 from nsaserve.kernels import gluon_sparse_mla as gm
 from nsaserve.kernels import triton_indexer as ti
 from nsaserve.kernels import triton_kv_store as tkv
@@ -191,6 +192,18 @@ def gluon_sparse_mla_cases():
             yield name + " early", gm._sparse_mla_gluon_kernel, sig, early, 8, {"gluon": True}
 
 
+def gluon_moe_down_cases():
+    """The Gluon MoE down kernel (Hopper only), at its default depth and register cap and at 4 stages."""
+    sig = {
+        "h_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*u8", "s2_ptr": F32, "sorted_slot_ptr": "*i32",
+        "block_expert_ptr": "*i32", "topk_w_ptr": F32, "y_ptr": "*bf16", "nblocks": "i32",
+    }  # fmt: skip
+    for bm, stages in ((16, gmd.STAGES), (32, gmd.STAGES), (16, 4)):
+        consts = dict(HIDDEN=6144, INTER=2048, BM=bm, STAGES=stages, FIX=128.0)
+        opts = {"gluon": True, "maxnreg": gmd.MAXNREG}
+        yield f"gluon moe down bm={bm} stages={stages}", gmd._moe_down_gluon_kernel, sig, consts, 4, opts
+
+
 def sample_pick_cases():
     for greedy, temp, th, x_ty in (
         (False, False, False, F32), (True, False, False, F32), (True, True, False, "*bf16"), (True, True, True, "*bf16"),
@@ -274,7 +287,7 @@ def main() -> int:
     assert not os.environ.get("TRITON_INTERPRET"), "run without TRITON_INTERPRET"
     failed = 0
     cases = [
-        *indexer_cases(), *sparse_mla_cases(), *gluon_sparse_mla_cases(), *moe_cases(), *sample_pick_cases(),
+        *indexer_cases(), *sparse_mla_cases(), *gluon_sparse_mla_cases(), *moe_cases(), *gluon_moe_down_cases(), *sample_pick_cases(),
         *sample_threshold_cases(), *logprobs_and_penalties_cases(), *kv_store_cases(),
     ]  # fmt: skip
     for name, fn, sig, consts, warps, *extra in cases:
@@ -288,7 +301,7 @@ def main() -> int:
             k = triton.compile(
                 source(fn, sig, consts, opts.get("attrs", default_attrs)),
                 target=TARGET,
-                options={"num_warps": warps, "num_stages": stages},
+                options={"num_warps": warps, "num_stages": stages, **({"maxnreg": opts["maxnreg"]} if "maxnreg" in opts else {})},
             )
             # An H100/H200 block may use up to 227 KB of shared memory.
             assert k.metadata.shared <= 227 * 1024, f"{k.metadata.shared} bytes of shared memory"

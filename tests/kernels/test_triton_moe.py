@@ -18,6 +18,7 @@ from nsaserve.kernels import triton_moe_w4a16 as tm  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"
+HOPPER = CUDA and torch.cuda.get_device_capability()[0] == 9  # the Gluon kernels' GPUs
 # bf16 activations and a bf16 intermediate h (the weights themselves are exact in bf16).
 TOL = 1.5e-2
 # Portable dequantisation everywhere; the inline-assembly one too where it can run.
@@ -330,6 +331,19 @@ def test_tiny_tiled_equals_relayout(asm, num_tokens, block_m, tma):
     assert rel_err(tiled, reference(x, ids, weights, w13, w2, 0)) < TOL
 
 
+def test_gluon_down_is_refused_where_it_cannot_run():
+    """The Gluon down kernel (an opt-in config) takes tiled weights on a Hopper GPU only: elsewhere
+    a clear error, not a silent fallback."""
+    gen = torch.Generator(DEV).manual_seed(9)
+    e, h, i, k = 4, 256, 256, 2
+    w13, w2 = random_stacks(e, h, i, gen, DEV)
+    x = torch.randn(3, h, generator=gen, device=DEV).to(torch.bfloat16)
+    ids, weights = route(3, e, k, torch.Generator().manual_seed(9))
+    r13, r2 = relaid(w13), relaid(w2)
+    with pytest.raises(ValueError, match="Gluon down kernel"):
+        tm.moe_experts_nvfp4_triton(x, ids, weights, *r13, *r2, 0, relayout=True, config={"down": {"GLUON": True}})
+
+
 def test_tile_round_trip_and_placement():
     """tile_nvfp4 / untile_nvfp4 are inverse; row group g's tile t is rows 16g..16g+15, inputs
     256t..256t+255, one contiguous run."""
@@ -427,23 +441,43 @@ def test_glm5_shapes_match_reference(glm5_stacks, glm5_relaid, glm5_tiled, num_t
             x, ids, weights, *glm5_tiled[0], *glm5_tiled[1], 0, relayout=True, tiled=True, config=config
         )
         assert torch.equal(again, outs[1]), option
+    if HOPPER and num_tokens <= 256:
+        # The Gluon down kernel (16-token blocks here): the same bits, at its default and at 4 stages.
+        for down in ({"GLUON": True}, {"GLUON": True, "STAGES": 4, "PROGRAMS_PER_SM": 2, "maxnreg": None}):
+            again = tm.moe_experts_nvfp4_triton(
+                x, ids, weights, *glm5_tiled[0], *glm5_tiled[1], 0, relayout=True, tiled=True, config={"down": down}
+            )
+            assert torch.equal(again, outs[1]), down
 
 
 @pytest.mark.skipif(not CUDA, reason="CUDA graphs need CUDA")
-# 600 x 8 slots: the chunked align. option: the kernels launched as programmatic dependents (PDL).
+# 600 x 8 slots: the chunked align. option: the kernels launched as programmatic dependents (PDL);
+# the Gluon down kernel (tiled weights; its fixed grid counts the used blocks on the device), at 512
+# tokens with 32-token blocks.
 @pytest.mark.parametrize(
-    "relayout,t,option", [(False, 16, None), (True, 16, None), (True, 600, None), (True, 16, "PDL")]
+    "relayout,t,option",
+    [
+        (False, 16, None),
+        (True, 16, None),
+        (True, 600, None),
+        (True, 16, "PDL"),
+        (True, 16, "GLUON"),
+        (True, 512, "GLUON"),
+    ],
 )
 def test_cuda_graph_replays_new_routing(request, glm5_stacks, relayout, t, option):
     """Captured once for t tokens, replayed with other inputs and other routings."""
+    if option == "GLUON" and not HOPPER:
+        pytest.skip("the Gluon kernel needs Hopper")
     w13, w2 = glm5_stacks
-    k13, k2 = request.getfixturevalue("glm5_relaid") if relayout else glm5_stacks
+    tiled = option == "GLUON"
+    k13, k2 = request.getfixturevalue("glm5_tiled" if tiled else "glm5_relaid") if relayout else glm5_stacks
     gen = torch.Generator().manual_seed(5)
     h = GLM5["hidden"]
     x = torch.randn(t, h, generator=gen).to("cuda", torch.bfloat16)
     ids, weights = route(t, GLM5["num_experts"], GLM5["top_k"], gen, "cuda")
     config = {"gate_up": {option: True}, "down": {option: True}} if option else None
-    run = functools.partial(tm.moe_experts_nvfp4_triton, relayout=relayout, config=config)
+    run = functools.partial(tm.moe_experts_nvfp4_triton, relayout=relayout, tiled=tiled, config=config)
     out = run(x, ids, weights, *k13, *k2, 0)  # compile outside the capture
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
@@ -457,6 +491,10 @@ def test_cuda_graph_replays_new_routing(request, glm5_stacks, relayout, t, optio
         out.fill_(float("nan"))
         g.replay()
         assert rel_err(out, reference(x, ids, weights, w13, w2, 0)) < TOL
+        if tiled:  # the Gluon down kernel: bit for bit the Triton kernel's results
+            assert torch.equal(
+                out, tm.moe_experts_nvfp4_triton(x, ids, weights, *k13, *k2, 0, relayout=True, tiled=True)
+            )
 
 
 @pytest.mark.parametrize(

@@ -123,9 +123,9 @@ _ASM_BYTE3 = tl.constexpr(_dequant_asm(3))
 # RELAYOUT_R_MAG[p] (magnitudes) and RELAYOUT_R_SIGN[p] (signs).
 
 
-def _pair_asm(p: int) -> str:
-    """PTX for pair p of two re-laid-out words $4 and $5: ($0, $1) and ($2, $3) are the bf16
-    values (input q, q + 8) of each, times the bf16x2 scale $6."""
+def _pair_ptx(p: int, word: str, out_lo: str, out_hi: str, scale: str) -> str:
+    """PTX for pair p of the re-laid-out word `word`: out_lo, out_hi = the bf16 values (input q,
+    q + 8) times the bf16x2 scale `scale` (scratch registers t and u, declared by the caller)."""
     rm, rs = RELAYOUT_R_MAG[p], RELAYOUT_R_SIGN[p]
 
     def rot(dst: str, src: str, r: int, lowest: int, highest: int) -> str:
@@ -139,22 +139,37 @@ def _pair_asm(p: int) -> str:
             return f"shr.u32 {dst}, {src}, {r};"
         return f"shf.r.wrap.b32 {dst}, {src}, {src}, {r};"
 
-    def one(word: str, out_lo: str, out_hi: str) -> str:
-        if rm == rs:
-            body = f"{rot('t', word, rm, 6, 31)}\nand.b32 t, t, 0x81C081C0;"
+    if rm == rs:
+        body = f"{rot('t', word, rm, 6, 31)}\nand.b32 t, t, 0x81C081C0;"
+    else:
+        body = f"{rot('t', word, rm, 6, 24)}\nand.b32 t, t, 0x01C001C0;\n"
+        if rs == 0:
+            body += f"lop3.b32 t, t, {word}, 0x80008000, 0xF8;"
         else:
-            body = f"{rot('t', word, rm, 6, 24)}\nand.b32 t, t, 0x01C001C0;\n"
-            if rs == 0:
-                body += f"lop3.b32 t, t, {word}, 0x80008000, 0xF8;"
-            else:
-                body += f"{rot('u', word, rs, 15, 31)}\nlop3.b32 t, t, u, 0x80008000, 0xF8;"
-        return f"{body}\nmul.rn.bf16x2 t, t, $6;\nmov.b32 {{{out_lo}, {out_hi}}}, t;"
+            body += f"{rot('u', word, rs, 15, 31)}\nlop3.b32 t, t, u, 0x80008000, 0xF8;"
+    return f"{body}\nmul.rn.bf16x2 t, t, {scale};\nmov.b32 {{{out_lo}, {out_hi}}}, t;"
 
+
+def _pair_asm(p: int) -> str:
+    """PTX for pair p of two re-laid-out words $4 and $5: ($0, $1) and ($2, $3) are the bf16
+    values (input q, q + 8) of each, times the bf16x2 scale $6."""
     return f"""
 {{
 .reg .b32 t, u;
-{one("$4", "$0", "$1")}
-{one("$5", "$2", "$3")}
+{_pair_ptx(p, "$4", "$0", "$1", "$6")}
+{_pair_ptx(p, "$5", "$2", "$3", "$6")}
+}}
+"""
+
+
+def word_pairs_asm(p0: int, p1: int) -> str:
+    """PTX for pairs p0 and p1 of one re-laid-out word $4: ($0, $1) and ($2, $3) are their bf16
+    values (input q, q + 8), times the bf16x2 scale $5."""
+    return f"""
+{{
+.reg .b32 t, u;
+{_pair_ptx(p0, "$4", "$0", "$1", "$5")}
+{_pair_ptx(p1, "$4", "$2", "$3", "$5")}
 }}
 """
 
@@ -886,7 +901,10 @@ def max_blocks(num_slots: int, num_local: int, block_m: int) -> int:
 # (bench/results/2026-12-02-triton-moe-occupancy). PDL (set per call unless a config sets it): see
 # _dependent_launch and SMALL_BATCH_PDL. Persistent kernels (a fixed grid striding over the used
 # blocks' tiles) were timed at 0.72-0.96x the speed of one program per tile at 1-256 tokens and
-# removed (bench/results/2026-12-02-triton-moe-persistent).
+# removed (bench/results/2026-12-02-triton-moe-persistent). The down config's GLUON (with STAGES,
+# PROGRAMS_PER_SM, maxnreg) runs gluon_moe_down's persistent kernel instead of _moe_down_kernel
+# (tiled layout, 16- or 32-token blocks, Hopper): the same bits, within -2% to +1% of its time at
+# 64-256 tokens (bench/results/2026-12-04-gluon-moe-down.md), so off by default.
 DEFAULT_CONFIG = {
     "gate_up": {"BLOCK_N": 64, "BLOCK_K": 256, "FUSE_K": True, "num_warps": 4, "num_stages": 3, "TMA": False},
     # 128 rows: fewer wgmma fences and address updates per value; the down kernel has one weight
@@ -1015,12 +1033,25 @@ def moe_experts_nvfp4_triton(
     y = torch.empty(n_slots, hidden, dtype=torch.bfloat16, device=dev)
     w2_words = w2.view(torch.int32)
     dn_desc = tile_descriptors(w2_words, w2_scale, dn["BLOCK_N"]) if dn["TMA"] else (w2_words, w2_scale)
-    _moe_down_kernel[(hidden // dn["BLOCK_N"], nblocks)](
-        h, w2_words, w2_scale, w2_scale_2, sorted_slot, block_expert, routing_w, y, *dn_desc,
-        HIDDEN=hidden, INTER=inter, BLOCK_M=bm, BLOCK_N=dn["BLOCK_N"], BLOCK_K=dn["BLOCK_K"], FUSE_K=dn["FUSE_K"],
-        ASM=asm, INTERPRET=_INTERPRET, LAYOUT=layout, TMA=dn["TMA"], PDL=dn["PDL"], launch_pdl=dn["PDL"],
-        num_warps=dn["num_warps"], num_stages=dn["num_stages"], **_reg_cap(dn),
-    )  # fmt: skip
+    if dn.get("GLUON"):
+        from . import gluon_moe_down
+
+        if not (tiled and asm and gluon_moe_down.takes(hidden, inter, bm, dev)):
+            raise ValueError(
+                "the Gluon down kernel takes tiled weights, the inline-assembly path and 16- or 32-token blocks, on Hopper"
+            )
+        gluon_moe_down.moe_down_gluon(
+            h, w2_words, w2_scale, w2_scale_2, sorted_slot, block_expert, routing_w, y, bm, 2.0**_ASM_SHIFT.value,
+            stages=dn.get("STAGES"), programs_per_sm=dn.get("PROGRAMS_PER_SM"),
+            maxnreg=dn.get("maxnreg", gluon_moe_down.MAXNREG),
+        )  # fmt: skip
+    else:
+        _moe_down_kernel[(hidden // dn["BLOCK_N"], nblocks)](
+            h, w2_words, w2_scale, w2_scale_2, sorted_slot, block_expert, routing_w, y, *dn_desc,
+            HIDDEN=hidden, INTER=inter, BLOCK_M=bm, BLOCK_N=dn["BLOCK_N"], BLOCK_K=dn["BLOCK_K"], FUSE_K=dn["FUSE_K"],
+            ASM=asm, INTERPRET=_INTERPRET, LAYOUT=layout, TMA=dn["TMA"], PDL=dn["PDL"], launch_pdl=dn["PDL"],
+            num_warps=dn["num_warps"], num_stages=dn["num_stages"], **_reg_cap(dn),
+        )  # fmt: skip
 
     out = torch.empty(num_tokens, hidden, dtype=torch.float32 if add is None else add.dtype, device=dev)
     block = min(1024, triton.next_power_of_2(hidden))
