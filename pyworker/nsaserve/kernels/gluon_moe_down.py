@@ -25,7 +25,10 @@ path within -2% to +1% of the Triton kernel's time at 64 and 256 tokens (slower 
 32-token blocks), so it is an option (the MoE config's down GLUON), not the default. ncu puts both
 down kernels at ~0.6 instructions issued per scheduler per cycle with the L2 at ~80% and the DRAM at
 ~67-70% of peak: starting programs with empty pipelines was not what held the Triton kernel back.
-It is the base for a warp-specialised version (loads and dequantisation in separate warps).
+A warp-specialised version built on it (a TMA loader warp feeding the consumer warpgroup) was
+slower still: the routed path runs at the board's 700 W power cap, so better overlap only lowers
+the clock (bench/results/2026-12-04-moe-power-cap.md). It stays as the base for tries that cut
+the energy per weight instead.
 
 Operand order: the gate/up kernel stores h in the K-block permutation of the Triton kernels (input
 8j + r of a K block at position r · 32 + j). K position q · 32 + 2j + h of a block is then input
