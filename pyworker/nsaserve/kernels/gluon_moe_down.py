@@ -152,6 +152,7 @@ def _copy_tiled(smem, ptr, group0, kb, TPR: gl.constexpr, WIDTH: gl.constexpr, l
     rows = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout))
     cols = gl.arange(0, WIDTH, layout=gl.SliceLayout(0, layout))
     at = ((group0 + rows // TILE_ROWS) * TPR + kb) * (TILE_ROWS * WIDTH) + (rows % TILE_ROWS) * WIDTH
+    # (rows < BLOCK_N: always true; it gives the scalar `live` the copy's 2-D shape.)
     async_copy.async_copy_global_to_shared(
         smem, ptr + at[:, None] + cols[None, :], mask=live & (rows < BLOCK_N)[:, None]
     )
@@ -291,7 +292,7 @@ def moe_down_gluon(
 ) -> None:
     """The down projection of moe_experts_nvfp4_triton (tiled layout, inline-assembly path) into y.
     Device-only: no host synchronisation, a grid fixed by the device (CUDA-graph capturable)."""
-    experts, hidden, kw = w2_words.shape
+    _, hidden, kw = w2_words.shape
     inter = kw * 8
     programs = torch.cuda.get_device_properties(h.device).multi_processor_count * (programs_per_sm or PROGRAMS_PER_SM)
     _moe_down_gluon_kernel[(programs,)](
