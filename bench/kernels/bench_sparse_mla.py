@@ -23,6 +23,7 @@ from bench_common import bf16_matmul_rate, copy_bandwidth, graph_time_us, print_
 
 from nsaserve.kernels import kv_cache_format as fmt
 from nsaserve.kernels.gluon_sparse_mla import sparse_mla_decode_gluon
+from nsaserve.kernels.gluon_sparse_mla_ws import sparse_mla_decode_ws
 from nsaserve.kernels.triton_sparse_mla import sparse_mla_decode, sparse_mla_prefill
 
 RANK, ROPE, TOPK, CTX = 512, 64, 2048, 4096
@@ -54,6 +55,10 @@ CONFIGS = {
     "mask-trim": {"mask_all": True, "trim": True},
     # The Gluon decode kernel (gluon_sparse_mla: the warpgroups split QK^T's keys and PV's columns)
     "gluon": {"kernel": "gluon"},
+    # The warp-specialised Gluon kernel (gluon_sparse_mla_ws: a softmax warpgroup, a PV warpgroup
+    # and a producer warpgroup that gathers and dequantises the next block)
+    "gluon-ws": {"kernel": "ws"},
+    "gluon-ws-trim": {"kernel": "ws", "trim": True},
     "gluon-trim": {"kernel": "gluon", "trim": True},
     "gluon-x1": {"kernel": "gluon", "num_splits": 1},
     "gluon-n32": {"kernel": "gluon", "block_n": 32},
@@ -79,7 +84,12 @@ def attend(q_lat, q_pe, cache, slots, opts, prefill=False):
     """One call of a config: the Triton kernel (its decode or prefill launch), or the Gluon one for
     {"kernel": "gluon"} (a prefill: no splits, the loop trimmed, as the registry backend calls it)."""
     opts = dict(opts)
-    if opts.pop("kernel", "triton") == "gluon":
+    kernel = opts.pop("kernel", "triton")
+    if kernel == "ws":
+        if prefill:
+            opts = {"num_splits": 1, "trim": True, **opts}
+        return sparse_mla_decode_ws(q_lat, q_pe, cache, slots, SCALE, **opts)
+    if kernel == "gluon":
         if prefill:
             opts = {"num_splits": 1, "trim": True, **opts}
         return sparse_mla_decode_gluon(q_lat, q_pe, cache, slots, SCALE, **opts)

@@ -7,7 +7,10 @@ the tests run this in a process of its own, without TRITON_INTERPRET.
 """
 
 import os
+import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 import triton
 from triton.backends.compiler import GPUTarget
@@ -16,6 +19,7 @@ from triton.experimental.gluon._runtime import GluonASTSource
 
 from nsaserve.kernels import gluon_moe_down as gmd
 from nsaserve.kernels import gluon_sparse_mla as gm
+from nsaserve.kernels import gluon_sparse_mla_ws as gmw
 from nsaserve.kernels import triton_indexer as ti
 from nsaserve.kernels import triton_kv_store as tkv
 from nsaserve.kernels import triton_moe_w4a16 as tw
@@ -172,16 +176,22 @@ def moe_cases():
     yield "moe down tiled", tw._moe_down_kernel, down_sig, consts, 4, {"num_stages": 3}
 
 
+def gluon_sparse_mla_sig(fp8: bool, split: bool) -> dict:
+    """Both Gluon sparse MLA kernels' signature: an FP8 (uint8) or bf16 cache, float32 parts or
+    the model's dtype out."""
+    cache_ty = "*u8" if fp8 else "*bf16"
+    return {
+        "q_lat_ptr": "*bf16", "q_pe_ptr": "*bf16", "cache_ptr": cache_ty, "cache_f32_ptr": F32 if fp8 else cache_ty,
+        "cache_bf16_ptr": "*bf16", "idx_ptr": "*i64", "o_ptr": F32 if split else "*bf16", "lse_ptr": F32,
+        "heads": "i32", "topk": "i32", "idx_stride": "i32", "num_splits": "i32", "scale_log2": "fp32", "split_len": "i32",
+    }  # fmt: skip
+
+
 def gluon_sparse_mla_cases():
     """The Gluon decode kernel (Hopper only; no CPU interpreter runs it)."""
     for fp8 in (True, False):
         for split, trim in ((True, False), (False, True)):
-            cache_ty = "*u8" if fp8 else "*bf16"
-            sig = {
-                "q_lat_ptr": "*bf16", "q_pe_ptr": "*bf16", "cache_ptr": cache_ty, "cache_f32_ptr": F32 if fp8 else cache_ty,
-                "cache_bf16_ptr": "*bf16", "idx_ptr": "*i64", "o_ptr": F32 if split else "*bf16", "lse_ptr": F32,
-                "heads": "i32", "topk": "i32", "idx_stride": "i32", "num_splits": "i32", "scale_log2": "fp32", "split_len": "i32",
-            }  # fmt: skip
+            sig = gluon_sparse_mla_sig(fp8, split)
             consts = dict(R=512, P=64, G=128, ROW_BYTES=656 if fp8 else 576, BLOCK_N=64, FP8=fp8, SPLIT=split, TRIM=trim, TRIM_LEN=2048)
             name = f"gluon sparse mla fp8={fp8} split={split} trim={trim}"
             yield name, gm._sparse_mla_gluon_kernel, sig, consts, 8, {"gluon": True}
@@ -190,6 +200,32 @@ def gluon_sparse_mla_cases():
             # Copies issued before QK^T from slots loaded a block ahead (staged rows with FP8).
             early = {**consts, "STAGE": fp8, "EARLY": True}
             yield name + " early", gm._sparse_mla_gluon_kernel, sig, early, 8, {"gluon": True}
+
+
+def gluon_sparse_mla_ws_cases():
+    """The warp-specialised Gluon decode kernel (Hopper only). ptxas must keep its asynchronous
+    wgmmas (a PV left in flight across the loop's back edge once made it serialise every one of
+    them: its C7515 note) and the partitions' register counts (C7507: setmaxnreg ignored)."""
+    for fp8 in (True, False):
+        for split, trim in ((True, False), (False, True)):
+            sig = gluon_sparse_mla_sig(fp8, split)
+            consts = dict(R=512, P=64, G=128, ROW_BYTES=656 if fp8 else 1152, FP8=fp8, SPLIT=split, TRIM=trim, TRIM_LEN=2048)
+            opts = {"gluon": True, "ptxas_clean": ("C7515", "C7507")}
+            yield f"gluon sparse mla ws fp8={fp8} split={split} trim={trim}", gmw._sparse_mla_ws_kernel, sig, consts, 4, opts
+
+
+def ptxas_notes(ptx: str) -> str:
+    """ptxas's verbose notes on a kernel's PTX for sm_90a (the compiler's own ptxas)."""
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / "k.ptx"
+        src.write_text(ptx)
+        run = subprocess.run(
+            [get_ptxas(90).path, "-arch=sm_90a", "-v", str(src), "-o", str(Path(tmp) / "k.cubin")],
+            capture_output=True, text=True, check=True,
+        )  # fmt: skip
+    return run.stderr
 
 
 def gluon_moe_down_cases():
@@ -287,7 +323,7 @@ def main() -> int:
     assert not os.environ.get("TRITON_INTERPRET"), "run without TRITON_INTERPRET"
     failed = 0
     cases = [
-        *indexer_cases(), *sparse_mla_cases(), *gluon_sparse_mla_cases(), *moe_cases(), *gluon_moe_down_cases(), *sample_pick_cases(),
+        *indexer_cases(), *sparse_mla_cases(), *gluon_sparse_mla_cases(), *gluon_sparse_mla_ws_cases(), *moe_cases(), *gluon_moe_down_cases(), *sample_pick_cases(),
         *sample_threshold_cases(), *logprobs_and_penalties_cases(), *kv_store_cases(),
     ]  # fmt: skip
     for name, fn, sig, consts, warps, *extra in cases:
@@ -305,6 +341,10 @@ def main() -> int:
             )
             # An H100/H200 block may use up to 227 KB of shared memory.
             assert k.metadata.shared <= 227 * 1024, f"{k.metadata.shared} bytes of shared memory"
+            if opts.get("ptxas_clean"):
+                notes = ptxas_notes(k.asm["ptx"])
+                bad = [line for line in notes.splitlines() if any(code in line for code in opts["ptxas_clean"])]
+                assert not bad, "; ".join(bad)
             print("ok  ", name, f"(shared {k.metadata.shared} B)", flush=True)
         except Exception as e:  # report every kernel, not just the first failure
             failed += 1

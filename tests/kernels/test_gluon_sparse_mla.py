@@ -11,6 +11,7 @@ from test_triton_sparse_mla import make_case, rel_err  # noqa: E402
 
 from nsaserve.kernels import triton_sparse_mla  # noqa: E402
 from nsaserve.kernels.gluon_sparse_mla import sparse_mla_decode_gluon, supports, takes_shapes  # noqa: E402
+from nsaserve.kernels.gluon_sparse_mla_ws import sparse_mla_decode_ws  # noqa: E402
 from nsaserve.kernels.indexer import topk_to_slots  # noqa: E402
 from nsaserve.kernels.registry import get_backend  # noqa: E402
 from nsaserve.kernels.sparse_mla import sparse_mla_torch  # noqa: E402
@@ -106,32 +107,38 @@ def test_early_copies_equal_the_late_issue(fp8, tokens, num_splits):
         assert rel_err(early.cpu(), want) < 1e-2
 
 
+# Both Gluon kernels: lock step and warp-specialised (gluon_sparse_mla_ws).
+BOTH = pytest.mark.parametrize("attend", [sparse_mla_decode_gluon, sparse_mla_decode_ws], ids=["lock-step", "ws"])
+
+
 @hopper
+@BOTH
 @pytest.mark.parametrize("fp8", [False, True])
-def test_model_dtype_output_is_the_float32_output_rounded(fp8):
+def test_model_dtype_output_is_the_float32_output_rounded(fp8, attend):
     (q_lat, q_pe, cache, slots), _ = case(3, 64, fp8, seed=11)
-    f32 = sparse_mla_decode_gluon(q_lat, q_pe, cache, slots, SCALE, num_splits=1)
-    bf16 = sparse_mla_decode_gluon(q_lat, q_pe, cache, slots, SCALE, num_splits=1, out_dtype=torch.bfloat16)
+    f32 = attend(q_lat, q_pe, cache, slots, SCALE, num_splits=1)
+    bf16 = attend(q_lat, q_pe, cache, slots, SCALE, num_splits=1, out_dtype=torch.bfloat16)
     assert torch.equal(bf16, f32.bfloat16())
 
 
 @hopper
+@BOTH
 @pytest.mark.parametrize("fp8", [False, True])
-def test_graph_replay_with_new_lists(fp8):
+def test_graph_replay_with_new_lists(fp8, attend):
     """Captured once, replayed with other queries and lists copied into the captured buffers."""
     (q_lat, q_pe, cache, slots), _ = case(6, 64, fp8, seed=3)
     (q_lat2, q_pe2, _, slots2), _ = case(6, 64, fp8, seed=4)
     slots2[:, 1500:] = -1
-    sparse_mla_decode_gluon(q_lat, q_pe, cache, slots, SCALE, trim=True)  # compile outside the capture
+    attend(q_lat, q_pe, cache, slots, SCALE, trim=True)  # compile outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = sparse_mla_decode_gluon(q_lat, q_pe, cache, slots, SCALE, trim=True)
+        out = attend(q_lat, q_pe, cache, slots, SCALE, trim=True)
     q_lat.copy_(q_lat2)
     q_pe.copy_(q_pe2)
     slots.copy_(slots2)
     graph.replay()
     torch.cuda.synchronize()
-    assert torch.equal(out, sparse_mla_decode_gluon(q_lat, q_pe, cache, slots, SCALE, trim=True))
+    assert torch.equal(out, attend(q_lat, q_pe, cache, slots, SCALE, trim=True))
 
 
 @hopper

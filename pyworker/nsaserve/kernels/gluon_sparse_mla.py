@@ -291,6 +291,23 @@ def _softmax_pv(s, valid, m_i, l_i, acc, c_buf, scale_log2, o_l: gl.constexpr, p
     return m_new, l_i, warpgroup_mma(p_op, c_buf, acc, is_async=True)
 
 
+@gluon.jit
+def list_part(idx_ptr, t, idx_stride, sp, split_len, topk, BLOCK_N: gl.constexpr, TRIM: gl.constexpr,
+              TRIM_LEN: gl.constexpr, WARPS: gl.constexpr):  # fmt: skip
+    """(j0, j1, blocks) of split sp of token t's list: entries j0 .. j1, in BLOCK_N blocks. TRIM:
+    the blocks end at the part's last valid entry (a decode graph's lists are as wide as its
+    context bucket, -1 padded)."""
+    j0 = sp * split_len
+    j1 = gl.minimum(j0 + split_len, topk)
+    span = split_len
+    if TRIM:
+        trim_l: gl.constexpr = gl.BlockedLayout([TRIM_LEN // (32 * WARPS)], [32], [WARPS], [0])
+        offs_all = j0 + gl.arange(0, TRIM_LEN, layout=trim_l)
+        row = gl.load(idx_ptr + t.to(gl.int64) * idx_stride + offs_all, mask=offs_all < j1, other=-1)
+        span = gl.max(gl.where(row >= 0, offs_all - j0 + 1, 0), axis=0)
+    return j0, j1, gl.cdiv(span, BLOCK_N)
+
+
 # The list length and its split are runtime values (not specialised), as in the Triton kernel.
 @gluon.jit(do_not_specialize=["topk", "split_len"])
 def _sparse_mla_gluon_kernel(
@@ -337,17 +354,7 @@ def _sparse_mla_gluon_kernel(
         plain3: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[2, 1, 0])
         sc_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_N, R // G], gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
 
-    j0 = sp * split_len
-    j1 = gl.minimum(j0 + split_len, topk)
-    span = split_len
-    if TRIM:
-        # End the loop at the last valid entry of this part of the list (a decode graph's lists
-        # are as wide as its context bucket, -1 padded).
-        trim_l: gl.constexpr = gl.BlockedLayout([TRIM_LEN // (32 * NUM_WARPS)], [32], [NUM_WARPS], [0])
-        offs_all = j0 + gl.arange(0, TRIM_LEN, layout=trim_l)
-        row = gl.load(idx_ptr + t.to(gl.int64) * idx_stride + offs_all, mask=offs_all < j1, other=-1)
-        span = gl.max(gl.where(row >= 0, offs_all - j0 + 1, 0), axis=0)
-    n_blocks = gl.cdiv(span, BLOCK_N)
+    j0, j1, n_blocks = list_part(idx_ptr, t, idx_stride, sp, split_len, topk, BLOCK_N, TRIM, TRIM_LEN, NUM_WARPS)
 
     # Block 0 into buffer 0.
     if FP8:

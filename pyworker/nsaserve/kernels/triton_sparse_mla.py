@@ -341,6 +341,25 @@ PREFILL_OPTIONS: dict = {}
 # decode launch at batch 64-1024, 1.13x at batch 1, 1.48-1.59x its prefill launch on 2048-token
 # chunks. NSASERVE_SPARSE_MLA_KERNEL=triton selects this file's kernels (for A/B runs).
 KERNEL = os.environ.get("NSASERVE_SPARSE_MLA_KERNEL", "gluon")
+# Which caches the "gluon" kernel runs warp-specialised (gluon_sparse_mla_ws: a softmax, a PV and
+# a producer warpgroup) rather than in lock step, from two query tokens up (decode steps and prompt
+# chunks). On the H200 at GLM-5 shapes (bench/results/2026-12-04-gluon-sparse-mla-ws): bf16 cache
+# 1.14x / 1.27x / 1.27x the lock-step kernel at 64 / 256 / 1024 tokens (274 / 379 / 394 TFLOP/s),
+# 1.24-1.28x on 2048-token prompt chunks, 0.98x at one token (which stays in lock step); FP8 cache
+# 0.96x at 64 tokens and 1.01-1.04x elsewhere (its producer warpgroup, dequantising alone, is the
+# slower side), so FP8 stays in lock step. NSASERVE_SPARSE_MLA_WS=none|bf16|both overrides.
+WS_CACHES = os.environ.get("NSASERVE_SPARSE_MLA_WS", "bf16")
+if WS_CACHES not in ("none", "bf16", "both"):
+    raise ValueError(f"NSASERVE_SPARSE_MLA_WS={WS_CACHES!r}: expected none, bf16 or both")
+
+
+def _takes_ws(q_lat, q_pe, latent_cache) -> bool:
+    """Whether a call goes to the warp-specialised kernel (WS_CACHES, and its shapes)."""
+    if WS_CACHES == "none" or (WS_CACHES == "bf16" and latent_cache.dtype == torch.uint8):
+        return False
+    from . import gluon_sparse_mla_ws
+
+    return gluon_sparse_mla_ws.supports(q_lat, q_pe, latent_cache)
 
 
 def sparse_mla_prefill(q_lat, q_pe, latent_cache, indices, softmax_scale, token_kv_base=None, kv_slots=None, **kw):
@@ -373,6 +392,14 @@ def sparse_mla_triton(q_lat, q_pe, latent_cache, slots, softmax_scale, whole_con
         if gluon_sparse_mla.supports(q_lat, q_pe, latent_cache):
             # A prompt chunk's rows end early in -1 (short causal contexts): its loops are trimmed.
             trim = whole_contexts or q_lat.shape[0] >= PREFILL_TOKENS
+            if q_lat.shape[0] > 1 and _takes_ws(q_lat, q_pe, latent_cache):
+                from . import gluon_sparse_mla_ws
+
+                if q_lat.shape[0] >= PREFILL_TOKENS:
+                    kw["num_splits"] = 1  # a prompt chunk fills the GPU without splits
+                return gluon_sparse_mla_ws.sparse_mla_decode_ws(
+                    q_lat, q_pe, latent_cache, slots, softmax_scale, trim=trim, **kw
+                )
             return gluon_sparse_mla.sparse_mla_decode_gluon(
                 q_lat, q_pe, latent_cache, slots, softmax_scale, trim=trim, **kw
             )

@@ -1,0 +1,95 @@
+"""The warp-specialised Gluon sparse MLA decode (Hopper only) against the torch reference and the
+lock-step Gluon kernel, on fresh random inputs at GLM-5 / DeepSeek-V3.2 shapes. Skipped without a
+Hopper GPU (tests/kernels/compile_sm90.py compiles it on any machine). The output dtype and CUDA-graph
+replay tests run both Gluon kernels in test_gluon_sparse_mla.py."""
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from test_gluon_sparse_mla import HOPPER, RANK, SCALE, TOPK, case  # noqa: E402
+from test_triton_sparse_mla import rel_err  # noqa: E402
+
+from nsaserve.kernels import triton_sparse_mla  # noqa: E402
+from nsaserve.kernels.gluon_sparse_mla import sparse_mla_decode_gluon  # noqa: E402
+from nsaserve.kernels.gluon_sparse_mla_ws import sparse_mla_decode_ws, supports, takes_shapes  # noqa: E402
+from nsaserve.kernels.registry import get_backend  # noqa: E402
+from nsaserve.kernels.sparse_mla import sparse_mla_torch  # noqa: E402
+
+hopper = pytest.mark.skipif(not HOPPER, reason="the Gluon kernel needs a Hopper GPU")
+
+
+@hopper
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("heads", [64, 128])
+@pytest.mark.parametrize("num_splits", [None, 1, 3])
+def test_matches_reference_and_lock_step_kernel(fp8, heads, num_splits):
+    (q_lat, q_pe, cache, slots), want = case(5, heads, fp8, seed=heads + fp8 + (num_splits or 0))
+    assert supports(q_lat, q_pe, cache)
+    got = sparse_mla_decode_ws(q_lat, q_pe, cache, slots, SCALE, num_splits=num_splits)
+    lock_step = sparse_mla_decode_gluon(q_lat, q_pe, cache, slots, SCALE, num_splits=num_splits)
+    assert got.dtype == torch.float32 and torch.isfinite(got).all()
+    assert rel_err(got.cpu(), want) < 1e-2  # bf16 operands (P and, for fp8, the dequantised latent)
+    # The same operands and the same order of sums within a block as the lock-step kernel.
+    assert rel_err(got, lock_step) < 1e-5
+
+
+@hopper
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("tokens", [1, 64, 200])
+def test_batch_sizes_of_decode(fp8, tokens):
+    """One token (every multiprocessor on one list: 16 splits of 128 entries), a full wave of
+    splits, and more programs than multiprocessors (no splits)."""
+    (q_lat, q_pe, cache, slots), want = case(tokens, 64, fp8, seed=tokens)
+    got = sparse_mla_decode_ws(q_lat, q_pe, cache, slots, SCALE)
+    assert rel_err(got.cpu(), want) < 1e-2
+
+
+@hopper
+@pytest.mark.parametrize("fp8", [False, True])
+def test_trimmed_rows(fp8):
+    """Rows -1 padded after their valid entries (a decode graph's context bucket) match the
+    reference with and without trim, with and without splits; -1 entries inside a block too."""
+    (q_lat, q_pe, cache, slots), _ = case(4, 64, fp8, seed=7)
+    for t, n in enumerate([TOPK, 1000, 1, 65]):
+        slots[t, n:] = -1
+    slots[0, 100:170:3] = -1
+    want = sparse_mla_torch(q_lat.cpu(), q_pe.cpu(), cache.cpu(), slots.cpu(), SCALE)
+    for trim in (False, True):
+        for num_splits in (None, 1):
+            got = sparse_mla_decode_ws(q_lat, q_pe, cache, slots, SCALE, num_splits=num_splits, trim=trim)
+            assert rel_err(got.cpu(), want) < 1e-2, (trim, num_splits)
+
+
+@hopper
+@pytest.mark.parametrize("ws", ["bf16", "both"])
+@pytest.mark.parametrize(("fp8", "tokens"), [(False, 5), (True, 5), (False, 300), (False, 1)])
+def test_registry_backend_routes_decode_steps(monkeypatch, ws, fp8, tokens):
+    """Calls over the caches WS_CACHES names go to this kernel from two tokens up, loops trimmed
+    as the lock-step kernel's; prompt chunks (PREFILL_TOKENS and more) without splits."""
+    (q_lat, q_pe, cache, slots), want = case(tokens, 64, fp8, seed=5)
+    calls = []
+    real = sparse_mla_decode_ws
+
+    def spy(*a, **kw):
+        calls.append(kw)
+        return real(*a, **kw)
+
+    monkeypatch.setattr("nsaserve.kernels.gluon_sparse_mla_ws.sparse_mla_decode_ws", spy)
+    monkeypatch.setattr(triton_sparse_mla, "KERNEL", "gluon")
+    monkeypatch.setattr(triton_sparse_mla, "WS_CACHES", ws)
+    got = get_backend("attention", "triton")(q_lat, q_pe, cache, slots, SCALE, whole_contexts=True)
+    expect = tokens > 1 and (ws == "both" or not fp8)
+    assert len(calls) == expect and all(kw["trim"] is True for kw in calls)
+    assert all(kw.get("num_splits") == (1 if tokens >= triton_sparse_mla.PREFILL_TOKENS else None) for kw in calls)
+    assert got.dtype == q_lat.dtype and rel_err(got.float().cpu(), want) < 1e-2
+
+
+def test_shape_rule():
+    """What the kernel takes, checked on any machine."""
+    bf16, u8 = torch.bfloat16, torch.uint8
+    assert takes_shapes(64, RANK, 64, bf16, bf16, u8) and takes_shapes(128, RANK, 64, bf16, bf16, bf16)
+    assert not takes_shapes(16, RANK, 64, bf16, bf16, u8)  # tensor-parallel ranks with fewer heads
+    assert not takes_shapes(64, 256, 64, bf16, bf16, u8) and not takes_shapes(64, RANK, 32, bf16, bf16, u8)
+    assert not takes_shapes(64, RANK, 64, torch.float16, torch.float16, u8)
