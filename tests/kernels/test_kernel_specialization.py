@@ -31,6 +31,13 @@ ALLOWED = {
         "num_splits": "1 or a split count by batch: both classes met by the warm-up's decode batches",
         "scale_log2": FLOAT,
     },
+    # The warp-specialised kernel takes the same arguments for the same reasons.
+    "gluon_sparse_mla_ws._sparse_mla_ws_kernel": {
+        "heads": MODEL_CONSTANT,
+        "idx_stride": "the top-k list width: its 16-divisibility is a warm-up bucket (odd list lengths)",
+        "num_splits": "1 or a split count by batch: both classes met by the warm-up's decode batches",
+        "scale_log2": FLOAT,
+    },
     "triton_sparse_mla._sparse_mla_kernel": {
         "heads": MODEL_CONSTANT,
         "idx_stride": "the top-k list width: its 16-divisibility is a warm-up bucket (odd list lengths)",
