@@ -63,11 +63,11 @@ def test_trimmed_rows(fp8):
 
 
 @hopper
-@pytest.mark.parametrize("ws", ["bf16", "both"])
-@pytest.mark.parametrize(("fp8", "tokens"), [(False, 5), (True, 5), (False, 300), (False, 1)])
-def test_registry_backend_routes_decode_steps(monkeypatch, ws, fp8, tokens):
-    """Calls over the caches WS_CACHES names go to this kernel from two tokens up, loops trimmed
-    as the lock-step kernel's; prompt chunks (PREFILL_TOKENS and more) without splits."""
+@pytest.mark.parametrize("mode", ["auto", "all", "none"])
+@pytest.mark.parametrize(("fp8", "tokens"), [(False, 5), (True, 5), (True, 130), (True, 300), (False, 300), (False, 1)])
+def test_registry_backend_routes_calls(monkeypatch, mode, fp8, tokens):
+    """Calls go to this kernel by WS_MODE and WS_FROM_TOKENS (the cache's least token count), loops
+    trimmed as the lock-step kernel's; prompt chunks (PREFILL_TOKENS and more) without splits."""
     (q_lat, q_pe, cache, slots), want = case(tokens, 64, fp8, seed=5)
     calls = []
     real = sparse_mla_decode_ws
@@ -78,10 +78,10 @@ def test_registry_backend_routes_decode_steps(monkeypatch, ws, fp8, tokens):
 
     monkeypatch.setattr("nsaserve.kernels.gluon_sparse_mla_ws.sparse_mla_decode_ws", spy)
     monkeypatch.setattr(triton_sparse_mla, "KERNEL", "gluon")
-    monkeypatch.setattr(triton_sparse_mla, "WS_CACHES", ws)
+    monkeypatch.setattr(triton_sparse_mla, "WS_MODE", mode)
     got = get_backend("attention", "triton")(q_lat, q_pe, cache, slots, SCALE, whole_contexts=True)
-    expect = tokens > 1 and (ws == "both" or not fp8)
-    assert len(calls) == expect and all(kw["trim"] is True for kw in calls)
+    least = {"auto": triton_sparse_mla.WS_FROM_TOKENS["fp8" if fp8 else "bf16"], "all": 2, "none": 10**9}[mode]
+    assert len(calls) == (tokens >= least) and all(kw["trim"] is True for kw in calls)
     assert all(kw.get("num_splits") == (1 if tokens >= triton_sparse_mla.PREFILL_TOKENS else None) for kw in calls)
     assert got.dtype == q_lat.dtype and rel_err(got.float().cpu(), want) < 1e-2
 

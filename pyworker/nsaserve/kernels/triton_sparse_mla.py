@@ -341,21 +341,27 @@ PREFILL_OPTIONS: dict = {}
 # decode launch at batch 64-1024, 1.13x at batch 1, 1.48-1.59x its prefill launch on 2048-token
 # chunks. NSASERVE_SPARSE_MLA_KERNEL=triton selects this file's kernels (for A/B runs).
 KERNEL = os.environ.get("NSASERVE_SPARSE_MLA_KERNEL", "gluon")
-# Which caches the "gluon" kernel runs warp-specialised (gluon_sparse_mla_ws: a softmax, a PV and
-# a producer warpgroup) rather than in lock step, from two query tokens up (decode steps and prompt
-# chunks). On the H200 at GLM-5 shapes (bench/results/2026-12-04-gluon-sparse-mla-ws): bf16 cache
-# 1.14x / 1.27x / 1.27x the lock-step kernel at 64 / 256 / 1024 tokens (274 / 379 / 394 TFLOP/s),
-# 1.24-1.28x on 2048-token prompt chunks, 0.98x at one token (which stays in lock step); FP8 cache
-# 0.96x at 64 tokens and 1.01-1.04x elsewhere (its producer warpgroup, dequantising alone, is the
-# slower side), so FP8 stays in lock step. NSASERVE_SPARSE_MLA_WS=none|bf16|both overrides.
-WS_CACHES = os.environ.get("NSASERVE_SPARSE_MLA_WS", "bf16")
-if WS_CACHES not in ("none", "bf16", "both"):
-    raise ValueError(f"NSASERVE_SPARSE_MLA_WS={WS_CACHES!r}: expected none, bf16 or both")
+# From how many query tokens a call of the "gluon" kernel runs warp-specialised
+# (gluon_sparse_mla_ws: a softmax, a PV and a producer warpgroup) rather than in lock step, by
+# cache. On the H200 at GLM-5 shapes (bench/results/2026-12-04-gluon-sparse-mla-ws*.md), against the
+# lock-step kernel: bf16 cache 1.14x at 64 tokens, 1.27x at 128-1024 (274-394 TFLOP/s), 1.24-1.28x
+# on 2048-token prompt chunks, 0.98x at one token; FP8 cache 0.96-0.98x at 64 tokens (its producer
+# warpgroup, dequantising alone, is the slower side), 1.02x and 1.10x at 128 (two runs), 1.02x at
+# 256 and 1.04x at 1024 (three runs), 1.02x / 1.01x on full / causal prompt chunks (one run).
+# NSASERVE_SPARSE_MLA_WS=none keeps every call in lock step, =all sends every call from two
+# tokens (for A/B runs).
+WS_FROM_TOKENS = {"bf16": 2, "fp8": 128}
+WS_MODE = os.environ.get("NSASERVE_SPARSE_MLA_WS", "auto")
+if WS_MODE not in ("auto", "none", "all"):
+    raise ValueError(f"NSASERVE_SPARSE_MLA_WS={WS_MODE!r}: expected auto, none or all")
 
 
 def _takes_ws(q_lat, q_pe, latent_cache) -> bool:
-    """Whether a call goes to the warp-specialised kernel (WS_CACHES, and its shapes)."""
-    if WS_CACHES == "none" or (WS_CACHES == "bf16" and latent_cache.dtype == torch.uint8):
+    """Whether a call goes to the warp-specialised kernel (WS_MODE, WS_FROM_TOKENS, its shapes)."""
+    if WS_MODE == "none":
+        return False
+    least = 2 if WS_MODE == "all" else WS_FROM_TOKENS["fp8" if latent_cache.dtype == torch.uint8 else "bf16"]
+    if q_lat.shape[0] < least:
         return False
     from . import gluon_sparse_mla_ws
 
@@ -392,7 +398,7 @@ def sparse_mla_triton(q_lat, q_pe, latent_cache, slots, softmax_scale, whole_con
         if gluon_sparse_mla.supports(q_lat, q_pe, latent_cache):
             # A prompt chunk's rows end early in -1 (short causal contexts): its loops are trimmed.
             trim = whole_contexts or q_lat.shape[0] >= PREFILL_TOKENS
-            if q_lat.shape[0] > 1 and _takes_ws(q_lat, q_pe, latent_cache):
+            if _takes_ws(q_lat, q_pe, latent_cache):
                 from . import gluon_sparse_mla_ws
 
                 if q_lat.shape[0] >= PREFILL_TOKENS:
