@@ -16,9 +16,11 @@ decode kernel uses for 64 heads; our own code):
 - the second warpgroup rescales and accumulates the right half of O (columns 256-511) from P in
   shared memory, so its PV runs while the first warpgroup computes the next block's QK^T;
 - the producer warpgroup gathers the next block's rows into the other of two row buffers: for an
-  FP8 cache it loads the codes of block i + 1 into registers while block i is consumed, then
-  dequantises them (code x group scale in float32, rounded to bf16, as every other kernel does)
-  into shared memory; for a bf16 cache it copies the rows by cp.async.
+  FP8 cache it loads a block's codes into registers before it waits for the block's buffer (their
+  latency overlaps the consumers' work whenever the producer runs ahead), then dequantises them
+  (code x group scale in float32, rounded to bf16, as every other kernel does) into shared memory;
+  for a bf16 cache it copies the rows by cp.async. Over FP8 this producer is the slower side
+  (bench/results/2026-12-04-gluon-sparse-mla-ws.md).
 mbarriers order them: full[b] (rows in buffer b), empty[b] (both warpgroups done with buffer b),
 p_full / p_empty (P and its factors), l_full (the final row sums for the right half's epilogue).
 Shared memory: q 72 KB + two row buffers 144 KB + P 8 KB, so one program per multiprocessor.
@@ -48,7 +50,9 @@ BLOCK_H = gl.constexpr(64)  # heads per program: one warpgroup's MMA M
 BLOCK_N = gl.constexpr(64)  # keys per block
 WG = gl.constexpr(4)  # warps per partition
 # Registers per thread of the two worker partitions (setmaxnreg); the softmax warpgroup gets the
-# rest of the multiprocessor's 64K (it holds S, P and half of O).
+# rest of the multiprocessor's 64K, 232 (it holds S, P and half of O). With less for the PV
+# warpgroup (half of O, 128) ptxas ignores every setmaxnreg (its note C7507); the producer spills
+# 12 bytes at 112 (5 spill instructions; compile_sm90.py checks the two notes).
 PV_REGS = gl.constexpr(160)
 PRODUCER_REGS = gl.constexpr(112)
 
