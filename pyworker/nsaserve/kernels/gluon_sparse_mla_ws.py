@@ -43,7 +43,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from .gluon_sparse_mla import list_part
+from .gluon_sparse_mla import _load_slots, _store_fp8_rows, list_part
 from .triton_sparse_mla import TRIM_SCAN, cache_views, combine_splits, plan_splits
 
 BLOCK_H = gl.constexpr(64)  # heads per program: one warpgroup's MMA M
@@ -74,23 +74,13 @@ def _codes_layout(R, G):
 
 
 @gluon.jit
-def _slots(idx_ptr, t, idx_stride, j, j1, ROWS: gl.constexpr, layout: gl.constexpr):
-    """(valid, slot) of list entries j .. j + ROWS in `layout` (1-D): entries past j1 and -1 entries
-    are invalid and read as slot 0 under a mask."""
-    offs = j + gl.arange(0, ROWS, layout=layout)
-    idx = gl.load(idx_ptr + t.to(gl.int64) * idx_stride + offs, mask=offs < j1, other=-1)
-    valid = idx >= 0
-    return valid, gl.where(valid, idx, 0).to(gl.int64)
-
-
-@gluon.jit
-def _load_quarter(cache_ptr, cache_f32_ptr, idx_ptr, t, idx_stride, j, j1,
-                  R: gl.constexpr, G: gl.constexpr, ROW_BYTES: gl.constexpr, ROWS: gl.constexpr):  # fmt: skip
+def _load_codes(cache_ptr, cache_f32_ptr, idx_ptr, t, idx_stride, j, j1,
+                R: gl.constexpr, G: gl.constexpr, ROW_BYTES: gl.constexpr, ROWS: gl.constexpr):  # fmt: skip
     """Codes [ROWS, R / G, G] (uint8) and group scales [ROWS, R / G] of list entries j .. j + ROWS,
     loads issued (zeros for invalid entries)."""
     codes_l: gl.constexpr = _codes_layout(R, G)
     sc_l: gl.constexpr = gl.SliceLayout(2, codes_l)
-    valid, slot = _slots(idx_ptr, t, idx_stride, j, j1, ROWS, gl.SliceLayout(1, sc_l))
+    valid, slot = _load_slots(idx_ptr, t, idx_stride, j, j1, ROWS, gl.SliceLayout(1, sc_l))
     offs_g = gl.arange(0, R // G, layout=gl.SliceLayout(0, sc_l))
     offs_e = gl.arange(0, G, layout=gl.SliceLayout(0, gl.SliceLayout(1, codes_l)))
     at = slot[:, None] * ROW_BYTES + offs_g[None, :] * G
@@ -102,17 +92,10 @@ def _load_quarter(cache_ptr, cache_f32_ptr, idx_ptr, t, idx_stride, j, j1,
 
 
 @gluon.jit
-def _store_quarter(c_buf, codes, sc, row0, R: gl.constexpr, ROWS: gl.constexpr):
-    """Dequantise a quarter (code x group scale in float32, rounded to bf16) into rows row0 .. of c_buf."""
-    vals = codes.to(gl.float8e4nv, bitcast=True).to(gl.float32) * sc[:, :, None]
-    c_buf.slice(row0, ROWS, dim=0).store(gl.reshape(vals.to(gl.bfloat16), [ROWS, R]))
-
-
-@gluon.jit
 def _gather_pe(pe_buf, ptr, idx_ptr, t, idx_stride, j, j1, ROW: gl.constexpr, AT: gl.constexpr, P: gl.constexpr):
     """cp.async the k_pe of list entries j .. j + BLOCK_N (P bf16 values at element AT of rows of ROW
     bf16 elements) into pe_buf [BLOCK_N, P]."""
-    valid, slot = _slots(idx_ptr, t, idx_stride, j, j1, BLOCK_N, gl.SliceLayout(1, _pe_layout(P)))
+    valid, slot = _load_slots(idx_ptr, t, idx_stride, j, j1, BLOCK_N, gl.SliceLayout(1, _pe_layout(P)))
     offs_p = gl.arange(0, P, layout=gl.SliceLayout(0, _pe_layout(P)))
     async_copy.async_copy_global_to_shared(
         pe_buf, ptr + slot[:, None] * ROW + AT + offs_p[None, :], mask=valid[:, None]
@@ -124,10 +107,10 @@ def _load_half(cache_ptr, cache_f32_ptr, idx_ptr, t, idx_stride, j, j1,
                R: gl.constexpr, G: gl.constexpr, ROW_BYTES: gl.constexpr):  # fmt: skip
     """The codes and scales of list entries j .. j + BLOCK_N / 2 as four eighths of the block, loads issued."""
     E: gl.constexpr = BLOCK_N // 8
-    c0, s0 = _load_quarter(cache_ptr, cache_f32_ptr, idx_ptr, t, idx_stride, j, j1, R, G, ROW_BYTES, E)
-    c1, s1 = _load_quarter(cache_ptr, cache_f32_ptr, idx_ptr, t, idx_stride, j + E, j1, R, G, ROW_BYTES, E)
-    c2, s2 = _load_quarter(cache_ptr, cache_f32_ptr, idx_ptr, t, idx_stride, j + 2 * E, j1, R, G, ROW_BYTES, E)
-    c3, s3 = _load_quarter(cache_ptr, cache_f32_ptr, idx_ptr, t, idx_stride, j + 3 * E, j1, R, G, ROW_BYTES, E)
+    c0, s0 = _load_codes(cache_ptr, cache_f32_ptr, idx_ptr, t, idx_stride, j, j1, R, G, ROW_BYTES, E)
+    c1, s1 = _load_codes(cache_ptr, cache_f32_ptr, idx_ptr, t, idx_stride, j + E, j1, R, G, ROW_BYTES, E)
+    c2, s2 = _load_codes(cache_ptr, cache_f32_ptr, idx_ptr, t, idx_stride, j + 2 * E, j1, R, G, ROW_BYTES, E)
+    c3, s3 = _load_codes(cache_ptr, cache_f32_ptr, idx_ptr, t, idx_stride, j + 3 * E, j1, R, G, ROW_BYTES, E)
     return c0, s0, c1, s1, c2, s2, c3, s3
 
 
@@ -135,10 +118,10 @@ def _load_half(cache_ptr, cache_f32_ptr, idx_ptr, t, idx_stride, j, j1,
 def _store_rows_half(c_buf, c0, s0, c1, s1, c2, s2, c3, s3, row0, R: gl.constexpr):
     """Dequantise four eighths (_load_half) into rows row0 .. row0 + BLOCK_N / 2 of c_buf."""
     E: gl.constexpr = BLOCK_N // 8
-    _store_quarter(c_buf, c0, s0, row0, R, E)
-    _store_quarter(c_buf, c1, s1, row0 + E, R, E)
-    _store_quarter(c_buf, c2, s2, row0 + 2 * E, R, E)
-    _store_quarter(c_buf, c3, s3, row0 + 3 * E, R, E)
+    _store_fp8_rows(c_buf, c0, s0, row0, R, E)
+    _store_fp8_rows(c_buf, c1, s1, row0 + E, R, E)
+    _store_fp8_rows(c_buf, c2, s2, row0 + 2 * E, R, E)
+    _store_fp8_rows(c_buf, c3, s3, row0 + 3 * E, R, E)
 
 
 @gluon.jit
@@ -172,7 +155,7 @@ def _producer(c_smem, pe_smem, full, empty, cache_ptr, cache_f32_ptr, cache_bf16
             b = i % 2
             j = j0 + i * BLOCK_N
             mbarrier.wait(empty.index(b), ((i // 2) & 1) ^ 1)
-            valid, slot = _slots(idx_ptr, t, idx_stride, j, j1, BLOCK_N, gl.SliceLayout(1, _ROWS_L))
+            valid, slot = _load_slots(idx_ptr, t, idx_stride, j, j1, BLOCK_N, gl.SliceLayout(1, _ROWS_L))
             async_copy.async_copy_global_to_shared(
                 c_smem.index(b), cache_ptr + slot[:, None] * (R + P) + offs_r[None, :], mask=valid[:, None]
             )
