@@ -162,9 +162,11 @@ def test_fp8_latent_row_layout_and_error():
     err = (c2 - c).view(n, 4, 128).abs() / amax
     assert float(err.max()) <= 1 / 16  # e4m3 keeps 3 mantissa bits
     assert float(err.max()) > 0  # it really is quantised
-    # Scales sit right after the codes: amax / 448 per 128-group.
+    # Scales sit right after the codes: amax / 448 per 128-group, rounded up to a power of two.
     scales = rows[:, R : R + 16].contiguous().view(torch.float32)
-    torch.testing.assert_close(scales, amax[..., 0] / 448)
+    want = torch.exp2(torch.ceil(torch.log2(amax[..., 0] / 448)))
+    assert torch.equal(scales, want)
+    assert torch.equal(torch.frexp(scales).mantissa, torch.full_like(scales, 0.5))  # powers of two
 
 
 def test_fp8_index_keys_paged_layout():
@@ -192,13 +194,15 @@ def test_registry():
 
 
 def test_fp8_layouts_are_byte_compatible_with_quant_formats():
-    """Same bytes as kernels.quant's FlashMLA / DeepGEMM encoders (float scales) at production dims."""
+    """Same bytes as kernels.quant's FlashMLA encoder (power-of-two scales) and DeepGEMM encoder (float
+    scales) at production dims."""
     from nsaserve.kernels.quant.indexer_k_fp8 import write_indexer_k
     from nsaserve.kernels.quant.mla_kv_fp8 import encode_mla_kv
 
     torch.manual_seed(6)
     c, k_pe = torch.randn(5, 512) * 3, torch.randn(5, 64)
-    assert torch.equal(fmt.pack_latent_fp8(c, k_pe), encode_mla_kv(c, k_pe, scale_fmt="float"))
+    c[1, :128] = 0  # an all-zero group: the smallest scale
+    assert torch.equal(fmt.pack_latent_fp8(c, k_pe), encode_mla_kv(c, k_pe, scale_fmt="ue8m0"))
     ps, pages = 64, 2
     ours = fmt.alloc_index_k(pages, ps, 128, True, torch.float32, "cpu")
     theirs = torch.zeros(pages, ps, 132, dtype=torch.uint8)

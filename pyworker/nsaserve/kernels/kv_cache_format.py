@@ -15,15 +15,20 @@ Indexer key (D = index_head_dim):
   bytes are therefore not contiguous.
 
 These are the byte layouts of kernels.quant.mla_kv_fp8 / indexer_k_fp8 (which fix R = 512,
-P = 64, D = 128); this module also serves the small dims of test models. Scales here are
-amax / 448 ("float" in kernels.quant.fp8), not rounded to powers of two.
+P = 64, D = 128); this module also serves the small dims of test models.
 
-Scales are amax / 448 (e4m3's largest finite value), so every element is representable.
+Scales: the latent's are powers of two, 2^ceil(log2(max(amax / 448, 1e-4))) ("ue8m0" in
+kernels.quant.fp8, as FlashMLA's quantiser writes this row), so that the sparse MLA kernels
+dequantise by bit operations and exact bf16 multiplies (gluon_sparse_mla._E4M3_BF16_ASM). The
+indexer key's are amax / 448 (at least 1e-10). Either way every element is representable
+(448 = e4m3's largest finite value).
 """
 
 from __future__ import annotations
 
 import torch
+
+from .quant.fp8 import fp8_scale_from_amax
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -42,11 +47,12 @@ def latent_fp8_row_bytes(kv_lora_rank: int, rope_dim: int) -> int:
     return kv_lora_rank + 4 * (kv_lora_rank // latent_group(kv_lora_rank)) + 2 * rope_dim
 
 
-def _quant_groups(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [N, K] -> (e4m3 codes as uint8 [N, K], float32 scales [N, K/group])."""
+def _quant_groups(x: torch.Tensor, group: int, pow2: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [N, K] -> (e4m3 codes as uint8 [N, K], float32 scales [N, K/group]); pow2: "ue8m0" scales."""
     n, k = x.shape
     xg = x.float().view(n, k // group, group)
-    scale = (xg.abs().amax(-1) / FP8_MAX).clamp_min(_MIN_SCALE)
+    amax = xg.abs().amax(-1)
+    scale = fp8_scale_from_amax(amax, "ue8m0") if pow2 else (amax / FP8_MAX).clamp_min(_MIN_SCALE)
     codes = (xg / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8).view(torch.uint8).view(n, k)
     return codes, scale
 
@@ -77,7 +83,7 @@ def alloc_latent(num_slots, kv_lora_rank, rope_dim, fp8: bool, dtype, device) ->
 
 def pack_latent_fp8(c: torch.Tensor, k_pe: torch.Tensor) -> torch.Tensor:
     """c [N, R], k_pe [N, P] -> uint8 rows [N, latent_fp8_row_bytes]."""
-    codes, scale = _quant_groups(c, latent_group(c.shape[1]))
+    codes, scale = _quant_groups(c, latent_group(c.shape[1]), pow2=True)
     return torch.cat((codes, _bytes(scale), _bytes(k_pe.to(torch.bfloat16))), dim=1)
 
 

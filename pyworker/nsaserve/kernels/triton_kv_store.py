@@ -196,10 +196,11 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 
 
 def store_latent(
-    cache: torch.Tensor, slots: torch.Tensor, c: torch.Tensor, k_pe: torch.Tensor, scale_fmt: str = "cache",
+    cache: torch.Tensor, slots: torch.Tensor, c: torch.Tensor, k_pe: torch.Tensor, scale_fmt: str = "ue8m0",
     norm: tuple | None = None, rope: tuple | None = None,
 ) -> None:  # fmt: skip
     """cache[slots] = (c, k_pe) in the cache's layout: fp8 rows for a uint8 cache, else the model dtype.
+    The default power-of-two scales are kv_cache_format's (the sparse MLA kernels rely on them).
 
     norm = (weight, eps) stores RMSNorm(c) * weight instead of c; rope = (cos, sin, interleaved)
     stores RoPE(k_pe) instead of k_pe (both need each other: the model's kv_store does both)."""

@@ -6,9 +6,9 @@ float32 bits where the interpreter runs, and use the hardware conversions on the
 
 
 Scale conventions (a scale multiplies: value = e4m3 * scale); the constexpr codes kernels take:
-    SCALE_CACHE = 0: max(amax / 448, 1e-10)            kernels.kv_cache_format (the model's KV pool)
+    SCALE_CACHE = 0: max(amax / 448, 1e-10)            kernels.kv_cache_format's indexer key
     SCALE_FLOAT = 1: amax / 448, all-zero groups 1.0    kernels.quant.fp8 "float"
-    SCALE_UE8M0 = 2: 2^ceil(log2(max(amax / 448, 1e-4)))   kernels.quant.fp8 "ue8m0"
+    SCALE_UE8M0 = 2: 2^ceil(log2(max(amax / 448, 1e-4)))   kernels.quant.fp8 "ue8m0", kv_cache_format's latent
 """
 
 import triton
