@@ -59,6 +59,15 @@ CONFIGS = {
     # and a producer warpgroup that gathers and dequantises the next block)
     "gluon-ws": {"kernel": "ws"},
     "gluon-ws-trim": {"kernel": "ws", "trim": True},
+    # FP8 dequantisation by bit operations (the warp-specialised kernel's default) against through
+    # float32 (the lock-step kernel's)
+    "gluon-bits": {"kernel": "gluon", "bits": True},
+    "gluon-cvt": {"kernel": "gluon", "bits": False},
+    "gluon-ws-cvt": {"kernel": "ws", "bits": False},
+    # q copied into shared memory before the partitions start (default: in the softmax partition,
+    # while the producer gathers block 0)
+    "gluon-ws-qbefore": {"kernel": "ws", "q_here": False},
+    "gluon-ws-x1": {"kernel": "ws", "num_splits": 1},
     "gluon-trim": {"kernel": "gluon", "trim": True},
     "gluon-x1": {"kernel": "gluon", "num_splits": 1},
     "gluon-n32": {"kernel": "gluon", "block_n": 32},
@@ -213,6 +222,9 @@ def main() -> None:
     )
     ap.add_argument("--budget", type=float, default=0.0, help="seconds after which no new case starts (0: none)")
     ap.add_argument("--warm", action="store_true", help="only compile the launches (for parallel warm-up)")
+    ap.add_argument(
+        "--no-controls", action="store_true", help="skip the contiguous-rows and half -1 control cases"
+    )
     args = ap.parse_args()
     names = [n for n in args.configs.split(",") if n]
     batches = [int(b) for b in args.batches.split(",") if b]
@@ -233,12 +245,12 @@ def main() -> None:
             if deadline is None or time.monotonic() < deadline:
                 rows += measure_all(batch, 64, fp8, names, ceil, deadline=deadline)
     # Control: the same work on physically consecutive rows (how much of the time is the random gather).
-    for fp8 in (True, False):
+    for fp8 in (True, False) if not args.no_controls else ():
         if deadline is None or time.monotonic() < deadline:
             ctl = [n for n in ("v2", "default") if n in names]
             rows += measure_all(64, 64, fp8, ctl, ceil, contiguous=True, deadline=deadline)
     # Decode of short contexts: half of every list is -1.
-    for fp8 in (True, False):
+    for fp8 in (True, False) if not args.no_controls else ():
         if deadline is None or time.monotonic() < deadline:
             half = ["default", "mask", "mask-trim"] + (["gluon", "gluon-trim"] if "gluon" in names else [])
             rows += measure_all(64, 64, fp8, half, ceil, half=True, deadline=deadline)

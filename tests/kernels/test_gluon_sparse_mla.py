@@ -142,39 +142,41 @@ def test_graph_replay_with_new_lists(fp8, attend):
 
 
 @hopper
-def test_fp8_rows_dequantise_exactly():
+@pytest.mark.parametrize("bits", [True, False], ids=["bits", "float32"])
+def test_fp8_rows_dequantise_exactly(bits):
     """Every finite e4m3 code (subnormals and both zeros among them) under group scales from 2^-14
-    to 2^22, powers of two and not: each token selects one row, so the output is that row
-    dequantised, and must equal code x scale in float32 rounded to bf16 (kv_cache_format's
-    reading) bit for bit."""
+    to 2^32: each token selects one row, so the output is that row dequantised, and must equal
+    code x scale in float32 rounded to bf16 (kv_cache_format's reading) bit for bit, in both Gluon
+    kernels. bits (the default): by bit operations, for the cache's power-of-two scales; else
+    through float32, for any scale (1.37 x 2^e and the like too)."""
     from nsaserve.kernels import kv_cache_format as fmt
 
-    exps = [-13, -7, 0, 7, 8, 20]
+    exps = [-13, -7, 0, 7, 8, 20, 30]
+    mults = (1, 1, 1, 1) if bits else (1, 1.37, 1.9, 1.0001)
     codes = torch.tensor([b for b in range(256) if b & 0x7F != 0x7F], dtype=torch.uint8)  # 0x7F / 0xFF: NaN
     rows = []
     for i, e in enumerate(exps):
         row = torch.zeros(fmt.latent_fp8_row_bytes(RANK, ROPE), dtype=torch.uint8)
         row[:RANK] = codes.roll(37 * i).repeat(3)[:RANK]
-        group_scales = torch.tensor([m * 2.0 ** (e + g - 1) for g, m in enumerate((1, 1.37, 1.9, 1.0001))])
+        group_scales = torch.tensor([m * 2.0 ** (e + g - 1) for g, m in enumerate(mults)])
         row[RANK : RANK + 16] = group_scales.view(torch.uint8)
         rows.append(row)
-    cache = torch.stack(rows)
+    cache = torch.stack(rows).cuda()
     tokens = len(rows)
-    slots = torch.full((tokens, 64), -1, dtype=torch.int32)
-    slots[:, 5] = torch.arange(tokens)  # one valid entry per list, not the first
-    q_lat = torch.randn(tokens, 64, RANK).bfloat16()
-    q_pe = torch.zeros(tokens, 64, ROPE, dtype=torch.bfloat16)
-    want = fmt.unpack_latent_fp8(cache, RANK)[0].bfloat16().float()  # [tokens, R]
-    got = sparse_mla_decode_gluon(q_lat.cuda(), q_pe.cuda(), cache.cuda(), slots.cuda(), SCALE, num_splits=1)
-    assert torch.equal(got.cpu(), want[:, None, :].expand(-1, 64, -1))
-    # The valid entry in the second block: dequantised from the staged copy (stage=True).
-    slots2 = torch.full((tokens, 128), -1, dtype=torch.int32)
-    slots2[:, 64 + 5] = torch.arange(tokens)
-    for stage in (False, True):
-        got = sparse_mla_decode_gluon(
-            q_lat.cuda(), q_pe.cuda(), cache.cuda(), slots2.cuda(), SCALE, num_splits=1, stage=stage
-        )
-        assert torch.equal(got.cpu(), want[:, None, :].expand(-1, 64, -1)), stage
+    want = fmt.unpack_latent_fp8(cache.cpu(), RANK)[0].bfloat16().float()[:, None, :].expand(-1, 64, -1)
+    q_lat = torch.randn(tokens, 64, RANK).bfloat16().cuda()
+    q_pe = torch.zeros(tokens, 64, ROPE, dtype=torch.bfloat16).cuda()
+    # One valid entry per list, not the first, in the first block; then in the second (for the
+    # lock-step kernel: dequantised from the staged copy with stage=True).
+    for width, at in ((64, 5), (128, 64 + 5)):
+        slots = torch.full((tokens, width), -1, dtype=torch.int32)
+        slots[:, at] = torch.arange(tokens)
+        slots = slots.cuda()
+        for stage in (False, True):
+            got = sparse_mla_decode_gluon(q_lat, q_pe, cache, slots, SCALE, num_splits=1, stage=stage, bits=bits)
+            assert torch.equal(got.cpu(), want), (width, stage)
+        got = sparse_mla_decode_ws(q_lat, q_pe, cache, slots, SCALE, num_splits=1, bits=bits)
+        assert torch.equal(got.cpu(), want), (width, "ws")
 
 
 @hopper

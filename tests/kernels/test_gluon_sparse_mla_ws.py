@@ -48,6 +48,15 @@ def test_batch_sizes_of_decode(fp8, tokens):
 
 @hopper
 @pytest.mark.parametrize("fp8", [False, True])
+def test_q_copied_in_the_partition_changes_no_bit(fp8):
+    """q into shared memory by the softmax partition (q_here) or before the partitions start."""
+    (q_lat, q_pe, cache, slots), _ = case(70, 64, fp8, seed=3)
+    want = sparse_mla_decode_ws(q_lat, q_pe, cache, slots, SCALE, q_here=False)
+    assert torch.equal(sparse_mla_decode_ws(q_lat, q_pe, cache, slots, SCALE, q_here=True), want)
+
+
+@hopper
+@pytest.mark.parametrize("fp8", [False, True])
 def test_trimmed_rows(fp8):
     """Rows -1 padded after their valid entries (a decode graph's context bucket) match the
     reference with and without trim, with and without splits; -1 entries inside a block too."""

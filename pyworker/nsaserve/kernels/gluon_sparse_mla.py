@@ -61,6 +61,12 @@ FP8_STAGE = True
 # in registers instead cost the FP8 path's dequantisation its registers: 15% slower there.)
 # False restores the late issue (for A/B runs).
 EARLY_GATHER = True
+# FP8 cache: dequantise through float32 rather than by bit operations and two exact bf16 multiplies
+# (_E4M3_BF16_ASM, exact for the cache's power-of-two scales, kv_cache_format). Here, where the
+# dequantisation shares the warps with the MMAs and the softmax, the bit form measured 2% slower
+# at 64 tokens and the same from 128 (bench/results/2026-12-04-gluon-sparse-mla-fp8-bits-r1, -r2);
+# the warp-specialised kernel, whose producer it bounds, takes it (its FP8_DEQUANT_BITS).
+FP8_DEQUANT_BITS = False
 
 
 @gluon.jit
@@ -164,17 +170,49 @@ def _load_fp8_codes(cache_ptr, cache_f32_ptr, idx_ptr, t, idx_stride, j, j1,
     return codes, sc
 
 
+# Four e4m3 codes ($2, one byte each) to four bf16 values ($0, $1: two a register), times the group's
+# scale ($3: bf16 pairs). Each pair of codes becomes a pair of bf16 bit patterns by one byte permute
+# (a code in the low byte of its 16-bit half, its sign replicated over the high byte), a shift by
+# 4 and a mask: sign at bit 15, the code's 4 exponent and 3 mantissa bits at bits 4-10. Read as bf16
+# that is the code's value times 2^-120, subnormal codes (and zero) included, so one multiply by
+# 2^120 (0x7B80) makes it exact, and a second by the power-of-two scale is exact as well: the same
+# bits as code -> float32 x scale -> bf16, in 5 integer / bf16x2 instructions a pair instead of the
+# conversion chain's 6, two of them on the slow conversion unit. NaN codes (0x7F, 0xFF; the cache
+# quantiser never writes them) would read as +-480.
+_E4M3_BF16_ASM = gl.constexpr("""{
+.reg .b32 lo, hi, k;
+mov.b32 k, 0x7B807B80;
+prmt.b32 lo, $2, 0, 0x9180;
+prmt.b32 hi, $2, 0, 0xB3A2;
+shl.b32 lo, lo, 4;
+shl.b32 hi, hi, 4;
+and.b32 lo, lo, 0x87F087F0;
+and.b32 hi, hi, 0x87F087F0;
+mul.rn.bf16x2 lo, lo, k;
+mul.rn.bf16x2 hi, hi, k;
+mul.rn.bf16x2 $0, lo, $3;
+mul.rn.bf16x2 $1, hi, $3;
+}""")
+
+
 @gluon.jit
-def _store_fp8_rows(c_buf, codes, sc, row0, R: gl.constexpr, ROWS: gl.constexpr):
-    """Dequantise (code x group scale in fp32, rounded to bf16, as the Triton kernel and the torch
-    reference do) into rows row0 .. row0 + ROWS of c_buf."""
-    vals = codes.to(gl.float8e4nv, bitcast=True).to(gl.float32) * sc[:, :, None]
-    c_buf.slice(row0, ROWS, dim=0).store(gl.reshape(vals.to(gl.bfloat16), [ROWS, R]))
+def _store_fp8_rows(c_buf, codes, sc, row0, R: gl.constexpr, ROWS: gl.constexpr, BITS: gl.constexpr):
+    """Dequantise (code x group scale, rounded to bf16, as the Triton kernel and the torch reference
+    do) into rows row0 .. row0 + ROWS of c_buf. BITS: by bit operations (_E4M3_BF16_ASM), exact for
+    the cache's power-of-two scales; else through float32 (exact for any scale)."""
+    if BITS:
+        vals = gl.inline_asm_elementwise(
+            _E4M3_BF16_ASM, "=r,=r,r,r,r", [codes, sc.to(gl.bfloat16)[:, :, None]], gl.bfloat16, is_pure=True, pack=4
+        )
+    else:
+        vals = (codes.to(gl.float8e4nv, bitcast=True).to(gl.float32) * sc[:, :, None]).to(gl.bfloat16)
+    c_buf.slice(row0, ROWS, dim=0).store(gl.reshape(vals, [ROWS, R]))
 
 
 @gluon.jit
 def _fill_fp8(c_buf, pe_buf, cache_ptr, cache_f32_ptr, cache_bf16_ptr, idx_ptr, t, idx_stride, j, j1,
-              R: gl.constexpr, P: gl.constexpr, G: gl.constexpr, ROW_BYTES: gl.constexpr, BLOCK_N: gl.constexpr):  # fmt: skip
+              R: gl.constexpr, P: gl.constexpr, G: gl.constexpr, ROW_BYTES: gl.constexpr, BLOCK_N: gl.constexpr,
+              BITS: gl.constexpr):  # fmt: skip
     """A block of FP8 rows into c_buf (dequantised, bf16) and pe_buf (cp.async). All loads are issued
     before the first use, and the block is dequantised a quarter at a time: the float32 values of a
     whole block (128 registers a thread) next to the accumulator would spill."""
@@ -186,10 +224,10 @@ def _fill_fp8(c_buf, pe_buf, cache_ptr, cache_f32_ptr, cache_bf16_ptr, idx_ptr, 
     c1, s1 = _load_fp8_codes(cache_ptr, cache_f32_ptr, idx_ptr, t, idx_stride, j + Q, j1, R, G, ROW_BYTES, Q)
     c2, s2 = _load_fp8_codes(cache_ptr, cache_f32_ptr, idx_ptr, t, idx_stride, j + 2 * Q, j1, R, G, ROW_BYTES, Q)
     c3, s3 = _load_fp8_codes(cache_ptr, cache_f32_ptr, idx_ptr, t, idx_stride, j + 3 * Q, j1, R, G, ROW_BYTES, Q)
-    _store_fp8_rows(c_buf, c0, s0, 0, R, Q)
-    _store_fp8_rows(c_buf, c1, s1, Q, R, Q)
-    _store_fp8_rows(c_buf, c2, s2, 2 * Q, R, Q)
-    _store_fp8_rows(c_buf, c3, s3, 3 * Q, R, Q)
+    _store_fp8_rows(c_buf, c0, s0, 0, R, Q, BITS)
+    _store_fp8_rows(c_buf, c1, s1, Q, R, Q, BITS)
+    _store_fp8_rows(c_buf, c2, s2, 2 * Q, R, Q, BITS)
+    _store_fp8_rows(c_buf, c3, s3, 3 * Q, R, Q, BITS)
 
 
 @gluon.constexpr_function
@@ -254,7 +292,7 @@ def _stage_fp8(stage_buf, sc_buf, pe_buf, cache_ptr, cache_f32_ptr, cache_bf16_p
 
 
 @gluon.jit
-def _unstage_fp8(c_buf, stage_buf, sc_buf, R: gl.constexpr, G: gl.constexpr, BLOCK_N: gl.constexpr):
+def _unstage_fp8(c_buf, stage_buf, sc_buf, R: gl.constexpr, G: gl.constexpr, BLOCK_N: gl.constexpr, BITS: gl.constexpr):
     """Dequantise a staged block (_stage_fp8, landed and visible) into c_buf, which holds the
     staging bytes themselves: every thread first reads all of its codes and scales (as bytes and
     float32: the float32 values of a whole block would spill, as in _fill_fp8), then, after a
@@ -271,10 +309,10 @@ def _unstage_fp8(c_buf, stage_buf, sc_buf, R: gl.constexpr, G: gl.constexpr, BLO
     s2 = sc_buf.slice(2 * Q, Q, dim=0).load(sc_l)
     s3 = sc_buf.slice(3 * Q, Q, dim=0).load(sc_l)
     gl.thread_barrier()
-    _store_fp8_rows(c_buf, c0, s0, 0, R, Q)
-    _store_fp8_rows(c_buf, c1, s1, Q, R, Q)
-    _store_fp8_rows(c_buf, c2, s2, 2 * Q, R, Q)
-    _store_fp8_rows(c_buf, c3, s3, 3 * Q, R, Q)
+    _store_fp8_rows(c_buf, c0, s0, 0, R, Q, BITS)
+    _store_fp8_rows(c_buf, c1, s1, Q, R, Q, BITS)
+    _store_fp8_rows(c_buf, c2, s2, 2 * Q, R, Q, BITS)
+    _store_fp8_rows(c_buf, c3, s3, 3 * Q, R, Q, BITS)
 
 
 @gluon.jit
@@ -315,7 +353,7 @@ def _sparse_mla_gluon_kernel(
     heads, topk, idx_stride, num_splits, scale_log2, split_len,
     R: gl.constexpr, P: gl.constexpr, G: gl.constexpr, ROW_BYTES: gl.constexpr, BLOCK_N: gl.constexpr,
     FP8: gl.constexpr, SPLIT: gl.constexpr, TRIM: gl.constexpr, TRIM_LEN: gl.constexpr, STAGE: gl.constexpr = False,
-    EARLY: gl.constexpr = False,
+    EARLY: gl.constexpr = False, BITS: gl.constexpr = True,
 ):  # fmt: skip
     t = gl.program_id(0)
     sp = gl.program_id(1)
@@ -359,7 +397,7 @@ def _sparse_mla_gluon_kernel(
     # Block 0 into buffer 0.
     if FP8:
         _fill_fp8(c_smem.index(0), pe_smem.index(0), cache_ptr, cache_f32_ptr, cache_bf16_ptr, idx_ptr, t, idx_stride, j0, j1,
-                  R, P, G, ROW_BYTES, BLOCK_N)  # fmt: skip
+                  R, P, G, ROW_BYTES, BLOCK_N, BITS)  # fmt: skip
     else:
         _gather_bf16(c_smem.index(0), pe_smem.index(0), cache_ptr, idx_ptr, t, idx_stride, j0, j1, R, P, BLOCK_N)
     async_copy.commit_group()
@@ -416,7 +454,7 @@ def _sparse_mla_gluon_kernel(
             if FP8:
                 async_copy.wait_group(0)
                 gl.thread_barrier()  # every thread's staged copies have landed
-                _unstage_fp8(c_smem.index(nxt), stage, sc_smem.index(nxt), R, G, BLOCK_N)
+                _unstage_fp8(c_smem.index(nxt), stage, sc_smem.index(nxt), R, G, BLOCK_N, BITS)
             idx_smem.index((i + 2) % 4).store(idx_ahead)
     else:
         for i in range(n_blocks):
@@ -453,13 +491,13 @@ def _sparse_mla_gluon_kernel(
             if FP8 and STAGE:
                 async_copy.wait_group(0)
                 gl.thread_barrier()  # every thread's staged copies have landed
-                _unstage_fp8(c_smem.index(nxt), stage, sc_smem.index(nxt), R, G, BLOCK_N)
+                _unstage_fp8(c_smem.index(nxt), stage, sc_smem.index(nxt), R, G, BLOCK_N, BITS)
             elif FP8:
                 # Dequantised by the warps themselves, so after the PV issue: it runs meanwhile. (Codes
                 # loaded before the softmax and stored here measured slower at batch >= 256: 317
                 # against 294 us at 256, bench/results/2026-12-02-gluon-sparse-mla-v2.)
                 _fill_fp8(c_smem.index(nxt), pe_smem.index(nxt), cache_ptr, cache_f32_ptr, cache_bf16_ptr, idx_ptr, t, idx_stride,
-                          j + BLOCK_N, j1, R, P, G, ROW_BYTES, BLOCK_N)  # fmt: skip
+                          j + BLOCK_N, j1, R, P, G, ROW_BYTES, BLOCK_N, BITS)  # fmt: skip
                 async_copy.commit_group()
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
     async_copy.wait_group(0)
@@ -515,6 +553,7 @@ def sparse_mla_decode_gluon(
     out_dtype: torch.dtype = torch.float32,
     stage: bool | None = None,
     early: bool | None = None,
+    bits: bool | None = None,
 ) -> torch.Tensor:
     """-> o_lat [T, H, R] in out_dtype; the arguments as triton_sparse_mla.sparse_mla_decode's
     (physical slots only). Device-only (no host sync): CUDA-graph capturable. stage (FP8 cache;
@@ -522,7 +561,8 @@ def sparse_mla_decode_gluon(
     memory (_stage_fp8) instead of loaded into registers after the PV issue. early (default
     EARLY_GATHER; with an FP8 cache only when staged): the next block's copies are issued before
     this block's QK^T, from slots kept in a shared-memory ring two blocks ahead (as int32: caches of
-    2^31 rows or more take the late issue)."""
+    2^31 rows or more take the late issue). bits (default FP8_DEQUANT_BITS): FP8 codes dequantised
+    by bit operations (exact for power-of-two scales) rather than through float32."""
     tokens, heads, rank = q_lat.shape
     out = torch.empty(tokens, heads, rank, dtype=out_dtype, device=q_lat.device)
     if tokens == 0:
@@ -542,7 +582,8 @@ def sparse_mla_decode_gluon(
         q_lat.contiguous(), q_pe.contiguous(), cache, f32_view, bf16_view, indices.contiguous(), o_part, lse,
         heads, topk, topk, num_splits, softmax_scale * 1.4426950408889634, split_len,
         R=rank, P=rope, G=min(128, rank), ROW_BYTES=row_bytes, BLOCK_N=block_n, FP8=fp8, SPLIT=split,
-        TRIM=trim, TRIM_LEN=trim_len, STAGE=stage, EARLY=early, num_warps=NUM_WARPS,
+        TRIM=trim, TRIM_LEN=trim_len, STAGE=stage, EARLY=early, BITS=FP8_DEQUANT_BITS if bits is None else bits,
+        num_warps=NUM_WARPS,
     )  # fmt: skip
     if split:
         combine_splits(o_part, lse, out)

@@ -18,9 +18,11 @@ decode kernel uses for 64 heads; our own code):
 - the producer warpgroup gathers the next block's rows into the other of two row buffers: for an
   FP8 cache it loads a block's codes into registers before it waits for the block's buffer (their
   latency overlaps the consumers' work whenever the producer runs ahead), then dequantises them
-  (code x group scale in float32, rounded to bf16, as every other kernel does) into shared memory;
-  for a bf16 cache it copies the rows by cp.async. Over FP8 this producer is the slower side
-  (bench/results/2026-12-04-gluon-sparse-mla-ws.md).
+  into shared memory (by bit operations and exact bf16 multiplies: code x power-of-two group scale,
+  the same bits as float32 rounded to bf16, as every other kernel reads the cache); for a bf16
+  cache it copies the rows by cp.async. Over FP8 this producer is the slower side
+  (bench/results/2026-12-04-gluon-sparse-mla-ws.md). The softmax warpgroup copies q into shared
+  memory while the producer gathers block 0.
 mbarriers order them: full[b] (rows in buffer b), empty[b] (both warpgroups done with buffer b),
 p_full / p_empty (P and its factors), l_full (the final row sums for the right half's epilogue).
 Shared memory: q 72 KB + two row buffers 144 KB + P 8 KB, so one program per multiprocessor.
@@ -55,6 +57,14 @@ WG = gl.constexpr(4)  # warps per partition
 # 12 bytes at 112 (5 spill instructions; compile_sm90.py checks the two notes).
 PV_REGS = gl.constexpr(160)
 PRODUCER_REGS = gl.constexpr(112)
+# q comes into shared memory by cp.async in the softmax partition, while the producer already
+# gathers block 0, rather than before the partitions start: 1-2% faster at 64-256 tokens over
+# either cache (bench/results/2026-12-04-gluon-sparse-mla-fp8-bits-r1, -r2). Same bits.
+Q_IN_PARTITION = True
+# FP8 codes dequantised by bit operations (gluon_sparse_mla._E4M3_BF16_ASM): 1.5-4.5% faster than
+# through float32 here at 64-256 tokens (the producer is the bound), same bits for the cache's
+# power-of-two scales. False: through float32, for A/B runs.
+FP8_DEQUANT_BITS = True
 
 
 @gluon.constexpr_function
@@ -115,19 +125,19 @@ def _load_half(cache_ptr, cache_f32_ptr, idx_ptr, t, idx_stride, j, j1,
 
 
 @gluon.jit
-def _store_rows_half(c_buf, c0, s0, c1, s1, c2, s2, c3, s3, row0, R: gl.constexpr):
+def _store_rows_half(c_buf, c0, s0, c1, s1, c2, s2, c3, s3, row0, R: gl.constexpr, BITS: gl.constexpr):
     """Dequantise four eighths (_load_half) into rows row0 .. row0 + BLOCK_N / 2 of c_buf."""
     E: gl.constexpr = BLOCK_N // 8
-    _store_fp8_rows(c_buf, c0, s0, row0, R, E)
-    _store_fp8_rows(c_buf, c1, s1, row0 + E, R, E)
-    _store_fp8_rows(c_buf, c2, s2, row0 + 2 * E, R, E)
-    _store_fp8_rows(c_buf, c3, s3, row0 + 3 * E, R, E)
+    _store_fp8_rows(c_buf, c0, s0, row0, R, E, BITS)
+    _store_fp8_rows(c_buf, c1, s1, row0 + E, R, E, BITS)
+    _store_fp8_rows(c_buf, c2, s2, row0 + 2 * E, R, E, BITS)
+    _store_fp8_rows(c_buf, c3, s3, row0 + 3 * E, R, E, BITS)
 
 
 @gluon.jit
 def _producer(c_smem, pe_smem, full, empty, cache_ptr, cache_f32_ptr, cache_bf16_ptr, idx_ptr, t, idx_stride, j0, j1,
               n_blocks, R: gl.constexpr, P: gl.constexpr, G: gl.constexpr, ROW_BYTES: gl.constexpr,
-              FP8: gl.constexpr):  # fmt: skip
+              FP8: gl.constexpr, BITS: gl.constexpr):  # fmt: skip
     """Fill buffer i % 2 with block i's rows (bf16) once both warpgroups are done with block i - 2."""
     H: gl.constexpr = BLOCK_N // 2
     if FP8:
@@ -144,8 +154,8 @@ def _producer(c_smem, pe_smem, full, empty, cache_ptr, cache_f32_ptr, cache_bf16
                        (R + 4 * (R // G)) // 2, P)  # fmt: skip
             async_copy.commit_group()
             c_buf = c_smem.index(b)
-            _store_rows_half(c_buf, *a, 0, R)
-            _store_rows_half(c_buf, *z, H, R)
+            _store_rows_half(c_buf, *a, 0, R, BITS)
+            _store_rows_half(c_buf, *z, H, R, BITS)
             async_copy.wait_group(0)
             fence_async_shared()  # generic-proxy stores and copies, then read by the MMAs' async proxy
             mbarrier.arrive(full.index(b))
@@ -187,10 +197,37 @@ def _store_half(acc, l_i, m_i, o_ptr, lse_ptr, t, sp, h0, heads, num_splits, col
 
 
 @gluon.jit
+def _copy_q(q_smem, qpe_smem, q_lat_ptr, q_pe_ptr, t, h0, heads, R: gl.constexpr, P: gl.constexpr):
+    """cp.async this program's q rows (zeros past `heads`) and q_pe into shared memory, waited for
+    and visible to the warpgroup's MMAs on return."""
+    q_l: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [WG, 1], [1, 0])
+    offs_qh = h0 + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, q_l))
+    offs_qr = gl.arange(0, R, layout=gl.SliceLayout(0, q_l))
+    rows = (t * heads + offs_qh).to(gl.int64)
+    async_copy.async_copy_global_to_shared(
+        q_smem, q_lat_ptr + rows[:, None] * R + offs_qr[None, :], mask=(offs_qh < heads)[:, None]
+    )
+    offs_ph = h0 + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, _pe_layout(P)))
+    offs_pp = gl.arange(0, P, layout=gl.SliceLayout(0, _pe_layout(P)))
+    async_copy.async_copy_global_to_shared(
+        qpe_smem, q_pe_ptr + (t * heads + offs_ph).to(gl.int64)[:, None] * P + offs_pp[None, :],
+        mask=(offs_ph < heads)[:, None],
+    )  # fmt: skip
+    async_copy.commit_group()
+    async_copy.wait_group(0)
+    fence_async_shared()
+    gl.thread_barrier()  # every thread's rows
+
+
+@gluon.jit
 def _softmax_wg(q_smem, qpe_smem, c_smem, pe_smem, p_smem, alpha_smem, l_smem, full, empty, p_full, p_empty, l_full,
                 idx_ptr, o_ptr, lse_ptr, t, sp, h0, heads, idx_stride, num_splits, j0, j1, n_blocks, scale_log2,
-                R: gl.constexpr, SPLIT: gl.constexpr):  # fmt: skip
-    """The default partition: S, the online softmax, P to the PV warpgroup, O's left half."""
+                q_lat_ptr, q_pe_ptr, R: gl.constexpr, P: gl.constexpr, SPLIT: gl.constexpr,
+                Q_HERE: gl.constexpr):  # fmt: skip
+    """The default partition: S, the online softmax, P to the PV warpgroup, O's left half. Q_HERE: q
+    comes into shared memory here (while the producer gathers block 0), not before the partitions."""
+    if Q_HERE:
+        _copy_q(q_smem, qpe_smem, q_lat_ptr, q_pe_ptr, t, h0, heads, R, P)
     HALF: gl.constexpr = R // 2
     s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WG, 1], instr_shape=[16, BLOCK_N, 16])
     o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WG, 1], instr_shape=[16, HALF, 16])
@@ -261,7 +298,8 @@ def _sparse_mla_ws_kernel(
     q_lat_ptr, q_pe_ptr, cache_ptr, cache_f32_ptr, cache_bf16_ptr, idx_ptr, o_ptr, lse_ptr,
     heads, topk, idx_stride, num_splits, scale_log2, split_len,
     R: gl.constexpr, P: gl.constexpr, G: gl.constexpr, ROW_BYTES: gl.constexpr,
-    FP8: gl.constexpr, SPLIT: gl.constexpr, TRIM: gl.constexpr, TRIM_LEN: gl.constexpr,
+    FP8: gl.constexpr, SPLIT: gl.constexpr, TRIM: gl.constexpr, TRIM_LEN: gl.constexpr, BITS: gl.constexpr = True,
+    Q_HERE: gl.constexpr = False,
 ):  # fmt: skip
     t = gl.program_id(0)
     sp = gl.program_id(1)
@@ -271,27 +309,10 @@ def _sparse_mla_ws_kernel(
     p_sl: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     vec_sl: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
 
-    # q (this program's heads, zero rows past `heads`), stored a quarter of the rows at a time.
     q_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, R], q_sl)
-    q_l: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [WG, 1], [1, 0])
-    offs_qr = gl.arange(0, R, layout=gl.SliceLayout(0, q_l))
-    for r in gl.static_range(4):
-        offs_qh = h0 + r * (BLOCK_H // 4) + gl.arange(0, BLOCK_H // 4, layout=gl.SliceLayout(1, q_l))
-        q = gl.load(
-            q_lat_ptr + (t * heads + offs_qh).to(gl.int64)[:, None] * R + offs_qr[None, :],
-            mask=(offs_qh < heads)[:, None],
-            other=0.0,
-        )
-        q_smem.slice(r * (BLOCK_H // 4), BLOCK_H // 4, dim=0).store(q)
-    qpe_l: gl.constexpr = _pe_layout(P)
-    offs_ph = h0 + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, qpe_l))
-    offs_pp = gl.arange(0, P, layout=gl.SliceLayout(0, qpe_l))
-    q_pe = gl.load(
-        q_pe_ptr + (t * heads + offs_ph).to(gl.int64)[:, None] * P + offs_pp[None, :],
-        mask=(offs_ph < heads)[:, None],
-        other=0.0,
-    )
-    qpe_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, P], pe_sl, q_pe)
+    qpe_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, P], pe_sl)
+    if not Q_HERE:
+        _copy_q(q_smem, qpe_smem, q_lat_ptr, q_pe_ptr, t, h0, heads, R, P)
     c_smem = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_N, R], q_sl)
     pe_smem = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_N, P], pe_sl)
     p_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_H, BLOCK_N], p_sl)
@@ -316,11 +337,11 @@ def _sparse_mla_ws_kernel(
         [
             (_softmax_wg, (q_smem, qpe_smem, c_smem, pe_smem, p_smem, alpha_smem, l_smem, full, empty, p_full, p_empty,
                            l_full, idx_ptr, o_ptr, lse_ptr, t, sp, h0, heads, idx_stride, num_splits, j0, j1, n_blocks,
-                           scale_log2, R, SPLIT)),
+                           scale_log2, q_lat_ptr, q_pe_ptr, R, P, SPLIT, Q_HERE)),
             (_pv_wg, (c_smem, p_smem, alpha_smem, l_smem, empty, p_full, p_empty, l_full, o_ptr, lse_ptr, t, sp, h0,
                       heads, num_splits, n_blocks, R, SPLIT)),
             (_producer, (c_smem, pe_smem, full, empty, cache_ptr, cache_f32_ptr, cache_bf16_ptr, idx_ptr, t,
-                         idx_stride, j0, j1, n_blocks, R, P, G, ROW_BYTES, FP8)),
+                         idx_stride, j0, j1, n_blocks, R, P, G, ROW_BYTES, FP8, BITS)),
         ],
         [WG, WG],
         [PV_REGS, PRODUCER_REGS],
@@ -356,9 +377,13 @@ def sparse_mla_decode_ws(
     num_splits: int | None = None,
     trim: bool = False,
     out_dtype: torch.dtype = torch.float32,
+    bits: bool | None = None,
+    q_here: bool | None = None,
 ) -> torch.Tensor:
     """-> o_lat [T, H, R] in out_dtype; the arguments as gluon_sparse_mla.sparse_mla_decode_gluon's.
-    Device-only (no host sync): CUDA-graph capturable."""
+    Device-only (no host sync): CUDA-graph capturable. q_here (default Q_IN_PARTITION): where q
+    comes into shared memory. bits (default FP8_DEQUANT_BITS): FP8 codes dequantised by bit
+    operations (exact for power-of-two scales) rather than through float32."""
     tokens, heads, rank = q_lat.shape
     out = torch.empty(tokens, heads, rank, dtype=out_dtype, device=q_lat.device)
     if tokens == 0:
@@ -372,7 +397,9 @@ def sparse_mla_decode_ws(
         q_lat.contiguous(), q_pe.contiguous(), cache, f32_view, bf16_view, indices.contiguous(), o_part, lse,
         heads, topk, topk, num_splits, softmax_scale * 1.4426950408889634, split_len,
         R=rank, P=rope, G=min(128, rank), ROW_BYTES=row_bytes, FP8=fp8, SPLIT=split,
-        TRIM=trim, TRIM_LEN=max(TRIM_SCAN, triton.next_power_of_2(split_len)), num_warps=WG.value,
+        TRIM=trim, TRIM_LEN=max(TRIM_SCAN, triton.next_power_of_2(split_len)),
+        BITS=FP8_DEQUANT_BITS if bits is None else bits, Q_HERE=Q_IN_PARTITION if q_here is None else q_here,
+        num_warps=WG.value,
     )  # fmt: skip
     if split:
         combine_splits(o_part, lse, out)
