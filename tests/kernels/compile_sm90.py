@@ -192,11 +192,14 @@ def gluon_sparse_mla_cases():
     for fp8 in (True, False):
         for split, trim in ((True, False), (False, True)):
             sig = gluon_sparse_mla_sig(fp8, split)
-            consts = dict(R=512, P=64, G=128, ROW_BYTES=656 if fp8 else 576, BLOCK_N=64, FP8=fp8, SPLIT=split, TRIM=trim, TRIM_LEN=2048, BITS=True)
+            consts = dict(R=512, P=64, G=128, ROW_BYTES=656 if fp8 else 576, BLOCK_N=64, FP8=fp8, SPLIT=split, TRIM=trim, TRIM_LEN=2048, BITS=gm.FP8_DEQUANT_BITS)
             name = f"gluon sparse mla fp8={fp8} split={split} trim={trim}"
             yield name, gm._sparse_mla_gluon_kernel, sig, consts, 8, {"gluon": True}
             if fp8:
                 yield name + " stage", gm._sparse_mla_gluon_kernel, sig, {**consts, "STAGE": True}, 8, {"gluon": True}
+                # the other FP8 dequantisation (bit operations or float32) than the default
+                other = {**consts, "STAGE": True, "BITS": not gm.FP8_DEQUANT_BITS}
+                yield name + " stage bits=" + str(other["BITS"]), gm._sparse_mla_gluon_kernel, sig, other, 8, {"gluon": True}
             # Copies issued before QK^T from slots loaded a block ahead (staged rows with FP8).
             early = {**consts, "STAGE": fp8, "EARLY": True}
             yield name + " early", gm._sparse_mla_gluon_kernel, sig, early, 8, {"gluon": True}
@@ -209,7 +212,7 @@ def gluon_sparse_mla_ws_cases():
     for fp8 in (True, False):
         for split, trim in ((True, False), (False, True)):
             sig = gluon_sparse_mla_sig(fp8, split)
-            consts = dict(R=512, P=64, G=128, ROW_BYTES=656 if fp8 else 576, FP8=fp8, SPLIT=split, TRIM=trim, TRIM_LEN=2048, BITS=True, Q_HERE=split)
+            consts = dict(R=512, P=64, G=128, ROW_BYTES=656 if fp8 else 576, FP8=fp8, SPLIT=split, TRIM=trim, TRIM_LEN=2048, BITS=gmw.FP8_DEQUANT_BITS, Q_HERE=split)
             opts = {"gluon": True, "ptxas_clean": ("C7515", "C7507")}
             yield f"gluon sparse mla ws fp8={fp8} split={split} trim={trim}", gmw._sparse_mla_ws_kernel, sig, consts, 4, opts
 
