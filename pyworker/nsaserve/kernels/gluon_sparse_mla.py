@@ -353,7 +353,7 @@ def _sparse_mla_gluon_kernel(
     heads, topk, idx_stride, num_splits, scale_log2, split_len,
     R: gl.constexpr, P: gl.constexpr, G: gl.constexpr, ROW_BYTES: gl.constexpr, BLOCK_N: gl.constexpr,
     FP8: gl.constexpr, SPLIT: gl.constexpr, TRIM: gl.constexpr, TRIM_LEN: gl.constexpr, STAGE: gl.constexpr = False,
-    EARLY: gl.constexpr = False, BITS: gl.constexpr = True,
+    EARLY: gl.constexpr = False, BITS: gl.constexpr = False,
 ):  # fmt: skip
     t = gl.program_id(0)
     sp = gl.program_id(1)

@@ -299,7 +299,7 @@ def _sparse_mla_ws_kernel(
     heads, topk, idx_stride, num_splits, scale_log2, split_len,
     R: gl.constexpr, P: gl.constexpr, G: gl.constexpr, ROW_BYTES: gl.constexpr,
     FP8: gl.constexpr, SPLIT: gl.constexpr, TRIM: gl.constexpr, TRIM_LEN: gl.constexpr, BITS: gl.constexpr = True,
-    Q_HERE: gl.constexpr = False,
+    Q_HERE: gl.constexpr = True,
 ):  # fmt: skip
     t = gl.program_id(0)
     sp = gl.program_id(1)

@@ -345,9 +345,10 @@ KERNEL = os.environ.get("NSASERVE_SPARSE_MLA_KERNEL", "gluon")
 # (gluon_sparse_mla_ws: a softmax, a PV and a producer warpgroup) rather than in lock step, by
 # cache. On the H200 at GLM-5 shapes (bench/results/2026-12-04-gluon-sparse-mla-ws*.md), against the
 # lock-step kernel: bf16 cache 1.14x at 64 tokens, 1.26-1.28x at 128-256, 1.14-1.28x at 1024, 1.24-1.28x
-# on 2048-token prompt chunks, 0.98x at one token; FP8 cache 0.96-0.98x at 64 tokens (its producer
-# warpgroup, dequantising alone, is the slower side), 1.02x and 1.10x at 128 (two runs), 1.02x at
-# 256 and 1.04x at 1024 (three runs), 1.02x / 1.01x on full / causal prompt chunks (one run).
+# on 2048-token prompt chunks, 0.98x at one token. FP8 cache (its producer warpgroup, dequantising
+# alone, is the slower side): with the bit-operation dequantisation and q copied in its softmax
+# partition (bench/results/2026-12-04-gluon-sparse-mla-fp8-bits-r1, -r2) 0.99x at 64 tokens, 1.06x
+# at 128, 1.06-1.07x at 256; before them 1.02-1.04x at 256-1024 and on prompt chunks.
 # NSASERVE_SPARSE_MLA_WS=none keeps every call in lock step, =all sends every call from two
 # tokens (for A/B runs).
 WS_FROM_TOKENS = {"bf16": 2, "fp8": 128}
