@@ -197,10 +197,17 @@ def configs(batch: int, sweep: bool):
     )  # fmt: skip
     for name, gate_up, down in tries:
         yield f"tiled {name}", {"gate_up": gate_up, "down": down}, None, True, "tiled"
+    # Token blocks (pick_block_m, paired_blocks): 16 rows (wgmma m64n16k16, the default until
+    # 2026-12-04), 8 rows (mma.sync m16n8k16) with and without the larger experts paired into
+    # 16-row blocks. (A second launch for the pairs measured the same as one launch, and was removed.)
+    yield "tiled block_m 16 (the default before 2026-12-04)", {}, 16, True, "tiled"
+    yield "tiled block_m 8 unpaired", {}, (8, False), True, "tiled"
+    yield "tiled block_m 8 paired", {}, (8, True), True, "tiled"
 
 
-def run_batch(batch, stacks, gen, copy_bps, sweep, with_torch, rows, save):
-    """Appends one row per configuration to `rows`, calling save() after each."""
+def run_batch(batch, stacks, gen, copy_bps, sweep, with_torch, rows, save, only=()):
+    """Appends one row per configuration to `rows`, calling save() after each. only: sweep variants
+    whose names contain one of these (and the default, timed again), or all."""
     sets = []
     for _ in range(ROUTINGS):
         ids, weights = routing(batch, gen)
@@ -210,10 +217,13 @@ def run_batch(batch, stacks, gen, copy_bps, sweep, with_torch, rows, save):
     floor_us = nbytes / copy_bps * 1e6
     first = len(rows)
     for name, config, block_m, asm, relayout in configs(batch, sweep):
+        if sweep and only and name != "relayout tiled again" and not any(o in name for o in only):
+            continue
         # An empty config without a block size is the model's own choice (prompt_preset included).
         config = None if not config and block_m is None else config
+        block_m, paired = block_m if isinstance(block_m, tuple) else (block_m, None)  # (rows, paired)
         run = functools.partial(tm.moe_experts_nvfp4_triton, block_m=block_m, config=config, asm=asm,
-                                relayout=bool(relayout), tiled=relayout == "tiled")  # fmt: skip
+                                relayout=bool(relayout), tiled=relayout == "tiled", paired=paired)  # fmt: skip
         k13, k2 = stacks[relayout]
         calls = [functools.partial(run, x, ids, w, *k13, *k2, 0) for x, ids, w in sets]
         try:
@@ -225,6 +235,8 @@ def run_batch(batch, stacks, gen, copy_bps, sweep, with_torch, rows, save):
             continue
         rows.append({
             "batch": batch, "variant": name, "block_m": block_m or (tm.prompt_preset(batch * TOP_K, EXPERTS) or (tm.pick_block_m(batch * TOP_K, EXPERTS),))[0],
+            "paired": paired if paired is not None else tm.paired_blocks(
+                block_m or tm.pick_block_m(batch * TOP_K, EXPERTS), batch * TOP_K, EXPERTS),
             "experts": experts, "MB": nbytes / 1e6, "us": us, "TBps": nbytes / us / 1e6,
             "copy_frac": floor_us / us, "target_us": TARGET_US.get(batch),
         })  # fmt: skip
@@ -279,6 +291,7 @@ def main() -> None:
     ap.add_argument("--sweep", default="", help="batches that also time other block configurations")
     ap.add_argument("--torch-batches", default="1,64,256", help="batches that also time the torch path")
     ap.add_argument("--align", default="", help="batches that time the align step alone, both ways")
+    ap.add_argument("--variants", default="", help="comma-separated name parts: a sweep times only those variants")
     ap.add_argument(
         "--partial", default=None, help="JSON file rewritten after each batch (kept if the run is cut short)"
     )
@@ -307,12 +320,14 @@ def main() -> None:
     cases = [(int(b), False) for b in args.batches.split(",") if b] + [(b, True) for b in sorted(sweep_batches)]
     for batch, sweep in cases:
         with_torch = batch in torch_batches and not sweep
-        run_batch(batch, stacks, gen, ceilings["copy_TBps"] * 1e12, sweep, with_torch, rows, save)
+        only = tuple(v for v in args.variants.split(",") if v)
+        run_batch(batch, stacks, gen, ceilings["copy_TBps"] * 1e12, sweep, with_torch, rows, save, only)
     run_align([int(b) for b in args.align.split(",") if b], gen, rows, save)
     cols = [
         "batch",
         "variant",
         "block_m",
+        "paired",
         "experts",
         "MB",
         "us",

@@ -132,6 +132,8 @@ def moe_cases():
             HIDDEN=6144, BLOCK_K=256, INTERPRET=False,
         )  # fmt: skip
         yield f"moe align block_m={block_m}", tw._moe_align_kernel, sig, consts, 4
+    # 8-token blocks with the larger experts' runs in pairs (decode sizes).
+    yield "moe align block_m=8 paired", tw._moe_align_kernel, sig, {**consts, "BLOCK_M": 8, "PAIRED": True}, 4
     # The chunked align for prompt-sized steps (an in-register sort of 1024 keys, an atomic count).
     count_sig = {
         "ids_ptr": "*i64", "chunk_count_ptr": "*i32", "chunk_before_ptr": "*i32", "total_ptr": "*i32", "x_ptr": "*bf16",
@@ -149,6 +151,7 @@ def moe_cases():
             E_P2=512, BLOCK_M=block_m, CHUNK=256, EXPERT_BLOCK_CHUNKS=0, BLOCK_CHUNKS=0, CHUNK_BLOCKS=0, INTERPRET=False
         )
         yield f"moe align runs block_m={block_m}", tw._moe_align_runs_kernel, runs_sig, consts, 4
+    yield "moe align runs block_m=8 paired", tw._moe_align_runs_kernel, runs_sig, {**consts, "BLOCK_M": 8, "PAIRED": True}, 4
     place_sig = {
         "ids_ptr": "*i64", "chunk_base_ptr": "*i32", "sorted_slot_ptr": "*i32", "n_slots": "i32",
         "first_expert": "i32", "num_local": "i32",
@@ -165,6 +168,10 @@ def moe_cases():
         INTERPRET=False, LAYOUT=2, SPLIT_K=1, TMA=False, PDL=True,
     )  # fmt: skip
     yield "moe gate/up tiled, PDL", tw._moe_gate_up_kernel, gate_up_sig, consts, 4, {"num_stages": 3}
+    # 8-token blocks (mma.sync), and paired: 8- or 16-token blocks (wgmma) by the block's mark.
+    yield "moe gate/up tiled, 8 tokens", tw._moe_gate_up_kernel, gate_up_sig, {**consts, "BLOCK_M": 8}, 4, {"num_stages": 3}
+    paired = {**consts, "BLOCK_M": 8, "PAIRED": True, "PDL": False}
+    yield "moe gate/up tiled, 8 tokens paired", tw._moe_gate_up_kernel, gate_up_sig, paired, 4, {"num_stages": 3, "maxnreg": 168}
     down_sig = {
         "h_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*u8", "s2_ptr": F32, "sorted_slot_ptr": "*i32",
         "block_expert_ptr": "*i32", "topk_w_ptr": F32, "y_ptr": "*bf16", "w_desc": "*i32", "s_desc": "*u8",
@@ -174,6 +181,9 @@ def moe_cases():
         LAYOUT=2, TMA=False, PDL=False,
     )  # fmt: skip
     yield "moe down tiled", tw._moe_down_kernel, down_sig, consts, 4, {"num_stages": 3}
+    yield "moe down tiled, 8 tokens", tw._moe_down_kernel, down_sig, {**consts, "BLOCK_M": 8}, 4, {"num_stages": 3}
+    paired = {**consts, "BLOCK_M": 8, "PAIRED": True}
+    yield "moe down tiled, 8 tokens paired", tw._moe_down_kernel, down_sig, paired, 4, {"num_stages": 3}
 
 
 def gluon_sparse_mla_sig(fp8: bool, split: bool) -> dict:

@@ -94,7 +94,9 @@ TINY_CFG = {
 
 
 @pytest.mark.parametrize("asm", ASM_MODES)
-@pytest.mark.parametrize("num_tokens,skew,block_m", [(1, False, None), (7, False, 32), (33, True, 16)])
+@pytest.mark.parametrize(
+    "num_tokens,skew,block_m", [(1, False, None), (7, False, 32), (33, True, 16), (7, False, 8), (33, True, 8)]
+)
 def test_tiny_matches_reference(num_tokens, skew, block_m, asm):
     gen = torch.Generator().manual_seed(1000 + num_tokens)
     e, h, i, k = TINY["num_experts"], TINY["hidden"], TINY["inter"], TINY["top_k"]
@@ -167,7 +169,9 @@ def test_block_sizes_follow_the_rows_a_local_expert_can_expect():
     assert tm.expected_local_slots(256 * 8, 256, 256) == tm.expected_local_slots(256 * 8, 256, None) == 2048
     assert tm.prompt_preset(256 * 8, 32) is not None  # what all the slots would have picked
     assert tm.prompt_preset(tm.expected_local_slots(256 * 8, 32, 256), 32) is None
-    assert tm.pick_block_m(tm.expected_local_slots(256 * 8, 32, 256), 32) == 16
+    assert tm.pick_block_m(tm.expected_local_slots(256 * 8, 32, 256), 32) == 8
+    assert tm.paired_blocks(8, tm.expected_local_slots(256 * 8, 32, 256), 32)  # 8 rows an expert: paired
+    assert not tm.paired_blocks(8, 128 * 8, 256)  # 4 rows an expert: single 8-token blocks
     assert tm.prompt_preset(tm.expected_local_slots(1024 * 8, 32, 256), 32)[0] == 64  # 32 rows an expert
 
 
@@ -393,6 +397,45 @@ def test_block_sizing_is_worst_case():
         assert tm.max_blocks(slots, experts, bm) >= worst
 
 
+def _paired_blocks_of(counts, bm: int) -> int:
+    """Blocks of a paired align's runs: bm-row runs up to bm slots, 2 bm-row multiples above."""
+    return sum(1 if c <= bm else -(-c // (2 * bm)) * 2 for c in counts if c)
+
+
+def test_paired_block_sizing_is_worst_case():
+    """Paired runs (more than bm slots padded to a multiple of 2 bm) fit max_blocks(..., paired=True)
+    for the routings that pad most: many experts just over bm slots, single slots, random ones."""
+    gen = torch.Generator().manual_seed(5)
+    for slots, experts, bm in [(2048, 256, 8), (512, 256, 8), (100, 7, 8), (9, 3, 8), (4096, 32, 8)]:
+        tries = []
+        for c in range(1, 2 * bm + 2):  # as many experts as possible with c slots, the rest in one
+            n = min(experts - 1, slots // c)
+            tries.append([c] * n + [slots - c * n])
+        for _ in range(50):
+            tries.append(torch.bincount(torch.randint(0, experts, (slots,), generator=gen), minlength=experts).tolist())
+        worst = max(_paired_blocks_of(t, bm) for t in tries)
+        assert tm.max_blocks(slots, experts, bm, paired=True) >= worst
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+@pytest.mark.parametrize("num_tokens,skew", [(24, False), (7, False), (40, True)])
+def test_tiny_paired_blocks_match_reference(monkeypatch, num_tokens, skew, chunked):
+    """8-token blocks with the experts of more than 8 rows paired into 16-token blocks (the same
+    programs take either) give the reference's sums, through either align."""
+    monkeypatch.setattr(tm, "ALIGN_CHUNKED_FROM", 1 if chunked else 1 << 30)
+    monkeypatch.setattr(tm, "ALIGN_SLOT_CHUNK", 32)
+    gen = torch.Generator().manual_seed(300 + num_tokens)
+    e, h, i, k = TINY["num_experts"], TINY["hidden"], TINY["inter"], TINY["top_k"]
+    w13, w2 = quantized_stacks(e, h, i, gen)
+    x = torch.randn(num_tokens, h, generator=gen).to(DEV, torch.bfloat16)
+    ids, weights = route(num_tokens, e, k, gen, skew=skew)
+    counts = torch.bincount(ids.flatten().cpu(), minlength=e)
+    if num_tokens == 24:  # 8 rows an expert on average: runs of both kinds
+        assert int((counts > 8).sum()) and int(((counts > 0) & (counts <= 8)).sum())
+    out = tm.moe_experts_nvfp4_triton(x, ids, weights, *w13, *w2, 0, block_m=8, paired=True, config=TINY_CFG)
+    assert rel_err(out, reference(x, ids, weights, w13, w2, 0)) < TOL
+
+
 GLM5 = dict(num_experts=256, hidden=6144, inter=2048, top_k=8)
 
 
@@ -442,12 +485,16 @@ def test_glm5_shapes_match_reference(glm5_stacks, glm5_relaid, glm5_tiled, num_t
         )
         assert torch.equal(again, outs[1]), option
     if HOPPER and num_tokens <= 256:
-        # The Gluon down kernel (16-token blocks here): the same bits, at its default and at 4 stages.
+        # The Gluon down kernel (16-token blocks): the same bits as the Triton kernel's 16-token
+        # blocks, at its default and at 4 stages.
+        tiled_run = functools.partial(
+            tm.moe_experts_nvfp4_triton, x, ids, weights, *glm5_tiled[0], *glm5_tiled[1], 0, relayout=True, tiled=True,
+            block_m=16,
+        )  # fmt: skip
+        base = tiled_run()
+        assert rel_err(base, ref) < TOL
         for down in ({"GLUON": True}, {"GLUON": True, "STAGES": 4, "PROGRAMS_PER_SM": 2, "maxnreg": None}):
-            again = tm.moe_experts_nvfp4_triton(
-                x, ids, weights, *glm5_tiled[0], *glm5_tiled[1], 0, relayout=True, tiled=True, config={"down": down}
-            )
-            assert torch.equal(again, outs[1]), down
+            assert torch.equal(tiled_run(config={"down": down}), base), down
 
 
 @pytest.mark.skipif(not CUDA, reason="CUDA graphs need CUDA")
@@ -461,6 +508,7 @@ def test_glm5_shapes_match_reference(glm5_stacks, glm5_relaid, glm5_tiled, num_t
         (True, 16, None),
         (True, 600, None),
         (True, 16, "PDL"),
+        (True, 256, None),  # 8-token blocks, the experts of more than 8 rows paired
         (True, 16, "GLUON"),
         (True, 512, "GLUON"),
     ],
@@ -477,7 +525,8 @@ def test_cuda_graph_replays_new_routing(request, glm5_stacks, relayout, t, optio
     x = torch.randn(t, h, generator=gen).to("cuda", torch.bfloat16)
     ids, weights = route(t, GLM5["num_experts"], GLM5["top_k"], gen, "cuda")
     config = {"gate_up": {option: True}, "down": {option: True}} if option else None
-    run = functools.partial(tm.moe_experts_nvfp4_triton, relayout=relayout, tiled=tiled, config=config)
+    block_m = 16 if option == "GLUON" and t <= 256 else None  # the Gluon kernel takes 16 or 32 rows
+    run = functools.partial(tm.moe_experts_nvfp4_triton, relayout=relayout, tiled=tiled, config=config, block_m=block_m)
     out = run(x, ids, weights, *k13, *k2, 0)  # compile outside the capture
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
@@ -491,10 +540,9 @@ def test_cuda_graph_replays_new_routing(request, glm5_stacks, relayout, t, optio
         out.fill_(float("nan"))
         g.replay()
         assert rel_err(out, reference(x, ids, weights, w13, w2, 0)) < TOL
-        if tiled:  # the Gluon down kernel: bit for bit the Triton kernel's results
-            assert torch.equal(
-                out, tm.moe_experts_nvfp4_triton(x, ids, weights, *k13, *k2, 0, relayout=True, tiled=True)
-            )
+        if tiled:  # the Gluon down kernel: bit for bit the Triton kernel's results (same block rows)
+            plain = tm.moe_experts_nvfp4_triton(x, ids, weights, *k13, *k2, 0, relayout=True, tiled=True, block_m=block_m)
+            assert torch.equal(out, plain)
 
 
 @pytest.mark.parametrize(
@@ -571,14 +619,27 @@ def test_chunked_align_equals_per_expert_align(
     gen = torch.Generator().manual_seed(num_tokens + slot_chunk)
     ids, _ = route(num_tokens, num_experts, top_k, gen, skew=skew)
     x = torch.randn(num_tokens, 256, generator=gen).to(DEV)
-    for block_m in (16, 64):
-        nblocks = tm.max_blocks(ids.numel(), num_local, block_m)
-        one = tm._align(x, ids, first_expert, num_local, block_m, nblocks, 128, chunked=False)
-        chunked = tm._align(x, ids, first_expert, num_local, block_m, nblocks, 128, chunked=True)
+    flat = ids.flatten().cpu()
+    local_ids = flat[(flat >= first_expert) & (flat < first_expert + num_local)] - first_expert
+    counts = torch.bincount(local_ids, minlength=num_local).tolist()
+    for block_m, paired in ((16, False), (64, False), (8, True)):
+        nblocks = tm.max_blocks(ids.numel(), num_local, block_m, paired)
+        one = tm._align(x, ids, first_expert, num_local, block_m, nblocks, 128, chunked=False, paired=paired)
+        chunked = tm._align(x, ids, first_expert, num_local, block_m, nblocks, 128, chunked=True, paired=paired)
         blocks = one[1].cpu()
         assert torch.equal(chunked[1].cpu(), blocks)
-        used = torch.nonzero(blocks >= 0).flatten()
-        assert bool((blocks[: used.numel()] >= 0).all())  # the used blocks come first
+        if paired:  # the runs' blocks first (single blocks e, pairs -(e + 2) then -1), then unused ones
+            total = _paired_blocks_of(counts, block_m)
+            assert bool((blocks[total:] == -1).all())
+            marks = []
+            for ex, c in enumerate(counts):
+                if c:
+                    marks += [ex] if c <= block_m else [-(ex + 2), -1] * (-(-c // (2 * block_m)))
+            assert blocks[:total].tolist() == marks
+            used = torch.arange(total)
+        else:
+            used = torch.nonzero(blocks >= 0).flatten()
+            assert bool((blocks[: used.numel()] >= 0).all())  # the used blocks come first
         rows = (used[:, None] * block_m + torch.arange(block_m)).flatten()
         assert torch.equal(chunked[0].cpu()[rows], one[0].cpu()[rows])
         assert torch.equal(chunked[2], one[2])

@@ -13,14 +13,16 @@ worst case for the token count (so a CUDA graph captured for T tokens replays fo
 1. _moe_align_kernel, one program per local expert: counts the (token, k) slots per local expert,
    pads each expert's run to a multiple of BLOCK_M, and writes its part of the sorted slot list
    (-1 = padding) and the expert of each of its BLOCK_M blocks (-1 = unused block; those
-   programs exit at once). Slot order inside an expert is the input order, so the layout is
+   programs exit at once). Paired (8-token blocks from 4 rows per expert, paired_blocks): runs of
+   more than BLOCK_M slots are padded to 2 BLOCK_M and their blocks marked in pairs, which the
+   expert kernels compute as blocks of 2 BLOCK_M. Slot order inside an expert is the input order, so the layout is
    deterministic. One more program per token permutes the activations (below) in the same launch.
    From ALIGN_CHUNKED_FROM slots (prompt-sized steps) three launches lay out the same thing in
    chunks of slots instead (count per chunk, runs per expert, place per chunk), since every
    expert's program scanning every slot grows as experts x slots.
 2. _moe_gate_up_kernel, grid (I / BLOCK_N, blocks): for one expert block and BLOCK_N columns of gate
    and of up, C^T = W · X^T with the dequantised weight tile as the MMA's A operand (weights on the
-   M side: a handful of tokens only pad the N side to 16), then h = silu(a_g·gate) · (a_u·up) in
+   M side: a handful of tokens only pad the N side to 8 or 16), then h = silu(a_g·gate) · (a_u·up) in
    bf16, per sorted row.
 3. _moe_down_kernel, grid (H / BLOCK_N, blocks): y = (a_2·W2 · h^T)^T · routing weight, bf16, one
    row per (token, k) slot.
@@ -401,27 +403,37 @@ def _permute_row(x_ptr, xp_ptr, row, HIDDEN: tl.constexpr, BLOCK_K: tl.constexpr
 def _expert_run(
     block_expert_ptr, sorted_slot_ptr, counts, pid, max_blocks, expert_block_chunks, block_chunks,
     E_P2: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, EXPERT_BLOCK_CHUNKS: tl.constexpr,
-    BLOCK_CHUNKS: tl.constexpr, INTERPRET: tl.constexpr,
+    BLOCK_CHUNKS: tl.constexpr, INTERPRET: tl.constexpr, PAIRED: tl.constexpr = False,
 ):  # fmt: skip
     """Local expert pid's run, from every local expert's slot count (counts [E_P2], 0 past
     num_local): marks its blocks, pads its run with -1 after its count slots, and (program 0)
-    marks the blocks past the last run unused. -> (start of its run, its slot count)."""
+    marks the blocks past the last run unused. -> (start of its run, its slot count).
+    PAIRED (see _moe_gate_up_kernel): an expert with more than BLOCK_M slots gets a run padded to a
+    multiple of 2 BLOCK_M, whose blocks are marked in pairs: -(e + 2) on the first block of each
+    pair, -1 on the second; an expert with at most BLOCK_M slots keeps one block marked e."""
     offs_e = tl.arange(0, E_P2)
     offs_c = tl.arange(0, CHUNK)
-    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    unit = BLOCK_M
+    if PAIRED:
+        unit = tl.where(counts > BLOCK_M, 2 * BLOCK_M, BLOCK_M)
+    padded = (counts + unit - 1) // unit * unit
     start = tl.sum(tl.where(offs_e < pid, padded, 0), 0)
     count = tl.sum(tl.where(offs_e == pid, counts, 0), 0)
-    my_blocks = (count + BLOCK_M - 1) // BLOCK_M
+    my_blocks = tl.sum(tl.where(offs_e == pid, padded, 0), 0) // BLOCK_M
+    mark = tl.full([CHUNK], 0, tl.int32) + pid
+    if PAIRED:
+        mark = tl.where(count > BLOCK_M, tl.where(offs_c % 2 == 0, -(pid + 2), -1), mark)
     for bc in range(EXPERT_BLOCK_CHUNKS if INTERPRET else expert_block_chunks):
         b = bc * CHUNK + offs_c
-        tl.store(block_expert_ptr + start // BLOCK_M + b, tl.full([CHUNK], 0, tl.int32) + pid, mask=b < my_blocks)
+        tl.store(block_expert_ptr + start // BLOCK_M + b, mark, mask=b < my_blocks)
     if pid == 0:  # blocks past the last expert's run: their programs exit at once
         total_blocks = tl.sum(padded, 0) // BLOCK_M
         for bc in range(BLOCK_CHUNKS if INTERPRET else block_chunks):
             b = bc * CHUNK + offs_c
             tl.store(block_expert_ptr + b, tl.full([CHUNK], -1, tl.int32), mask=(b >= total_blocks) & (b < max_blocks))
-    pad = count + tl.arange(0, BLOCK_M)
-    tl.store(sorted_slot_ptr + start + pad, tl.full([BLOCK_M], -1, tl.int32), mask=pad < my_blocks * BLOCK_M)
+    PAD: tl.constexpr = 2 * BLOCK_M if PAIRED else BLOCK_M
+    pad = count + tl.arange(0, PAD)
+    tl.store(sorted_slot_ptr + start + pad, tl.full([PAD], -1, tl.int32), mask=pad < my_blocks * BLOCK_M)
     return start, count
 
 
@@ -433,7 +445,7 @@ def _moe_align_kernel(
     n_slots, first_expert, num_local, max_blocks, slot_chunks, expert_block_chunks, block_chunks,
     E_P2: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, SLOT_CHUNKS: tl.constexpr,
     EXPERT_BLOCK_CHUNKS: tl.constexpr, BLOCK_CHUNKS: tl.constexpr, HIDDEN: tl.constexpr, BLOCK_K: tl.constexpr,
-    INTERPRET: tl.constexpr,
+    INTERPRET: tl.constexpr, PAIRED: tl.constexpr = False,
 ):  # fmt: skip
     """Program e < num_local lays out local expert e's run; program num_local + t permutes token
     t's activations for the gate/up kernel (one launch for both). No program waits for another:
@@ -456,7 +468,7 @@ def _moe_align_kernel(
     counts = tl.where(offs_e < num_local, counts, 0)
     start, count = _expert_run(
         block_expert_ptr, sorted_slot_ptr, counts, pid, max_blocks, expert_block_chunks, block_chunks,
-        E_P2, BLOCK_M, CHUNK, EXPERT_BLOCK_CHUNKS, BLOCK_CHUNKS, INTERPRET,
+        E_P2, BLOCK_M, CHUNK, EXPERT_BLOCK_CHUNKS, BLOCK_CHUNKS, INTERPRET, PAIRED,
     )  # fmt: skip
     # This expert's slots in input order (the -1 padding after them is _expert_run's).
     seen = 0
@@ -501,7 +513,7 @@ def _moe_align_runs_kernel(
     total_ptr, chunk_count_ptr, chunk_before_ptr, chunk_base_ptr, sorted_slot_ptr, block_expert_ptr,
     n_chunks, max_blocks, expert_block_chunks, block_chunks, chunk_blocks,
     E_P2: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, EXPERT_BLOCK_CHUNKS: tl.constexpr,
-    BLOCK_CHUNKS: tl.constexpr, CHUNK_BLOCKS: tl.constexpr, INTERPRET: tl.constexpr,
+    BLOCK_CHUNKS: tl.constexpr, CHUNK_BLOCKS: tl.constexpr, INTERPRET: tl.constexpr, PAIRED: tl.constexpr = False,
 ):  # fmt: skip
     """Program e (one per local expert) lays out expert e's run and, for each chunk c, where the
     chunk's first slot of expert e lands, less the chunk's slots of lower experts (chunk_base[c, e]:
@@ -511,7 +523,7 @@ def _moe_align_runs_kernel(
     counts = tl.load(total_ptr + offs_e)  # 0 past num_local
     start, _ = _expert_run(
         block_expert_ptr, sorted_slot_ptr, counts, pid, max_blocks, expert_block_chunks, block_chunks,
-        E_P2, BLOCK_M, CHUNK, EXPERT_BLOCK_CHUNKS, BLOCK_CHUNKS, INTERPRET,
+        E_P2, BLOCK_M, CHUNK, EXPERT_BLOCK_CHUNKS, BLOCK_CHUNKS, INTERPRET, PAIRED,
     )  # fmt: skip
     offs_c = tl.arange(0, CHUNK)
     seen = start
@@ -542,30 +554,42 @@ def _moe_align_place_kernel(
 
 
 @triton.jit
-def _block_slots(sorted_slot_ptr, pid_m, BLOCK_M: tl.constexpr):
-    """Sorted rows of expert block pid_m, their (token, k) slots, and which are real (not padding)."""
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+def _block_slots(sorted_slot_ptr, pid_m, BLOCK_M: tl.constexpr, PAIRED: tl.constexpr = False):
+    """Sorted rows of expert block pid_m, their (token, k) slots, and which are real (not padding).
+    PAIRED: pid_m counts the align's blocks of BLOCK_M / 2 rows, and the block is two of them."""
+    STEP: tl.constexpr = BLOCK_M // 2 if PAIRED else BLOCK_M
+    offs_m = pid_m * STEP + tl.arange(0, BLOCK_M)
     slot = tl.load(sorted_slot_ptr + offs_m)
     return offs_m, slot, slot >= 0
 
 
-@triton.jit
+# part_rows follows the step's block count (with 8-token blocks not always a multiple of 16): a
+# runtime value, not specialised, or it splits the kernel into two variants by the count's parity.
+@triton.jit(do_not_specialize=["top_k", "part_rows"])
 def _moe_gate_up_kernel(
     x_ptr, w_ptr, s_ptr, s2_ptr, sorted_slot_ptr, block_expert_ptr, h_ptr, part_ptr, count_ptr,
     w_desc, s_desc, top_k, part_rows,
     K: tl.constexpr, INTER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, H_BLOCK_K: tl.constexpr, FUSE_K: tl.constexpr, ASM: tl.constexpr,
     INTERPRET: tl.constexpr, LAYOUT: tl.constexpr = 0, SPLIT_K: tl.constexpr = 1, TMA: tl.constexpr = False,
-    PDL: tl.constexpr = False,
+    PDL: tl.constexpr = False, PAIRED: tl.constexpr = False,
 ):  # fmt: skip
-    """Grid (I / BLOCK_N, blocks, SPLIT_K): one tile per program (_gate_up_tile)."""
+    """Grid (I / BLOCK_N, blocks, SPLIT_K): one tile per program (_gate_up_tile). PAIRED: the blocks
+    of a paired align (_expert_run): BLOCK_M rows where it marked e, 2 BLOCK_M rows (two of its
+    blocks) where it marked -(e + 2); -1 marks an unused block or a pair's second half."""
     _dependent_launch(PDL)
     e = tl.load(block_expert_ptr + tl.program_id(1))
-    if e >= 0:  # an unused block: nothing to do
+    if e >= 0:
         _gate_up_tile(
             x_ptr, w_ptr, s_ptr, s2_ptr, sorted_slot_ptr, e, h_ptr, part_ptr, count_ptr, w_desc, s_desc, top_k,
             part_rows, tl.program_id(0), tl.program_id(1), tl.program_id(2),
-            K, INTER, BLOCK_M, BLOCK_N, BLOCK_K, H_BLOCK_K, FUSE_K, ASM, INTERPRET, LAYOUT, SPLIT_K, TMA,
+            K, INTER, BLOCK_M, BLOCK_N, BLOCK_K, H_BLOCK_K, FUSE_K, ASM, INTERPRET, LAYOUT, SPLIT_K, TMA, False,
+        )  # fmt: skip
+    elif PAIRED and e <= -2:
+        _gate_up_tile(
+            x_ptr, w_ptr, s_ptr, s2_ptr, sorted_slot_ptr, -e - 2, h_ptr, part_ptr, count_ptr, w_desc, s_desc,
+            top_k, part_rows, tl.program_id(0), tl.program_id(1), tl.program_id(2),
+            K, INTER, 2 * BLOCK_M, BLOCK_N, BLOCK_K, H_BLOCK_K, FUSE_K, ASM, INTERPRET, LAYOUT, SPLIT_K, TMA, True,
         )  # fmt: skip
 
 
@@ -576,6 +600,7 @@ def _gate_up_tile(
     K: tl.constexpr, INTER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, H_BLOCK_K: tl.constexpr, FUSE_K: tl.constexpr, ASM: tl.constexpr,
     INTERPRET: tl.constexpr, LAYOUT: tl.constexpr, SPLIT_K: tl.constexpr, TMA: tl.constexpr,
+    PAIRED: tl.constexpr = False,
 ):  # fmt: skip
     """Tile (pid_n, pid_m) of used block pid_m (local expert e): h for BLOCK_N columns of gate and of
     up. TMA (tiled weights only): the weight tiles come through w_desc / s_desc (tile_descriptors)
@@ -585,7 +610,7 @@ def _gate_up_tile(
     itself in count_ptr (zeroed per call); the last of a tile's programs adds the partials in split
     order (deterministic) and writes h. More programs for a handful of tokens."""
     W: tl.constexpr = BLOCK_K // 8  # code words per row of a K block; MMA K of each partial dot
-    offs_m, slot, valid = _block_slots(sorted_slot_ptr, pid_m, BLOCK_M)
+    offs_m, slot, valid = _block_slots(sorted_slot_ptr, pid_m, BLOCK_M, PAIRED)
     tok = tl.where(valid, slot // top_k, 0).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rows_g = e.to(tl.int64) * (2 * INTER) + offs_n
@@ -672,16 +697,23 @@ def _moe_down_kernel(
     h_ptr, w_ptr, s_ptr, s2_ptr, sorted_slot_ptr, block_expert_ptr, topk_w_ptr, y_ptr, w_desc, s_desc,
     HIDDEN: tl.constexpr, INTER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, FUSE_K: tl.constexpr, ASM: tl.constexpr, INTERPRET: tl.constexpr,
-    LAYOUT: tl.constexpr = 0, TMA: tl.constexpr = False, PDL: tl.constexpr = False,
+    LAYOUT: tl.constexpr = 0, TMA: tl.constexpr = False, PDL: tl.constexpr = False, PAIRED: tl.constexpr = False,
 ):  # fmt: skip
-    """Grid (H / BLOCK_N, blocks): one output tile per program (_down_tile)."""
+    """Grid (H / BLOCK_N, blocks): one output tile per program (_down_tile); PAIRED as in
+    _moe_gate_up_kernel."""
     _dependent_launch(PDL)
     e = tl.load(block_expert_ptr + tl.program_id(1))
-    if e >= 0:  # an unused block: nothing to do
+    if e >= 0:
         _down_tile(
             h_ptr, w_ptr, s_ptr, s2_ptr, sorted_slot_ptr, e, topk_w_ptr, y_ptr, w_desc, s_desc,
             tl.program_id(0), tl.program_id(1), HIDDEN, INTER, BLOCK_M, BLOCK_N, BLOCK_K, FUSE_K, ASM, INTERPRET,
-            LAYOUT, TMA,
+            LAYOUT, TMA, False,
+        )  # fmt: skip
+    elif PAIRED and e <= -2:
+        _down_tile(
+            h_ptr, w_ptr, s_ptr, s2_ptr, sorted_slot_ptr, -e - 2, topk_w_ptr, y_ptr, w_desc, s_desc,
+            tl.program_id(0), tl.program_id(1), HIDDEN, INTER, 2 * BLOCK_M, BLOCK_N, BLOCK_K, FUSE_K, ASM,
+            INTERPRET, LAYOUT, TMA, True,
         )  # fmt: skip
 
 
@@ -690,12 +722,12 @@ def _down_tile(
     h_ptr, w_ptr, s_ptr, s2_ptr, sorted_slot_ptr, e, topk_w_ptr, y_ptr, w_desc, s_desc, pid_n, pid_m,
     HIDDEN: tl.constexpr, INTER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, FUSE_K: tl.constexpr, ASM: tl.constexpr, INTERPRET: tl.constexpr,
-    LAYOUT: tl.constexpr, TMA: tl.constexpr,
+    LAYOUT: tl.constexpr, TMA: tl.constexpr, PAIRED: tl.constexpr = False,
 ):  # fmt: skip
     """Output tile (pid_n, pid_m) of used block pid_m (local expert e): y = (a_2·W2 · h^T)^T ·
     routing weight for BLOCK_N hidden columns of the block's rows."""
     W: tl.constexpr = BLOCK_K // 8
-    offs_m, slot, valid = _block_slots(sorted_slot_ptr, pid_m, BLOCK_M)
+    offs_m, slot, valid = _block_slots(sorted_slot_ptr, pid_m, BLOCK_M, PAIRED)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = e.to(tl.int64) * HIDDEN + offs_n
     offs_w = tl.arange(0, W)
@@ -765,17 +797,40 @@ def _reg_cap(cfg: dict) -> dict:
     return {"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}
 
 
+# Up to this many rows per expert (256 tokens at 256 experts, top-8), 8-token blocks: Triton issues
+# mma.sync m16n8k16 for them (wgmma m64n16k16 for 16), half the tensor-core work of 16-token blocks
+# where an expert has at most 8 rows, and the kernels need ~128 registers instead of 169 / 212. The
+# decode MoE runs at the H200's 700 W cap, so the MMA work saved is time. Measured on the H200 at
+# GLM-5 shapes (bench/results/2026-12-04-triton-moe-block8.md: three runs, whole routed path, CUDA
+# graphs), 16-token blocks against 8: 68.5 against 62.4 us at 1 token, 1438-1502 against 1273-1289
+# at 64, 1711-1848 against 1602-1687 at 128. Where experts get more than 8 rows, two 8-token blocks
+# would each dequantise the weights: at 256 tokens (~40% of the experts) 2021-2100 against 1724-1796
+# us. So from PAIRED_FROM_PER_EXPERT rows per expert the align pads those experts' runs to 16 and
+# their programs take 16-token blocks (paired_blocks), in the same launch: 1617-1732 us at 256. (A
+# second launch for the pairs measured the same, 1720-1732; at 128 tokens pairing was 6% slower in
+# one run and 7% faster in the other, so 128 stays unpaired.)
+SMALL_BLOCK_PER_EXPERT = 8
+PAIRED_FROM_PER_EXPERT = 4
+
+
 def pick_block_m(num_slots: int, num_local: int) -> int:
     """Tokens per expert block. Each block re-reads and re-dequantises its expert's weights, but
     the MMA work grows with the block too: tokens are the MMA's N side, and at 64 the tensor cores
     take longer than the dequantisation (measured on the H200: 64 was 1.8x slower than 16 at one
-    token, 32 8% slower at 256 tokens with one block per expert either way)."""
+    token, 32 8% slower at 256 tokens with one block per expert either way; 8 against 16 above
+    SMALL_BLOCK_PER_EXPERT)."""
     per_expert = num_slots / max(1, num_local)
-    if per_expert <= 8:
-        return 16
+    if per_expert <= SMALL_BLOCK_PER_EXPERT:
+        return 8
     if per_expert <= 96:
         return 32
     return 64
+
+
+def paired_blocks(block_m: int, num_slots: int, num_local: int) -> bool:
+    """Whether 8-token blocks run paired (experts with more than 8 rows in blocks of 16, by the
+    same programs): above PAIRED_FROM_PER_EXPERT rows per expert."""
+    return block_m == 8 and num_slots / max(1, num_local) > PAIRED_FROM_PER_EXPERT
 
 
 # Steps with many rows per expert (prompts, and decode steps from 1024 rows): the MMA work grows
@@ -826,9 +881,10 @@ ALIGN_CHUNKED_FROM = 2048
 ALIGN_SLOT_CHUNK = 1024  # slots per chunk of the chunked align (sorted in registers)
 
 
-def _align(x, ids, first_expert, num_local, block_m, nblocks, block_k, chunked: bool | None = None):
+def _align(x, ids, first_expert, num_local, block_m, nblocks, block_k, chunked: bool | None = None, paired=False):
     """Sort the (token, k) slots by local expert into BLOCK_M blocks and permute the activations
-    for the gate/up kernel -> (sorted_slot [nblocks * block_m], block_expert [nblocks], xp)."""
+    for the gate/up kernel -> (sorted_slot [nblocks * block_m], block_expert [nblocks], xp).
+    paired: experts with more than block_m slots in pairs of blocks (_expert_run's PAIRED)."""
     num_tokens, hidden = x.shape
     n_slots = ids.numel()
     dev = x.device
@@ -847,7 +903,7 @@ def _align(x, ids, first_expert, num_local, block_m, nblocks, block_k, chunked: 
         _moe_align_kernel[(num_local + num_tokens,)](
             ids, sorted_slot, block_expert, x, xp, n_slots, first_expert, num_local, nblocks, *loops,
             E_P2=e_p2, BLOCK_M=block_m, CHUNK=chunk, SLOT_CHUNKS=const[0], EXPERT_BLOCK_CHUNKS=const[1],
-            BLOCK_CHUNKS=const[2], HIDDEN=hidden, BLOCK_K=block_k, INTERPRET=interpret, num_warps=4,
+            BLOCK_CHUNKS=const[2], HIDDEN=hidden, BLOCK_K=block_k, INTERPRET=interpret, PAIRED=paired, num_warps=4,
         )  # fmt: skip
         return sorted_slot, block_expert, xp
     n_chunks = triton.cdiv(n_slots, ALIGN_SLOT_CHUNK)
@@ -864,7 +920,7 @@ def _align(x, ids, first_expert, num_local, block_m, nblocks, block_k, chunked: 
         total, chunk_count, chunk_before, chunk_base, sorted_slot, block_expert,
         n_chunks, nblocks, loops[1], loops[2], chunk_blocks,
         E_P2=e_p2, BLOCK_M=block_m, CHUNK=chunk, EXPERT_BLOCK_CHUNKS=const[1], BLOCK_CHUNKS=const[2],
-        CHUNK_BLOCKS=chunk_blocks if interpret else 0, INTERPRET=interpret, num_warps=4,
+        CHUNK_BLOCKS=chunk_blocks if interpret else 0, INTERPRET=interpret, PAIRED=paired, num_warps=4,
     )  # fmt: skip
     _moe_align_place_kernel[(n_chunks,)](
         ids, chunk_base, sorted_slot, n_slots, first_expert, num_local,
@@ -889,9 +945,10 @@ def tile_descriptors(words: torch.Tensor, scales: torch.Tensor, block_n: int):
     )  # fmt: skip
 
 
-def max_blocks(num_slots: int, num_local: int, block_m: int) -> int:
-    """Most BLOCK_M blocks any routing of num_slots slots over num_local experts can need."""
-    return triton.cdiv(num_slots, block_m) + min(num_local, num_slots)
+def max_blocks(num_slots: int, num_local: int, block_m: int, paired: bool = False) -> int:
+    """Most BLOCK_M blocks any routing of num_slots slots over num_local experts can need (paired:
+    runs of more than block_m slots padded to a multiple of 2 block_m, up to 2 blocks more each)."""
+    return triton.cdiv(num_slots, block_m) + (2 if paired else 1) * min(num_local, num_slots)
 
 
 # FUSE_K: one MMA per K block on the whole dequantised tile (asynchronous: the MMAs overlap the
@@ -945,13 +1002,16 @@ def moe_experts_nvfp4_triton(
     tiled: bool = False,
     num_experts: int | None = None,
     add: torch.Tensor | None = None,
+    paired: bool | None = None,
 ) -> torch.Tensor:
     """Sum over the token's chosen experts that live on this rank -> float32 [T, H]. relayout: the
     weights and scales are in relayout_nvfp4's layout (uint8 scales), not the checkpoint's; tiled:
     and then in tile_nvfp4's tiles (hidden and intermediate sizes multiples of 256, K blocks of 256).
     num_experts: the layer's routed experts on all ranks (default: this rank's), for block sizes.
     add ([T, H]): added to the float32 sum, and the result rounded to add's dtype: exactly
-    (sum + add.float()).to(add.dtype), in the sum's own launch (the MoE block's shared experts)."""
+    (sum + add.float()).to(add.dtype), in the sum's own launch (the MoE block's shared experts).
+    paired (default: paired_blocks): experts with more than block_m rows run as blocks of 2 block_m
+    rows, the others as blocks of block_m, in the same launch of each kernel."""
     num_tokens, hidden = x.shape
     top_k = expert_ids.shape[1]
     num_local, two_inter, _ = w13.shape
@@ -997,19 +1057,25 @@ def moe_experts_nvfp4_triton(
         out = torch.zeros(num_tokens, hidden, dtype=torch.float32, device=x.device)
         return out if add is None else (out + add.float()).to(add.dtype)
     bm = block_m or pick_block_m(sizing_slots, num_local)
-    if bm == 16 and "maxnreg" not in (config or {}).get("gate_up", {}):
+    if paired is None:
+        paired = paired_blocks(bm, sizing_slots, num_local)
+    if paired and (gu.get("SPLIT_K", 1) > 1 or dn.get("GLUON")):
+        raise ValueError("paired blocks take neither SPLIT_K nor the Gluon down kernel")
+    # The gate/up register cap of 16-token blocks (paired 8-token blocks included: the kernel has
+    # their 16-token path), unless configured.
+    if 16 in (bm, 2 * bm if paired else bm) and "maxnreg" not in (config or {}).get("gate_up", {}):
         gu = {**gu, "maxnreg": DECODE_GATE_UP_MAXNREG}
     # Programmatic dependent launch is a CUDA launch option: never in the interpreter.
     on_gpu = x.is_cuda and not _INTERPRET
     gu["PDL"] = on_gpu and gu.get("PDL", num_tokens <= SMALL_BATCH_PDL)
     dn["PDL"] = on_gpu and dn.get("PDL", num_tokens <= SMALL_BATCH_PDL)
-    nblocks = max_blocks(n_slots, num_local, bm)
+    nblocks = max_blocks(n_slots, num_local, bm, paired)
     rows = nblocks * bm
     dev = x.device
     ids = expert_ids.contiguous()
     routing_w = expert_weights.float().contiguous()
 
-    sorted_slot, block_expert, xp = _align(x, ids, first_expert, num_local, bm, nblocks, gu["BLOCK_K"])
+    sorted_slot, block_expert, xp = _align(x, ids, first_expert, num_local, bm, nblocks, gu["BLOCK_K"], paired=paired)
 
     h = torch.empty(rows, inter, dtype=torch.bfloat16, device=dev)
     split_k = gu.get("SPLIT_K", 1)
@@ -1026,7 +1092,7 @@ def moe_experts_nvfp4_triton(
         xp, w13_words, w13_scale, w13_scale_2, sorted_slot, block_expert, h, part, count, *gu_desc, top_k, rows,
         K=hidden, INTER=inter, BLOCK_M=bm, BLOCK_N=gu["BLOCK_N"], BLOCK_K=gu["BLOCK_K"], H_BLOCK_K=dn["BLOCK_K"], FUSE_K=gu["FUSE_K"],
         ASM=asm, INTERPRET=_INTERPRET, LAYOUT=layout, SPLIT_K=split_k, TMA=gu["TMA"], PDL=gu["PDL"], launch_pdl=gu["PDL"],
-        num_warps=gu["num_warps"], num_stages=gu["num_stages"], **_reg_cap(gu),
+        PAIRED=paired, num_warps=gu["num_warps"], num_stages=gu["num_stages"], **_reg_cap(gu),
     )  # fmt: skip
 
     # bf16 per-slot outputs, like the reference's per-expert matmuls; summed in float32.
@@ -1050,7 +1116,7 @@ def moe_experts_nvfp4_triton(
             h, w2_words, w2_scale, w2_scale_2, sorted_slot, block_expert, routing_w, y, *dn_desc,
             HIDDEN=hidden, INTER=inter, BLOCK_M=bm, BLOCK_N=dn["BLOCK_N"], BLOCK_K=dn["BLOCK_K"], FUSE_K=dn["FUSE_K"],
             ASM=asm, INTERPRET=_INTERPRET, LAYOUT=layout, TMA=dn["TMA"], PDL=dn["PDL"], launch_pdl=dn["PDL"],
-            num_warps=dn["num_warps"], num_stages=dn["num_stages"], **_reg_cap(dn),
+            PAIRED=paired, num_warps=dn["num_warps"], num_stages=dn["num_stages"], **_reg_cap(dn),
         )  # fmt: skip
 
     out = torch.empty(num_tokens, hidden, dtype=torch.float32 if add is None else add.dtype, device=dev)
