@@ -28,11 +28,11 @@ def test_steps_cover_the_buckets_inside_the_pool():
     assert [int(p.cached_lens[0]) + p.num_tokens for _, p in prompts] == [4096] * 7 + [ODD_PROMPT]
     # Decode batches past the top-k (2048 by default), where the indexer scores and selects.
     decode = [p for name, p in by_kind(steps, "decode") if name.endswith("at 4095")]
-    assert [p.num_reqs for p in decode] == [1, 2, 4, 8, 16, 32, 64, 100]
+    assert [p.num_reqs for p in decode] == [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 100]
     assert all(p.mode == "decode" and (p.cached_lens == 4095).all() for p in decode)
     # The same batches with a top-k list length (context + 1) that is not a multiple of 16.
     odd = [p for name, p in by_kind(steps, "decode") if name.endswith(f"at {ODD_CONTEXT}")]
-    assert [p.num_reqs for p in odd] == [1, 2, 4, 8, 16, 32, 64, 100] and (ODD_CONTEXT + 1) % 16
+    assert [p.num_reqs for p in odd] == [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 100] and (ODD_CONTEXT + 1) % 16
     # Whole prompts (nothing cached) up to the step's limit, within the top-k.
     whole = [p for name, p in steps if name.startswith("whole prompt")]
     assert [p.num_tokens for p in whole] == [128, 256, 512, 1000] and not any(p.cached_lens.any() for p in whole)

@@ -12,9 +12,11 @@ instead of 40-600 ms. The warm-up runs one step per bucket a server can meet:
   that takes it past the top-k (token-count buckets of the MoE kernels, prompt row blocks and
   key-span buckets of the indexer and its top-k, the sparse MLA prefill path);
 - prompt chunks of several requests after cached prefixes (a radix-cache hit's step);
-- decode batches of 1, 2, 4, ... requests up to the most that run at once, past the top-k (the
-  decode path of every kernel, eagerly: CUDA graphs cover only their own batch sizes), at each
-  power-of-two context bucket of the decode top-k up to its single chunk;
+- decode batches of 1, 2, 3, 4, 6, 8, 12, ... requests (powers of two and the midpoints between
+  them) up to the most that run at once, past the top-k (the decode path of every kernel, eagerly:
+  CUDA graphs cover only their own batch sizes), at each power-of-two context bucket of the decode
+  top-k up to its single chunk. Some variants change between powers of two: the sparse MLA stops
+  splitting lists from 67 rows, the MoE pairs its larger experts' blocks from 129;
 - whole prompts of 128, 256, ... tokens up to the top-k (the dense prompt path, or the unscored
   selection where it is off);
 - one decode over a context longer than the top-k kernel's single chunk;
@@ -71,6 +73,12 @@ def _powers_of_two(lo: int, hi: int) -> list[int]:
     return out + [hi] if hi >= lo else out
 
 
+def _decode_batches(hi: int) -> list[int]:
+    """Powers of two up to hi, the midpoints between them (3, 6, 12, ...) and hi itself."""
+    powers = _powers_of_two(1, hi)
+    return sorted(set(powers) | {3 * p // 2 for p in powers if 2 <= p and 3 * p // 2 < hi})
+
+
 def warmup_steps(shape: WarmupShape, num_pages: int, page_size: int, vocab_size: int, dp_size: int = 1) -> list[tuple[str, Plan]]:
     """(name, plan) of every warm-up step. Requests share the pages [0, n) of each rank's pool
     (under data-parallel attention every rank gets a copy of each request, in its own pages, so
@@ -122,7 +130,7 @@ def warmup_steps(shape: WarmupShape, num_pages: int, page_size: int, vocab_size:
     contexts = {min(c - 1, usable - 1) for c in past_topk} | {min(ODD_CONTEXT, usable - 1)}
     for context in sorted(contexts, reverse=True):
         if context > 0:
-            for b in _powers_of_two(1, max(1, shape.max_batch)):
+            for b in _decode_batches(max(1, shape.max_batch)):
                 steps.append((f"decode of {b} at {context}", plan(len(steps), [(ids(1), context)] * b)))
     if usable - 1 > TOPK_CHUNK:
         long = min(usable - 1, TOPK_CHUNK + 64)
