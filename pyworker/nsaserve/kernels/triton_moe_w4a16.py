@@ -894,7 +894,8 @@ def _align(x, ids, first_expert, num_local, block_m, nblocks, block_k, chunked: 
     e_p2 = triton.next_power_of_2(num_local + 1)  # the last bin collects other ranks' slots
     chunk = 256
     interpret = _INTERPRET or not x.is_cuda
-    loops = (triton.cdiv(n_slots, chunk), triton.cdiv(triton.cdiv(n_slots, block_m), chunk), triton.cdiv(nblocks, chunk))
+    run_blocks = triton.cdiv(n_slots, block_m) + (1 if paired else 0)  # the most blocks one expert's run takes
+    loops = (triton.cdiv(n_slots, chunk), triton.cdiv(run_blocks, chunk), triton.cdiv(nblocks, chunk))
     const = loops if interpret else (0, 0, 0)
     x = x.contiguous()
     if chunked is None:
