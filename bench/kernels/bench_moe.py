@@ -318,9 +318,9 @@ def main() -> None:
 
     # Every batch with the default configuration first, then the sweeps (cut first when time runs out).
     cases = [(int(b), False) for b in args.batches.split(",") if b] + [(b, True) for b in sorted(sweep_batches)]
+    only = tuple(v for v in args.variants.split(",") if v)
     for batch, sweep in cases:
         with_torch = batch in torch_batches and not sweep
-        only = tuple(v for v in args.variants.split(",") if v)
         run_batch(batch, stacks, gen, ceilings["copy_TBps"] * 1e12, sweep, with_torch, rows, save, only)
     run_align([int(b) for b in args.align.split(",") if b], gen, rows, save)
     cols = [
