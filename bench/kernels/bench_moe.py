@@ -190,6 +190,7 @@ def configs(batch: int, sweep: bool):
         ("down 256 rows w8 maxnreg 168", {}, {"BLOCK_N": 256, "num_warps": 8, "maxnreg": 168}),
         ("down w8", {}, {"num_warps": 8}),
         ("down 64 rows", {}, {"BLOCK_N": 64}),
+        ("down mask h (padding rows of h not read)", {}, {"MASK_H": True}),
         ("gate_up 128 rows w8", {"BLOCK_N": 128, "num_warps": 8, "maxnreg": None}, {}),
         ("gate_up s4", {"num_stages": 4}, {}),
         # gluon_moe_down: one persistent pipeline across tiles, the operand a quarter block at a time.

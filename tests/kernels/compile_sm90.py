@@ -198,6 +198,8 @@ def moe_cases():
     yield "moe down tiled, 8 tokens", tw._moe_down_kernel, down_sig, {**consts, "BLOCK_M": 8}, 4, {"num_stages": 3}
     paired = {**consts, "BLOCK_M": 8, "PAIRED": True}
     yield "moe down tiled, 8 tokens paired", tw._moe_down_kernel, down_sig, paired, 4, {"num_stages": 3}
+    masked = {**paired, "MASK_H": True}
+    yield "moe down tiled, 8 tokens paired, padding rows of h masked", tw._moe_down_kernel, down_sig, masked, 4, {"num_stages": 3}
 
 
 def gluon_sparse_mla_sig(fp8: bool, split: bool) -> dict:

@@ -480,6 +480,21 @@ def test_tiny_slot_blocks_equal_aligned_path(relayout, num_tokens, first_expert,
         assert rel_err(plain, reference(x, ids, weights, w13, w2, first_expert)) < TOL
 
 
+@pytest.mark.parametrize("num_tokens,block_m,paired", [(5, 8, False), (24, 8, True)])
+def test_tiny_down_mask_h_is_bit_identical(num_tokens, block_m, paired):
+    """The down config's MASK_H (padding rows of h zero-filled, not read) changes no bit."""
+    gen = torch.Generator().manual_seed(600 + num_tokens)
+    e, h, i, k = TINY["num_experts"], TINY["hidden"], TINY["inter"], TINY["top_k"]
+    w13, w2 = (relaid(s) for s in quantized_stacks(e, h, i, gen))
+    x = torch.randn(num_tokens, h, generator=gen).to(DEV, torch.bfloat16)
+    ids, weights = route(num_tokens, e, k, gen)
+    cfg = {**TINY_CFG, "down": {**TINY_CFG["down"], "MASK_H": True}}
+    run = functools.partial(
+        tm.moe_experts_nvfp4_triton, x, ids, weights, *w13, *w2, 0, block_m=block_m, paired=paired, relayout=True
+    )
+    assert torch.equal(run(config=cfg), run(config=TINY_CFG))
+
+
 def test_slot_blocks_are_refused_where_they_cannot_run():
     gen = torch.Generator().manual_seed(9)
     e, h, i, k = TINY["num_experts"], TINY["hidden"], TINY["inter"], TINY["top_k"]
@@ -534,6 +549,10 @@ def test_glm5_shapes_match_reference(glm5_stacks, glm5_relaid, glm5_tiled, num_t
     assert rel_err(outs[1], outs[0]) < 1e-3
     tiled = tm.moe_experts_nvfp4_triton(x, ids, weights, *glm5_tiled[0], *glm5_tiled[1], 0, relayout=True, tiled=True)
     assert torch.equal(tiled, outs[1])
+    masked = tm.moe_experts_nvfp4_triton(
+        x, ids, weights, *glm5_tiled[0], *glm5_tiled[1], 0, relayout=True, tiled=True, config={"down": {"MASK_H": True}}
+    )
+    assert torch.equal(masked, outs[1]), "down MASK_H"
     if num_tokens == 1:  # slot blocks (no align, down and sum in one launch): the same MMAs, the same bits
         for k13, k2, tiles in ((*glm5_relaid, False), (*glm5_tiled, True)):
             slots = tm.moe_experts_nvfp4_triton(

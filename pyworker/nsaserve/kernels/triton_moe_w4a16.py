@@ -741,6 +741,7 @@ def _moe_down_kernel(
     HIDDEN: tl.constexpr, INTER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, FUSE_K: tl.constexpr, ASM: tl.constexpr, INTERPRET: tl.constexpr,
     LAYOUT: tl.constexpr = 0, TMA: tl.constexpr = False, PDL: tl.constexpr = False, PAIRED: tl.constexpr = False,
+    MASK_H: tl.constexpr = False,
 ):  # fmt: skip
     """Grid (H / BLOCK_N, blocks): one output tile per program (_down_tile); PAIRED as in
     _moe_gate_up_kernel."""
@@ -750,13 +751,13 @@ def _moe_down_kernel(
         _down_tile(
             h_ptr, w_ptr, s_ptr, s2_ptr, sorted_slot_ptr, e, topk_w_ptr, y_ptr, w_desc, s_desc,
             tl.program_id(0), tl.program_id(1), HIDDEN, INTER, BLOCK_M, BLOCK_N, BLOCK_K, FUSE_K, ASM, INTERPRET,
-            LAYOUT, TMA, False,
+            LAYOUT, TMA, False, MASK_H,
         )  # fmt: skip
     elif PAIRED and e <= -2:
         _down_tile(
             h_ptr, w_ptr, s_ptr, s2_ptr, sorted_slot_ptr, -e - 2, topk_w_ptr, y_ptr, w_desc, s_desc,
             tl.program_id(0), tl.program_id(1), HIDDEN, INTER, 2 * BLOCK_M, BLOCK_N, BLOCK_K, FUSE_K, ASM,
-            INTERPRET, LAYOUT, TMA, True,
+            INTERPRET, LAYOUT, TMA, True, MASK_H,
         )  # fmt: skip
 
 
@@ -765,10 +766,12 @@ def _down_tile(
     h_ptr, w_ptr, s_ptr, s2_ptr, sorted_slot_ptr, e, topk_w_ptr, y_ptr, w_desc, s_desc, pid_n, pid_m,
     HIDDEN: tl.constexpr, INTER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, FUSE_K: tl.constexpr, ASM: tl.constexpr, INTERPRET: tl.constexpr,
-    LAYOUT: tl.constexpr, TMA: tl.constexpr, PAIRED: tl.constexpr = False,
+    LAYOUT: tl.constexpr, TMA: tl.constexpr, PAIRED: tl.constexpr = False, MASK_H: tl.constexpr = False,
 ):  # fmt: skip
     """Output tile (pid_n, pid_m) of used block pid_m (local expert e): y = (a_2·W2 · h^T)^T ·
-    routing weight for BLOCK_N hidden columns of the block's rows."""
+    routing weight for BLOCK_N hidden columns of the block's rows. MASK_H (re-laid-out and tiled
+    weights): the block's padding rows of h (zeros, as the gate/up kernel writes them) are not
+    read, only zero-filled: the same operands with less traffic from L2."""
     W: tl.constexpr = BLOCK_K // 8
     offs_m, slot, valid = _block_slots(sorted_slot_ptr, pid_m, BLOCK_M, PAIRED)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -786,7 +789,10 @@ def _down_tile(
                 wt, st = _load_tile_v3(
                     w_ptr, s_ptr, rows, i, INTER // 8, INTER // 16, BLOCK_N, BLOCK_K, ASM, LAYOUT == 2
                 )
-            hk = mma_operand(tl.load(hp + offs_k[:, None]), INTERPRET)
+            if MASK_H:
+                hk = mma_operand(tl.load(hp + offs_k[:, None], mask=valid[None, :], other=0.0), INTERPRET)
+            else:
+                hk = mma_operand(tl.load(hp + offs_k[:, None]), INTERPRET)
             acc = tl.dot(_dequant_block_v3(wt, st, ASM, INTERPRET), hk, acc)
         elif FUSE_K:
             wt, st = _load_tile(w_ptr, s_ptr, rows, i, INTER // 8, INTER // 16, BLOCK_N, BLOCK_K, ASM)
@@ -1074,6 +1080,9 @@ DEFAULT_CONFIG = {
     "down_sum": {"BLOCK_N": 32, "num_warps": 4, "num_stages": 4},
 }
 
+# The down config's MASK_H (see _down_tile) is off until timed: at 256 tokens a block's h rows are
+# about a fifth of what each down program reads from L2, and ncu put L2 at 80-88% of its peak there.
+
 # Slot blocks up to this many tokens (0: never, unless a call asks): each (token, k) slot is its own
 # block, in slot order, so no align launch (its 4.5 us at one token: bench/results/
 # 2026-12-04-triton-moe-block8.json), and one launch for the down projection and the sum (3.1 us
@@ -1257,7 +1266,8 @@ def moe_experts_nvfp4_triton(
             h, w2_words, w2_scale, w2_scale_2, sorted_slot, block_expert, routing_w, y, *dn_desc,
             HIDDEN=hidden, INTER=inter, BLOCK_M=bm, BLOCK_N=dn["BLOCK_N"], BLOCK_K=dn["BLOCK_K"], FUSE_K=dn["FUSE_K"],
             ASM=asm, INTERPRET=_INTERPRET, LAYOUT=layout, TMA=dn["TMA"], PDL=dn["PDL"], launch_pdl=dn["PDL"],
-            PAIRED=paired, num_warps=dn["num_warps"], num_stages=dn["num_stages"], **_reg_cap(dn),
+            PAIRED=paired, MASK_H=dn.get("MASK_H", False), num_warps=dn["num_warps"], num_stages=dn["num_stages"],
+            **_reg_cap(dn),
         )  # fmt: skip
 
     out = torch.empty(num_tokens, hidden, dtype=torch.float32 if add is None else add.dtype, device=dev)
