@@ -2,7 +2,8 @@
 
 Every rank builds the worker's own executor (ModelExecutor.from_args: the same backends, KV cache
 and decode graphs as `nsaserve serve`), then runs synthetic steps through it: decode batches of B
-requests with C tokens of context each (graph replay when a graph fits, and eagerly), a prefill
+requests with C tokens of context each, or contexts spread over a range as in serving (graph replay
+when a graph fits, and eagerly), a prefill
 of R prompts of L tokens, and an extend step: R requests of N new tokens each after C cached ones
 (a radix-cache hit's prefill). Each scenario is timed over --steps steps (median), then run once
 more under torch.profiler; rank 0 groups the device kernels into families (routed experts, sparse
@@ -13,7 +14,7 @@ time per step that the pipeline hides.
 KV contents are whatever the pool holds (zeros): timing, not output, is the point.
 
     python bench/gpu/step_profile.py --model-path DIR [--load-format random] --tp 4 \\
-        --decode 64x1400,512x1400 --prefill 16x1024 --extend 256x33x1024 --out OUT/prof [-- worker flags]
+        --decode 64x1400,512x1400,256x819-2048 --prefill 16x1024 --extend 256x33x1024 --out OUT/prof [-- worker flags]
 
 Worker flags after -- change what runs, e.g. `-- --dense-prefill=off` (sparse prompt attention only) or
 `-- --warmup-tokens=16384` (the serving warm-up first; the first-call column then shows no compile).
@@ -63,6 +64,36 @@ def parse_shapes(text: str) -> list[tuple[int, ...]]:
     return [tuple(int(v) for v in item.split("x")) for item in filter(None, text.split(","))]
 
 
+# Orders of a decode batch's spread contexts: as requests arrive in serving (a fixed shuffle), or
+# longest / shortest first.
+CONTEXT_ORDERS = {"": "shuffled", "d": "longest first", "a": "shortest first"}
+
+
+def parse_decode(text: str) -> list[tuple[str, list[int]]]:
+    """Decode scenarios -> (name, context of each request). "64x1400": 64 requests of 1400 tokens;
+    "256x819-2048": 256 contexts spread evenly over 819..2048 (serving's mix of prompt and output
+    lengths), in a fixed shuffled order; a "d" or "a" suffix ("256x819-2048d") orders them longest
+    or shortest first instead. Spread contexts show what equal ones hide: work split by context
+    (sparse MLA programs per row, the split of each row's list) ends with the longest."""
+    out = []
+    for item in filter(None, text.split(",")):
+        batch, ctx = item.split("x")
+        b = int(batch)
+        order = ctx[-1] if ctx[-1] in "da" else ""
+        lo, _, hi = ctx.rstrip("da").partition("-")
+        lo, hi = int(lo), int(hi or lo)
+        if not (b > 0 and 0 < lo <= hi):
+            raise ValueError(f"decode scenario {item!r}: BATCHxCONTEXT or BATCHxLO-HI[d|a], 0 < LO <= HI")
+        contexts = [lo + (hi - lo) * i // max(1, b - 1) for i in range(b)]
+        if order == "d":
+            contexts.reverse()
+        elif not order and hi > lo:
+            perm = torch.randperm(b, generator=torch.Generator().manual_seed(1)).tolist()
+            contexts = [contexts[i] for i in perm]
+        out.append((f"decode {item}" if hi > lo else f"decode {b}x{lo}", contexts))
+    return out
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model-path", required=True)
@@ -71,7 +102,10 @@ def parse_args(argv=None):
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     p.add_argument("--kv-cache-dtype", default="fp8_e4m3")
     p.add_argument("--page-size", type=int, default=64)
-    p.add_argument("--decode", default="64x1400", help="decode scenarios, BATCHxCONTEXT, comma-separated")
+    p.add_argument(
+        "--decode", default="64x1400",
+        help="decode scenarios, BATCHxCONTEXT or BATCHxLO-HI[d|a] (spread contexts, parse_decode), comma-separated",
+    )  # fmt: skip
     p.add_argument("--prefill", default="16x1024", help="prefill scenarios, PROMPTSxLENGTH, comma-separated")
     p.add_argument("--extend", default="", help="prefill after a cached prefix, REQUESTSxNEWxCACHED, comma-separated")
     p.add_argument("--steps", type=int, default=5, help="timed steps per scenario (median reported)")
@@ -90,7 +124,7 @@ def parse_args(argv=None):
 
 def _pages_needed(a) -> int:
     ps = a.page_size
-    need = [b * -(-(c + 2) // ps) for b, c in parse_shapes(a.decode)]
+    need = [sum(-(-(c + 2) // ps) for c in contexts) for _, contexts in parse_decode(a.decode)]
     need += [r * -(-(n + 1) // ps) for r, n in parse_shapes(a.prefill)]
     need += [r * -(-(n + c + 1) // ps) for r, n, c in parse_shapes(a.extend)]
     return max(need + [1]) + 8
@@ -104,15 +138,17 @@ def _plans(a, vocab: int):
     sampling = SamplingSpec(**json.loads(a.sampling))
     penalised = RequestSpec(0, [0], 0, [], sampling=sampling).resets_history()
     out = []
-    for b, c in parse_shapes(a.decode):
-        per = -(-(c + 1) // ps)
-        reqs = [RequestSpec(i, [int(torch.randint(vocab, (1,), generator=g))], c, list(range(i * per, (i + 1) * per)),
-                            sampling=sampling)
-                for i in range(b)]  # fmt: skip
-        for r in reqs if penalised else ():
+    for name, contexts in parse_decode(a.decode):
+        reqs, first = [], 0
+        for i, c in enumerate(contexts):
+            per = -(-(c + 1) // ps)
+            reqs.append(RequestSpec(i, [int(torch.randint(vocab, (1,), generator=g))], c,
+                                    list(range(first, first + per)), sampling=sampling))  # fmt: skip
+            first += per
+        for r, c in zip(reqs if penalised else (), contexts):
             r.history = torch.randint(vocab, (c,), generator=g).tolist()
             r.history_prompt_len = max(c - 200, 0)
-        out.append((f"decode {b}x{c}", "decode", build_plan(1, ps, reqs)))
+        out.append((name, "decode", build_plan(1, ps, reqs)))
     for r, n in parse_shapes(a.prefill):
         per = -(-(n + 1) // ps)
         reqs = [RequestSpec(i, torch.randint(vocab, (n,), generator=g).tolist(), 0, list(range(i * per, (i + 1) * per)))
@@ -234,10 +270,10 @@ def _rank(rank: int, a, port: int) -> None:
     flags = [f"--rank={rank}", f"--tp-size={a.tp}", f"--model-path={a.model_path}", f"--device={a.device}",
              f"--kv-cache-dtype={a.kv_cache_dtype}", f"--page-size={a.page_size}", f"--load-format={a.load_format}",
              f"--num-pages={_pages_needed(a)}", f"--dist-init-method=tcp://127.0.0.1:{port}"]  # fmt: skip
-    decode = parse_shapes(a.decode)
-    if decode:  # one graph per decode scenario, so the graph and eager timings cover the same steps
-        flags.append("--cuda-graph-bs=" + ",".join(str(b) for b, _ in decode))
-        flags.append(f"--cuda-graph-max-context={max(c for _, c in decode) + 1}")
+    decode = parse_decode(a.decode)
+    if decode:  # one graph per decode batch size, so the graph and eager timings cover the same steps
+        flags.append("--cuda-graph-bs=" + ",".join(str(b) for b in sorted({len(c) for _, c in decode})))
+        flags.append(f"--cuda-graph-max-context={max(max(c) for _, c in decode) + 1}")
     args = worker_args(flags + list(a.worker_flags))
     if a.tp > 1:
         init_distributed(args)

@@ -14,6 +14,16 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "bench" / "gpu"))
 
 
+def test_decode_scenarios_with_spread_contexts():
+    from step_profile import parse_decode
+
+    assert parse_decode("2x7") == [("decode 2x7", [7, 7])]
+    (name, ctx), (_, desc), (_, asc) = parse_decode("5x10-30,5x10-30d,5x10-30a")
+    assert name == "decode 5x10-30" and sorted(ctx) == asc == [10, 15, 20, 25, 30] and desc == asc[::-1]
+    assert ctx != asc and ctx != desc  # arrival order: shuffled, the same every run
+    assert parse_decode("5x10-30")[0][1] == ctx
+
+
 def test_family_names():
     from step_profile import family
 
@@ -33,7 +43,7 @@ def test_profiles_decode_and_prefill_at_tp2_on_cpu(tmp_path):
     make_glm5_config_dir(str(cfg), moe_layers=1, dense_layers=1, overrides=TINY_OVERRIDES)
     out = tmp_path / "out"
     cmd = [sys.executable, str(ROOT / "bench" / "gpu" / "step_profile.py"), "--model-path", str(cfg),
-           "--load-format", "random", "--tp", "2", "--device", "cpu", "--decode", "4x40", "--prefill", "2x30", "--extend", "3x5x20",
+           "--load-format", "random", "--tp", "2", "--device", "cpu", "--decode", "4x40,3x10-40d", "--prefill", "2x30", "--extend", "3x5x20",
            "--steps", "1", "--sources", "5",
            "--sampling", '{"top_p": 0.95, "frequency_penalty": 0.2, "seed": 3, "top_logprobs": 2}', "--out", str(out)]  # fmt: skip
     here = str(Path(nsaserve.__file__).resolve().parent.parent)
@@ -42,12 +52,13 @@ def test_profiles_decode_and_prefill_at_tp2_on_cpu(tmp_path):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     doc = json.loads((out / "profile.json").read_text())
     assert doc["machine"]["tp"] == 2 and not doc["graphs"]
-    assert [s["scenario"] for s in doc["scenarios"]] == ["decode 4x40", "prefill 2x30", "extend 3x5 after 20"]
+    names = ["decode 4x40", "decode 3x10-40d", "prefill 2x30", "extend 3x5 after 20"]
+    assert [s["scenario"] for s in doc["scenarios"]] == names
     for s in doc["scenarios"]:
         assert len(s["eager_ms"]) == 1 and s["eager_profile"]["kernels_total_ms"] > 0
         assert sum(s["eager_profile"]["families_ms"].values()) > 0
     assert "| decode 4x40 | eager |" in (out / "profile.md").read_text()
-    assert doc["scenarios"][0]["pipelined_ms"] > 0 and "pipelined_ms" not in doc["scenarios"][1]
+    assert doc["scenarios"][1]["pipelined_ms"] > 0 and "pipelined_ms" not in doc["scenarios"][2]
     # --sources: operators by the project line that called them
     src = doc["scenarios"][0]["sources"]
     assert 0 < len(src) <= 5 and all(r["op"].startswith("aten::") and r["ms"] > 0 for r in src)
