@@ -89,7 +89,7 @@ def sparse_mla_cases():
     # divisible pointers, heads and index row stride; top-k is not specialised): without it
     # Triton pipelines nothing, so neither the shared memory nor the schedule would be the
     # launched kernel's.
-    attrs = {(i,): [["tt.divisibility", 16]] for i in (*range(11), 12)}
+    attrs = {(i,): [["tt.divisibility", 16]] for i in (*range(12), 13)}
     for fp8 in (True, False):
         for logical, split, skip, prefetch, trim, mask_all, block_n, stages in (
             (False, True, False, True, False, False, 64, 2),  # decode default
@@ -101,7 +101,7 @@ def sparse_mla_cases():
             sig = {
                 "q_lat_ptr": "*bf16", "q_pe_ptr": "*bf16", "cache_ptr": cache_ty,
                 "cache_f32_ptr": F32 if fp8 else cache_ty, "cache_bf16_ptr": "*bf16", "idx_ptr": "*i64",
-                "kv_base_ptr": "*i64", "kv_slots_ptr": "*i64", "o_ptr": F32, "lse_ptr": F32, "heads": "i32",
+                "kv_base_ptr": "*i64", "kv_slots_ptr": "*i64", "o_ptr": F32, "lse_ptr": F32, "work_ptr": "*i32", "heads": "i32",
                 "topk": "i32", "idx_stride": "i32", "num_splits": "i32", "scale_log2": "fp32", "split_len": "i32",
             }  # fmt: skip
             consts = dict(
@@ -114,9 +114,14 @@ def sparse_mla_cases():
             yield name, tm._sparse_mla_kernel, sig, consts, 8, {"num_stages": stages, "attrs": attrs}
             if not split:  # without splits the kernel writes the model's dtype (the registry backend)
                 yield name + " bf16 out", tm._sparse_mla_kernel, {**sig, "o_ptr": "*bf16"}, consts, 8, {"num_stages": stages, "attrs": attrs}
-    sig = {"o_part_ptr": F32, "lse_ptr": F32, "out_ptr": F32, "heads": "i32", "num_splits": "i32"}
+            if not logical and prefetch:  # the step's work plan (mla_work): parts of rows, longest first
+                work = {**consts, "WORK": True, "TRIM": False}
+                yield name + " work plan", tm._sparse_mla_kernel, sig, work, 8, {"num_stages": stages, "attrs": attrs}
+    sig = {"o_part_ptr": F32, "lse_ptr": F32, "out_ptr": F32, "counts_ptr": "*i32", "heads": "i32", "num_splits": "i32"}
     yield "sparse mla combine", tm._combine_kernel, sig, dict(R=512, BLOCK_S=8, INTERPRET=False), 4
     yield "sparse mla combine, bf16 out", tm._combine_kernel, {**sig, "out_ptr": "*bf16"}, dict(R=512, BLOCK_S=8, INTERPRET=False), 4
+    counts = dict(R=512, BLOCK_S=16, INTERPRET=False, COUNTS=True)
+    yield "sparse mla combine, a work plan's counts", tm._combine_kernel, {**sig, "out_ptr": "*bf16"}, counts, 4
 
 
 def moe_cases():
@@ -209,7 +214,7 @@ def gluon_sparse_mla_sig(fp8: bool, split: bool) -> dict:
     return {
         "q_lat_ptr": "*bf16", "q_pe_ptr": "*bf16", "cache_ptr": cache_ty, "cache_f32_ptr": F32 if fp8 else cache_ty,
         "cache_bf16_ptr": "*bf16", "idx_ptr": "*i64", "o_ptr": F32 if split else "*bf16", "lse_ptr": F32,
-        "heads": "i32", "topk": "i32", "idx_stride": "i32", "num_splits": "i32", "scale_log2": "fp32", "split_len": "i32",
+        "work_ptr": "*i32", "heads": "i32", "topk": "i32", "idx_stride": "i32", "num_splits": "i32", "scale_log2": "fp32", "split_len": "i32",
     }  # fmt: skip
 
 
@@ -229,6 +234,8 @@ def gluon_sparse_mla_cases():
             # Copies issued before QK^T from slots loaded a block ahead (staged rows with FP8).
             early = {**consts, "STAGE": fp8, "EARLY": True}
             yield name + " early", gm._sparse_mla_gluon_kernel, sig, early, 8, {"gluon": True}
+            if split:  # the step's work plan (mla_work): parts of rows, longest first
+                yield name + " work plan", gm._sparse_mla_gluon_kernel, sig, {**consts, "WORK": True}, 8, {"gluon": True}
 
 
 def gluon_sparse_mla_ws_cases():
@@ -241,6 +248,8 @@ def gluon_sparse_mla_ws_cases():
             consts = dict(R=512, P=64, G=128, ROW_BYTES=656 if fp8 else 576, FP8=fp8, SPLIT=split, TRIM=trim, TRIM_LEN=2048, BITS=gmw.FP8_DEQUANT_BITS, Q_HERE=split)
             opts = {"gluon": True, "ptxas_clean": ("C7515", "C7507")}
             yield f"gluon sparse mla ws fp8={fp8} split={split} trim={trim}", gmw._sparse_mla_ws_kernel, sig, consts, 4, opts
+            work = {**consts, "WORK": True, "TRIM": False}
+            yield f"gluon sparse mla ws fp8={fp8} split={split} work plan", gmw._sparse_mla_ws_kernel, sig, work, 4, opts
 
 
 def ptxas_notes(ptx: str) -> str:

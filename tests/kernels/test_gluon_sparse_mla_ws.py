@@ -72,6 +72,62 @@ def test_trimmed_rows(fp8):
 
 
 @hopper
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("tokens", [3, 64, 200])
+def test_work_plans(fp8, tokens):
+    """Whole-context rows of mixed lengths through a work plan (kernels/mla_work.py: rows cut into
+    parts, longest first, merged by counts; 200 rows: one part a row, written directly), in both
+    Gluon kernels: the reference's results."""
+    from nsaserve.kernels.mla_work import plan_mla_work
+
+    (q_lat, q_pe, cache, slots), _ = case(tokens, 64, fp8, seed=11 + tokens)
+    g = torch.Generator().manual_seed(tokens)
+    lens = torch.randint(1, TOPK + 1, (tokens,), generator=g)
+    lens[0] = TOPK
+    cols = torch.arange(TOPK)
+    slots = torch.where(cols[None, :] < lens[:, None], slots.cpu(), -1).to(slots.device)
+    want = sparse_mla_torch(q_lat.cpu(), q_pe.cpu(), cache.cpu(), slots.cpu(), SCALE)
+    work = plan_mla_work(lens.to(slots.device), TOPK, torch.cuda.get_device_properties(0).multi_processor_count)
+    assert (work.max_parts > 1) == (tokens < 132)
+    for run in (sparse_mla_decode_ws, sparse_mla_decode_gluon):
+        got = run(q_lat, q_pe, cache, slots, SCALE, work=work, out_dtype=torch.bfloat16)
+        assert rel_err(got.float().cpu(), want) < 1e-2, run.__name__
+
+
+@hopper
+def test_work_plan_in_a_cuda_graph():
+    """The plan (torch ops on the device) and the kernel captured once, replayed on other context
+    lengths: the reference's results each time."""
+    from nsaserve.kernels.mla_work import plan_mla_work
+
+    tokens = 64
+    (q_lat, q_pe, cache, full), _ = case(tokens, 64, True, seed=5)
+    programs = torch.cuda.get_device_properties(0).multi_processor_count
+    lens = torch.full((tokens,), TOPK, dtype=torch.int32, device="cuda")
+    slots = full.clone()
+    cols = torch.arange(TOPK, device="cuda")
+
+    def step():
+        work = plan_mla_work(lens, TOPK, programs)
+        return sparse_mla_decode_ws(q_lat, q_pe, cache, slots, SCALE, work=work, out_dtype=torch.bfloat16)
+
+    step()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    g = torch.Generator().manual_seed(9)
+    for _ in range(2):
+        new = torch.randint(1, TOPK + 1, (tokens,), generator=g, dtype=torch.int32).cuda()
+        lens.copy_(new)
+        slots.copy_(torch.where(cols[None, :] < new[:, None], full, -1))
+        out.fill_(float("nan"))
+        graph.replay()
+        want = sparse_mla_torch(q_lat.cpu(), q_pe.cpu(), cache.cpu(), slots.cpu(), SCALE)
+        assert rel_err(out.float().cpu(), want) < 1e-2
+
+
+@hopper
 @pytest.mark.parametrize("mode", ["auto", "all", "none"])
 @pytest.mark.parametrize(("fp8", "tokens"), [(False, 5), (True, 5), (True, 130), (True, 300), (False, 300), (False, 1)])
 def test_registry_backend_routes_calls(monkeypatch, mode, fp8, tokens):

@@ -40,7 +40,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from .triton_sparse_mla import TRIM_SCAN, cache_views, combine_splits, plan_splits
+from .triton_sparse_mla import TRIM_SCAN, cache_views, combine_splits, plan_splits, work_splits
 
 BLOCK_H = gl.constexpr(64)  # heads per program: the MMA's M, one warpgroup's 4 x 16 rows
 NUM_WARPS = gl.constexpr(8)  # two warpgroups
@@ -349,14 +349,21 @@ def list_part(idx_ptr, t, idx_stride, sp, split_len, topk, BLOCK_N: gl.constexpr
 # The list length and its split are runtime values (not specialised), as in the Triton kernel.
 @gluon.jit(do_not_specialize=["topk", "split_len"])
 def _sparse_mla_gluon_kernel(
-    q_lat_ptr, q_pe_ptr, cache_ptr, cache_f32_ptr, cache_bf16_ptr, idx_ptr, o_ptr, lse_ptr,
+    q_lat_ptr, q_pe_ptr, cache_ptr, cache_f32_ptr, cache_bf16_ptr, idx_ptr, o_ptr, lse_ptr, work_ptr,
     heads, topk, idx_stride, num_splits, scale_log2, split_len,
     R: gl.constexpr, P: gl.constexpr, G: gl.constexpr, ROW_BYTES: gl.constexpr, BLOCK_N: gl.constexpr,
     FP8: gl.constexpr, SPLIT: gl.constexpr, TRIM: gl.constexpr, TRIM_LEN: gl.constexpr, STAGE: gl.constexpr = False,
-    EARLY: gl.constexpr = False, BITS: gl.constexpr = False,
+    EARLY: gl.constexpr = False, BITS: gl.constexpr = False, WORK: gl.constexpr = False,
 ):  # fmt: skip
-    t = gl.program_id(0)
-    sp = gl.program_id(1)
+    if WORK:  # the step's plan (mla_work.MlaWork.parts): program p runs entries [j0, j1) of row t
+        wp = work_ptr + gl.program_id(0) * 4
+        t = gl.load(wp)
+        if t < 0:  # the plan's spare programs
+            return
+        sp = gl.load(wp + 1)
+    else:
+        t = gl.program_id(0)
+        sp = gl.program_id(1)
     h0 = gl.program_id(2) * BLOCK_H
 
     # S [BLOCK_H, BLOCK_N]: the warpgroups split the keys. O [BLOCK_H, R]: they split the columns.
@@ -392,7 +399,12 @@ def _sparse_mla_gluon_kernel(
         plain3: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[2, 1, 0])
         sc_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_N, R // G], gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
 
-    j0, j1, n_blocks = list_part(idx_ptr, t, idx_stride, sp, split_len, topk, BLOCK_N, TRIM, TRIM_LEN, NUM_WARPS)
+    if WORK:
+        j0 = gl.load(wp + 2)
+        j1 = gl.load(wp + 3)
+        n_blocks = gl.cdiv(j1 - j0, BLOCK_N)
+    else:
+        j0, j1, n_blocks = list_part(idx_ptr, t, idx_stride, sp, split_len, topk, BLOCK_N, TRIM, TRIM_LEN, NUM_WARPS)
 
     # Block 0 into buffer 0.
     if FP8:
@@ -554,9 +566,10 @@ def sparse_mla_decode_gluon(
     stage: bool | None = None,
     early: bool | None = None,
     bits: bool | None = None,
+    work=None,
 ) -> torch.Tensor:
     """-> o_lat [T, H, R] in out_dtype; the arguments as triton_sparse_mla.sparse_mla_decode's
-    (physical slots only). Device-only (no host sync): CUDA-graph capturable. stage (FP8 cache;
+    (physical slots only; work, the step's plan of parts, as there). Device-only (no host sync): CUDA-graph capturable. stage (FP8 cache;
     default FP8_STAGE): the next block's rows come in by cp.async and are dequantised from shared
     memory (_stage_fp8) instead of loaded into registers after the PV issue. early (default
     EARLY_GATHER; with an FP8 cache only when staged): the next block's copies are issued before
@@ -573,18 +586,25 @@ def sparse_mla_decode_gluon(
     # A single (token, head block) splits its list over every multiprocessor: 32-row blocks keep
     # two of them per split (batch 1: 16.4 against 18.3 us with 64 rows).
     block_n = block_n or (32 if tokens * head_blocks == 1 else 64)
-    num_splits, split_len, o_part, lse = plan_splits(out, head_blocks, topk, block_n, num_splits)
+    if work is not None:
+        num_splits, o_part, lse = work_splits(out, work)
+        split_len, grid, trim = topk, (work.parts.shape[0], 1, head_blocks), False
+    else:
+        num_splits, split_len, o_part, lse = plan_splits(out, head_blocks, topk, block_n, num_splits)
+        grid = (tokens, num_splits, head_blocks)
     split = num_splits > 1
     trim_len = max(TRIM_SCAN, triton.next_power_of_2(split_len))
     stage = fp8 and (FP8_STAGE if stage is None else stage)
     early = (EARLY_GATHER if early is None else early) and (stage or not fp8) and latent_cache.shape[0] < 2**31
-    _sparse_mla_gluon_kernel[(tokens, num_splits, head_blocks)](
-        q_lat.contiguous(), q_pe.contiguous(), cache, f32_view, bf16_view, indices.contiguous(), o_part, lse,
+    idx = indices.contiguous()
+    _sparse_mla_gluon_kernel[grid](
+        q_lat.contiguous(), q_pe.contiguous(), cache, f32_view, bf16_view, idx, o_part, lse,
+        idx if work is None else work.parts,
         heads, topk, topk, num_splits, softmax_scale * 1.4426950408889634, split_len,
         R=rank, P=rope, G=min(128, rank), ROW_BYTES=row_bytes, BLOCK_N=block_n, FP8=fp8, SPLIT=split,
         TRIM=trim, TRIM_LEN=trim_len, STAGE=stage, EARLY=early, BITS=FP8_DEQUANT_BITS if bits is None else bits,
-        num_warps=NUM_WARPS,
+        WORK=work is not None, num_warps=NUM_WARPS,
     )  # fmt: skip
     if split:
-        combine_splits(o_part, lse, out)
+        combine_splits(o_part, lse, out, None if work is None else work.counts)
     return out

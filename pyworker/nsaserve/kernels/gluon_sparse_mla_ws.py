@@ -46,7 +46,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from .gluon_sparse_mla import _load_slots, _store_fp8_rows, list_part
-from .triton_sparse_mla import TRIM_SCAN, cache_views, combine_splits, plan_splits
+from .triton_sparse_mla import TRIM_SCAN, cache_views, combine_splits, plan_splits, work_splits
 
 BLOCK_H = gl.constexpr(64)  # heads per program: one warpgroup's MMA M
 BLOCK_N = gl.constexpr(64)  # keys per block
@@ -295,14 +295,21 @@ def _pv_wg(c_smem, p_smem, alpha_smem, l_smem, empty, p_full, p_empty, l_full, o
 
 @gluon.jit(do_not_specialize=["topk", "split_len"])
 def _sparse_mla_ws_kernel(
-    q_lat_ptr, q_pe_ptr, cache_ptr, cache_f32_ptr, cache_bf16_ptr, idx_ptr, o_ptr, lse_ptr,
+    q_lat_ptr, q_pe_ptr, cache_ptr, cache_f32_ptr, cache_bf16_ptr, idx_ptr, o_ptr, lse_ptr, work_ptr,
     heads, topk, idx_stride, num_splits, scale_log2, split_len,
     R: gl.constexpr, P: gl.constexpr, G: gl.constexpr, ROW_BYTES: gl.constexpr,
     FP8: gl.constexpr, SPLIT: gl.constexpr, TRIM: gl.constexpr, TRIM_LEN: gl.constexpr, BITS: gl.constexpr = True,
-    Q_HERE: gl.constexpr = True,
+    Q_HERE: gl.constexpr = True, WORK: gl.constexpr = False,
 ):  # fmt: skip
-    t = gl.program_id(0)
-    sp = gl.program_id(1)
+    if WORK:  # the step's plan (mla_work.MlaWork.parts): program p runs entries [j0, j1) of row t
+        wp = work_ptr + gl.program_id(0) * 4
+        t = gl.load(wp)
+        if t < 0:  # the plan's spare programs
+            return
+        sp = gl.load(wp + 1)
+    else:
+        t = gl.program_id(0)
+        sp = gl.program_id(1)
     h0 = gl.program_id(2) * BLOCK_H
     q_sl: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     pe_sl: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=min(128, 2 * P), element_bitwidth=16, rank=2)
@@ -331,7 +338,12 @@ def _sparse_mla_ws_kernel(
     mbarrier.init(l_full, count=1)
     fence_async_shared()  # q for the MMAs; the barriers' initialisation for every partition
 
-    j0, j1, n_blocks = list_part(idx_ptr, t, idx_stride, sp, split_len, topk, BLOCK_N, TRIM, TRIM_LEN, WG)
+    if WORK:
+        j0 = gl.load(wp + 2)
+        j1 = gl.load(wp + 3)
+        n_blocks = gl.cdiv(j1 - j0, BLOCK_N)
+    else:
+        j0, j1, n_blocks = list_part(idx_ptr, t, idx_stride, sp, split_len, topk, BLOCK_N, TRIM, TRIM_LEN, WG)
 
     gl.warp_specialize(
         [
@@ -379,6 +391,7 @@ def sparse_mla_decode_ws(
     out_dtype: torch.dtype = torch.float32,
     bits: bool | None = None,
     q_here: bool | None = None,
+    work=None,
 ) -> torch.Tensor:
     """-> o_lat [T, H, R] in out_dtype; the arguments as gluon_sparse_mla.sparse_mla_decode_gluon's.
     Device-only (no host sync): CUDA-graph capturable. q_here (default Q_IN_PARTITION): where q
@@ -391,16 +404,23 @@ def sparse_mla_decode_ws(
     rope, topk = q_pe.shape[2], indices.shape[1]
     fp8, row_bytes, cache, f32_view, bf16_view = cache_views(latent_cache)
     head_blocks = triton.cdiv(heads, BLOCK_H.value)
-    num_splits, split_len, o_part, lse = plan_splits(out, head_blocks, topk, BLOCK_N.value, num_splits)
+    if work is not None:
+        num_splits, o_part, lse = work_splits(out, work)
+        split_len, grid, trim = topk, (work.parts.shape[0], 1, head_blocks), False
+    else:
+        num_splits, split_len, o_part, lse = plan_splits(out, head_blocks, topk, BLOCK_N.value, num_splits)
+        grid = (tokens, num_splits, head_blocks)
     split = num_splits > 1
-    _sparse_mla_ws_kernel[(tokens, num_splits, head_blocks)](
-        q_lat.contiguous(), q_pe.contiguous(), cache, f32_view, bf16_view, indices.contiguous(), o_part, lse,
+    idx = indices.contiguous()
+    _sparse_mla_ws_kernel[grid](
+        q_lat.contiguous(), q_pe.contiguous(), cache, f32_view, bf16_view, idx, o_part, lse,
+        idx if work is None else work.parts,
         heads, topk, topk, num_splits, softmax_scale * 1.4426950408889634, split_len,
         R=rank, P=rope, G=min(128, rank), ROW_BYTES=row_bytes, FP8=fp8, SPLIT=split,
         TRIM=trim, TRIM_LEN=max(TRIM_SCAN, triton.next_power_of_2(split_len)),
         BITS=FP8_DEQUANT_BITS if bits is None else bits, Q_HERE=Q_IN_PARTITION if q_here is None else q_here,
-        num_warps=WG.value,
+        WORK=work is not None, num_warps=WG.value,
     )  # fmt: skip
     if split:
-        combine_splits(o_part, lse, out)
+        combine_splits(o_part, lse, out, None if work is None else work.counts)
     return out

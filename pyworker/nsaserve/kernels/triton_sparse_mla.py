@@ -103,19 +103,29 @@ def _attend_block(
 @triton.jit(do_not_specialize=["topk", "split_len"])
 def _sparse_mla_kernel(
     q_lat_ptr, q_pe_ptr, cache_ptr, cache_f32_ptr, cache_bf16_ptr,
-    idx_ptr, kv_base_ptr, kv_slots_ptr, o_ptr, lse_ptr,
+    idx_ptr, kv_base_ptr, kv_slots_ptr, o_ptr, lse_ptr, work_ptr,
     heads, topk, idx_stride, num_splits, scale_log2, split_len,
     SPLIT_LEN: tl.constexpr, R: tl.constexpr, P: tl.constexpr, P_PAD: tl.constexpr, G: tl.constexpr,
     ROW_BYTES: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     FP8: tl.constexpr, LOGICAL: tl.constexpr, SPLIT: tl.constexpr, SKIP_EMPTY: tl.constexpr,
     PREFETCH: tl.constexpr, TRIM: tl.constexpr, TRIM_LEN: tl.constexpr, MASK_ALL: tl.constexpr,
-    INTERPRET: tl.constexpr,
+    INTERPRET: tl.constexpr, WORK: tl.constexpr = False,
 ):  # fmt: skip
-    t = tl.program_id(0)
-    sp = tl.program_id(1)
+    """Grid (tokens, splits, head blocks), or with WORK (the step's plan, mla_work.MlaWork.parts)
+    (parts, 1, head blocks): program p runs entries [j0, j1) of row t as its part sp."""
+    if WORK:
+        wp = work_ptr + tl.program_id(0) * 4
+        t = tl.load(wp)
+        live = t >= 0  # the plan's spare programs (row -1) loop over nothing and store nothing
+        t = tl.maximum(t, 0)
+        sp = tl.load(wp + 1)
+    else:
+        t = tl.program_id(0)
+        sp = tl.program_id(1)
+        live = True
     h0 = tl.program_id(2) * BLOCK_H
     offs_h = h0 + tl.arange(0, BLOCK_H)
-    hmask = offs_h < heads
+    hmask = (offs_h < heads) & live
     offs_r = tl.arange(0, R)
     offs_p = tl.arange(0, P_PAD)  # the rope part, zero-padded to an MMA-sized K (>= 16)
     pmask = offs_p < P
@@ -131,10 +141,16 @@ def _sparse_mla_kernel(
     m_i = tl.full([BLOCK_H], -1.0e30, dtype=tl.float32)  # finite, so an all-masked block adds 0
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, R], dtype=tl.float32)
-    # Triton's CPU interpreter takes no runtime loop bound: SPLIT_LEN carries the value there.
-    span = SPLIT_LEN if INTERPRET else split_len
-    j0 = sp * span
-    j1 = tl.minimum(j0 + span, topk)
+    # Triton's CPU interpreter takes no runtime loop bound: SPLIT_LEN carries the value there (with
+    # WORK a bound: the entries past j1 are masked).
+    if WORK:
+        j0 = tl.load(wp + 2)
+        j1 = tl.where(live, tl.load(wp + 3), j0)
+        span = j1 - j0
+    else:
+        span = SPLIT_LEN if INTERPRET else split_len
+        j0 = sp * span
+        j1 = tl.minimum(j0 + span, topk)
     if TRIM:
         # Loop only up to the last valid entry of this part of the list (prefill rows early in a
         # prompt select fewer than top-k keys and are -1 padded): a loop bound, not a branch around
@@ -150,7 +166,7 @@ def _sparse_mla_kernel(
         valid_nx, slot_nx = _block_slots(
             idx_ptr, kv_slots_ptr, kv_base, t, idx_stride, j0 + tl.arange(0, BLOCK_N), j1, LOGICAL
         )
-        for n in range(0, n_end if TRIM else (SPLIT_LEN if INTERPRET else split_len), BLOCK_N):
+        for n in range(0, n_end if TRIM else (SPLIT_LEN if INTERPRET else span), BLOCK_N):
             valid, slot = valid_nx, slot_nx
             valid_nx, slot_nx = _block_slots(
                 idx_ptr, kv_slots_ptr, kv_base, t, idx_stride, j0 + n + BLOCK_N + tl.arange(0, BLOCK_N), j1, LOGICAL
@@ -160,7 +176,7 @@ def _sparse_mla_kernel(
                 offs_r, offs_p, pmask, R, P, G, ROW_BYTES, BLOCK_N, FP8, MASK_ALL, INTERPRET,
             )  # fmt: skip
     else:
-        for n in range(0, n_end if TRIM else (SPLIT_LEN if INTERPRET else split_len), BLOCK_N):
+        for n in range(0, n_end if TRIM else (SPLIT_LEN if INTERPRET else span), BLOCK_N):
             valid, slot = _block_slots(
                 idx_ptr, kv_slots_ptr, kv_base, t, idx_stride, j0 + n + tl.arange(0, BLOCK_N), j1, LOGICAL
             )
@@ -190,13 +206,15 @@ def _sparse_mla_kernel(
 
 @triton.jit
 def _combine_kernel(
-    o_part_ptr, lse_ptr, out_ptr, heads, num_splits, R: tl.constexpr, BLOCK_S: tl.constexpr, INTERPRET: tl.constexpr
-):
-    """out[t, h] = sum_s 2^(lse_s - lse) o_s over the splits of (t, h)."""
+    o_part_ptr, lse_ptr, out_ptr, counts_ptr, heads, num_splits, R: tl.constexpr, BLOCK_S: tl.constexpr,
+    INTERPRET: tl.constexpr, COUNTS: tl.constexpr = False,
+):  # fmt: skip
+    """out[t, h] = sum_s 2^(lse_s - lse) o_s over the splits of (t, h); with COUNTS over the first
+    counts[t] of them (a work plan's parts of row t; the others are not written)."""
     t = tl.program_id(0)
     h = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
-    smask = offs_s < num_splits
+    smask = offs_s < (tl.load(counts_ptr + t) if COUNTS else num_splits)
     part = (t * num_splits + offs_s).to(tl.int64) * heads + h
     lse = tl.load(lse_ptr + part, mask=smask, other=float("-inf"))
     w = tl.exp2(lse - tl.max(lse, axis=0))
@@ -234,9 +252,13 @@ def sparse_mla_decode(
     trim: bool = False,
     mask_all: bool = False,
     out_dtype: torch.dtype = torch.float32,
+    work=None,
 ) -> torch.Tensor:
     """-> o_lat [T, H, R] in out_dtype (float32 by default). Device-only (no host sync): CUDA-graph
     capturable.
+
+    work (mla_work.MlaWork, for lists that are whole contexts): the step's plan of parts, one
+    program each, in place of num_splits and trim.
 
     out_dtype: the model's dtype saves a pass over the output (the model rounds o_lat to it before
     the W_UV product anyway; the kernel's rounding is the same round-to-nearest-even).
@@ -267,26 +289,32 @@ def sparse_mla_decode(
     single = tokens * head_blocks == 1 and prefetch
     block_n = block_n or (32 if single else 64)
     num_stages = num_stages or (3 if single else 2)
-    num_splits, split_len, o_part, lse = plan_splits(out, head_blocks, topk, block_n, num_splits)
+    if work is not None:
+        num_splits, o_part, lse = work_splits(out, work)
+        split_len, grid, trim = topk, (work.parts.shape[0], 1, head_blocks), False
+    else:
+        num_splits, split_len, o_part, lse = plan_splits(out, head_blocks, topk, block_n, num_splits)
+        grid = (tokens, num_splits, head_blocks)
     split = num_splits > 1
     idx = indices.contiguous()
     interp = q_lat.device.type != "cuda"
     # The trim's scan of a list covers at least 2048 entries (DeepSeek-V3.2's and GLM-5's top-k), so
     # that lists of any length up to that compile one variant, not one per power of two.
     trim_len = max(TRIM_SCAN, triton.next_power_of_2(split_len))
-    _sparse_mla_kernel[(tokens, num_splits, head_blocks)](
+    _sparse_mla_kernel[grid](
         q_lat.contiguous(), q_pe.contiguous(), cache, f32_view, bf16_view,
         idx, token_kv_base if logical else idx, kv_slots if logical else idx, o_part, lse,
+        idx if work is None else work.parts,
         heads, topk, topk, num_splits, softmax_scale * 1.4426950408889634, split_len,
         SPLIT_LEN=split_len if interp else 0, R=rank, P=rope, P_PAD=max(16, triton.next_power_of_2(rope)), G=group,
         ROW_BYTES=row_bytes, BLOCK_H=block_h, BLOCK_N=block_n, FP8=fp8, LOGICAL=logical, SPLIT=split,
         SKIP_EMPTY=skip_empty and not prefetch, PREFETCH=prefetch,
         TRIM=trim and not interp, TRIM_LEN=trim_len if trim else 16, MASK_ALL=mask_all,
-        INTERPRET=interp,
+        INTERPRET=interp, WORK=work is not None,
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     if split:
-        combine_splits(o_part, lse, out)
+        combine_splits(o_part, lse, out, None if work is None else work.counts)
     return out
 
 
@@ -318,13 +346,26 @@ def plan_splits(out: torch.Tensor, head_blocks: int, topk: int, block_n: int, nu
     return num_splits, split_len, o_part, lse
 
 
-def combine_splits(o_part: torch.Tensor, lse: torch.Tensor, out: torch.Tensor) -> None:
-    """out [T, H, R] = the splits' partial outputs merged by their log-sum-exps."""
+def combine_splits(o_part: torch.Tensor, lse: torch.Tensor, out: torch.Tensor, counts: torch.Tensor | None = None) -> None:
+    """out [T, H, R] = the splits' partial outputs merged by their log-sum-exps; counts (int32
+    [T], a work plan's): only the first counts[t] splits of row t."""
     tokens, num_splits, heads, rank = o_part.shape
     _combine_kernel[(tokens, heads)](
-        o_part, lse, out, heads, num_splits, R=rank, BLOCK_S=triton.next_power_of_2(num_splits),
-        INTERPRET=out.device.type != "cuda", num_warps=4,
+        o_part, lse, out, lse if counts is None else counts, heads, num_splits, R=rank,
+        BLOCK_S=triton.next_power_of_2(num_splits), INTERPRET=out.device.type != "cuda", COUNTS=counts is not None,
+        num_warps=4,
     )  # fmt: skip
+
+
+def work_splits(out: torch.Tensor, work) -> tuple[int, torch.Tensor, torch.Tensor]:
+    """(splits, o_part, lse) for a work plan (mla_work.MlaWork): one part a row writes out itself;
+    more, float32 partial outputs for combine_splits(..., counts=work.counts)."""
+    tokens, heads, rank = out.shape
+    if work.max_parts == 1:
+        return 1, out, out
+    o_part = torch.empty(tokens, work.max_parts, heads, rank, dtype=torch.float32, device=out.device)
+    lse = torch.empty(tokens, work.max_parts, heads, dtype=torch.float32, device=out.device)
+    return work.max_parts, o_part, lse
 
 
 # Entries the trim's scan covers at least (see sparse_mla_decode).
@@ -357,6 +398,27 @@ if WS_MODE not in ("auto", "none", "all"):
     raise ValueError(f"NSASERVE_SPARSE_MLA_WS={WS_MODE!r}: expected auto, none or all")
 
 
+# The step's work plan (mla_work) for decode-sized steps whose lists are whole contexts: every
+# row cut into parts of one length, the parts longest first, so that the programs' work evens out
+# across the multiprocessors whatever the mix of context lengths. Not yet timed on a GPU:
+# NSASERVE_MLA_WORK=on turns it on (the model then plans once a step and every layer's call reads
+# the plan); off by default.
+MLA_WORK = os.environ.get("NSASERVE_MLA_WORK", "off")
+if MLA_WORK not in ("on", "off"):
+    raise ValueError(f"NSASERVE_MLA_WORK={MLA_WORK!r}: expected on or off")
+
+
+def plan_attention_work(row_len: torch.Tensor, width: int):
+    """The registry backend's plan for a step (sparse_mla_triton's work=), or None where it plans
+    nothing: MLA_WORK off, or a prompt-sized step. row_len: each row's valid entries (whole
+    contexts: its position + 1); width: the lists' width."""
+    if MLA_WORK != "on" or not 0 < row_len.numel() < PREFILL_TOKENS:
+        return None
+    from .mla_work import plan_mla_work
+
+    return plan_mla_work(row_len, width, _num_sms(row_len.device))
+
+
 def _takes_ws(q_lat, q_pe, latent_cache) -> bool:
     """Whether a call goes to the warp-specialised kernel (WS_MODE, WS_FROM_TOKENS, its shapes)."""
     if WS_MODE == "none":
@@ -385,14 +447,20 @@ def sparse_mla_prefill(q_lat, q_pe, latent_cache, indices, softmax_scale, token_
     return sparse_mla_decode(q_lat, q_pe, latent_cache, indices, softmax_scale, token_kv_base, kv_slots, **kw)
 
 
-def sparse_mla_triton(q_lat, q_pe, latent_cache, slots, softmax_scale, whole_contexts: bool = False) -> torch.Tensor:
+def sparse_mla_triton(
+    q_lat, q_pe, latent_cache, slots, softmax_scale, whole_contexts: bool = False, work=None
+) -> torch.Tensor:
     """The registry's ("attention", "triton") backend: same arguments as sparse_mla_torch; the
     output comes in q_lat's dtype (the model's), which the model casts it to either way.
 
     whole_contexts: decode trims each row's loop at its last valid entry too (prefill always
     does). A decode CUDA graph's lists are as wide as its context bucket, so rows shorter than the
-    bucket end in -1 padding: at contexts of ~1400 in the 2048 bucket, about a third of each row."""
+    bucket end in -1 padding: at contexts of ~1400 in the 2048 bucket, about a third of each row.
+    work: the step's plan from plan_attention_work (this function's plan_work attribute, which
+    the model calls once a step for whole-context lists): decode calls run its parts."""
     kw = {"out_dtype": q_lat.dtype}
+    if work is not None and q_lat.shape[0] < PREFILL_TOKENS:
+        kw["work"] = work
     if KERNEL == "gluon":
         from . import gluon_sparse_mla  # Triton's experimental dialect: imported only when chosen
 
@@ -415,3 +483,7 @@ def sparse_mla_triton(q_lat, q_pe, latent_cache, slots, softmax_scale, whole_con
     if whole_contexts:
         kw["trim"] = True
     return sparse_mla_decode(q_lat, q_pe, latent_cache, slots, softmax_scale, **{**kw, **DECODE_OPTIONS})
+
+
+# The model asks the backend for its step plan through this attribute (model/attention.py).
+sparse_mla_triton.plan_work = plan_attention_work

@@ -188,6 +188,8 @@ class MLAttention(nn.Module):
         """Sparse attention in the absorbed form over each token's selected latent rows -> o [t, H, v]."""
         num_tokens = q_nope.shape[0]
         whole = meta.whole_contexts  # every list a whole causal context, -1 padded
+        work = self._work_plan(topk_slots, meta, kernels) if whole else None
+        extra = {} if work is None else {"work": work}
         if kernels.resolved:
             # The two absorbed products as batched matmuls over heads, written through [H, T, .]
             # views straight into token-major buffers, so that neither needs a copy after it
@@ -195,13 +197,27 @@ class MLAttention(nn.Module):
             q_lat = q_nope.new_empty(num_tokens, self.heads, self.rank)
             torch.bmm(q_nope.transpose(0, 1), w_uk, out=q_lat.transpose(0, 1))
             o_lat = kernels.attention(
-                q_lat, q_pe, pool.latent[self.layer], topk_slots, self.softmax_scale, whole_contexts=whole
+                q_lat, q_pe, pool.latent[self.layer], topk_slots, self.softmax_scale, whole_contexts=whole, **extra
             )  # fmt: skip
             o = q_nope.new_empty(num_tokens, self.heads, self.v_dim)
             torch.bmm(o_lat.to(q_nope.dtype).transpose(0, 1), w_uv.transpose(1, 2), out=o.transpose(0, 1))
             return o
         q_lat = torch.einsum("thn,hnr->thr", q_nope, w_uk)
         o_lat = kernels.attention(
-            q_lat, q_pe, pool.latent[self.layer], topk_slots, self.softmax_scale, whole_contexts=whole
+            q_lat, q_pe, pool.latent[self.layer], topk_slots, self.softmax_scale, whole_contexts=whole, **extra
         )  # fmt: skip
         return torch.einsum("thr,hvr->thv", o_lat.to(q_nope.dtype), w_uv)
+
+    @staticmethod
+    def _work_plan(topk_slots, meta, kernels):
+        """The attention backend's plan for this step's whole-context lists (its plan_work, where it
+        has one), built once a step for every layer; None where there is none. Only for calls over
+        every row of the step (a split step's sparse rows are a subset the plan does not know):
+        row t's list holds its position + 1 entries, then -1."""
+        if meta.attention_work is None:
+            plan = getattr(kernels.attention, "plan_work", None)
+            rows = meta.indexer.row_pos
+            every = meta.sparse_rows is None and rows.numel() == topk_slots.shape[0]
+            work = plan(rows + 1, topk_slots.shape[1]) if plan is not None and every else None
+            meta.attention_work = False if work is None else work
+        return meta.attention_work or None
