@@ -40,7 +40,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from .triton_sparse_mla import TRIM_SCAN, cache_views, combine_splits, plan_splits, work_splits
+from .triton_sparse_mla import TRIM_SCAN, cache_views, combine_splits, plan_launch
 
 BLOCK_H = gl.constexpr(64)  # heads per program: the MMA's M, one warpgroup's 4 x 16 rows
 NUM_WARPS = gl.constexpr(8)  # two warpgroups
@@ -346,6 +346,16 @@ def list_part(idx_ptr, t, idx_stride, sp, split_len, topk, BLOCK_N: gl.constexpr
     return j0, j1, gl.cdiv(span, BLOCK_N)
 
 
+@gluon.jit
+def work_part(work_ptr, BLOCK_N: gl.constexpr):
+    """This program's entry of a work plan (mla_work.MlaWork.parts): (row, part, j0, j1, blocks);
+    row -1 for a spare program."""
+    wp = work_ptr + gl.program_id(0) * 4
+    j0 = gl.load(wp + 2)
+    j1 = gl.load(wp + 3)
+    return gl.load(wp), gl.load(wp + 1), j0, j1, gl.cdiv(j1 - j0, BLOCK_N)
+
+
 # The list length and its split are runtime values (not specialised), as in the Triton kernel.
 @gluon.jit(do_not_specialize=["topk", "split_len"])
 def _sparse_mla_gluon_kernel(
@@ -355,12 +365,10 @@ def _sparse_mla_gluon_kernel(
     FP8: gl.constexpr, SPLIT: gl.constexpr, TRIM: gl.constexpr, TRIM_LEN: gl.constexpr, STAGE: gl.constexpr = False,
     EARLY: gl.constexpr = False, BITS: gl.constexpr = False, WORK: gl.constexpr = False,
 ):  # fmt: skip
-    if WORK:  # the step's plan (mla_work.MlaWork.parts): program p runs entries [j0, j1) of row t
-        wp = work_ptr + gl.program_id(0) * 4
-        t = gl.load(wp)
-        if t < 0:  # the plan's spare programs
+    if WORK:  # the step's plan: program p runs entries [j0, j1) of row t
+        t, sp, j0, j1, n_blocks = work_part(work_ptr, BLOCK_N)
+        if t < 0:  # a spare program
             return
-        sp = gl.load(wp + 1)
     else:
         t = gl.program_id(0)
         sp = gl.program_id(1)
@@ -399,11 +407,7 @@ def _sparse_mla_gluon_kernel(
         plain3: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[2, 1, 0])
         sc_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_N, R // G], gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
 
-    if WORK:
-        j0 = gl.load(wp + 2)
-        j1 = gl.load(wp + 3)
-        n_blocks = gl.cdiv(j1 - j0, BLOCK_N)
-    else:
+    if not WORK:
         j0, j1, n_blocks = list_part(idx_ptr, t, idx_stride, sp, split_len, topk, BLOCK_N, TRIM, TRIM_LEN, NUM_WARPS)
 
     # Block 0 into buffer 0.
@@ -586,13 +590,8 @@ def sparse_mla_decode_gluon(
     # A single (token, head block) splits its list over every multiprocessor: 32-row blocks keep
     # two of them per split (batch 1: 16.4 against 18.3 us with 64 rows).
     block_n = block_n or (32 if tokens * head_blocks == 1 else 64)
-    if work is not None:
-        num_splits, o_part, lse = work_splits(out, work)
-        split_len, grid, trim = topk, (work.parts.shape[0], 1, head_blocks), False
-    else:
-        num_splits, split_len, o_part, lse = plan_splits(out, head_blocks, topk, block_n, num_splits)
-        grid = (tokens, num_splits, head_blocks)
-    split = num_splits > 1
+    num_splits, split_len, o_part, lse, grid = plan_launch(out, head_blocks, topk, block_n, num_splits, work)
+    split, trim = num_splits > 1, trim and work is None
     trim_len = max(TRIM_SCAN, triton.next_power_of_2(split_len))
     stage = fp8 and (FP8_STAGE if stage is None else stage)
     early = (EARLY_GATHER if early is None else early) and (stage or not fp8) and latent_cache.shape[0] < 2**31

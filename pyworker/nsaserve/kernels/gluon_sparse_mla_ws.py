@@ -45,8 +45,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from .gluon_sparse_mla import _load_slots, _store_fp8_rows, list_part
-from .triton_sparse_mla import TRIM_SCAN, cache_views, combine_splits, plan_splits, work_splits
+from .gluon_sparse_mla import _load_slots, _store_fp8_rows, list_part, work_part
+from .triton_sparse_mla import TRIM_SCAN, cache_views, combine_splits, plan_launch
 
 BLOCK_H = gl.constexpr(64)  # heads per program: one warpgroup's MMA M
 BLOCK_N = gl.constexpr(64)  # keys per block
@@ -301,12 +301,10 @@ def _sparse_mla_ws_kernel(
     FP8: gl.constexpr, SPLIT: gl.constexpr, TRIM: gl.constexpr, TRIM_LEN: gl.constexpr, BITS: gl.constexpr = True,
     Q_HERE: gl.constexpr = True, WORK: gl.constexpr = False,
 ):  # fmt: skip
-    if WORK:  # the step's plan (mla_work.MlaWork.parts): program p runs entries [j0, j1) of row t
-        wp = work_ptr + gl.program_id(0) * 4
-        t = gl.load(wp)
-        if t < 0:  # the plan's spare programs
+    if WORK:  # the step's plan: program p runs entries [j0, j1) of row t
+        t, sp, j0, j1, n_blocks = work_part(work_ptr, BLOCK_N)
+        if t < 0:  # a spare program
             return
-        sp = gl.load(wp + 1)
     else:
         t = gl.program_id(0)
         sp = gl.program_id(1)
@@ -338,11 +336,7 @@ def _sparse_mla_ws_kernel(
     mbarrier.init(l_full, count=1)
     fence_async_shared()  # q for the MMAs; the barriers' initialisation for every partition
 
-    if WORK:
-        j0 = gl.load(wp + 2)
-        j1 = gl.load(wp + 3)
-        n_blocks = gl.cdiv(j1 - j0, BLOCK_N)
-    else:
+    if not WORK:
         j0, j1, n_blocks = list_part(idx_ptr, t, idx_stride, sp, split_len, topk, BLOCK_N, TRIM, TRIM_LEN, WG)
 
     gl.warp_specialize(
@@ -404,13 +398,8 @@ def sparse_mla_decode_ws(
     rope, topk = q_pe.shape[2], indices.shape[1]
     fp8, row_bytes, cache, f32_view, bf16_view = cache_views(latent_cache)
     head_blocks = triton.cdiv(heads, BLOCK_H.value)
-    if work is not None:
-        num_splits, o_part, lse = work_splits(out, work)
-        split_len, grid, trim = topk, (work.parts.shape[0], 1, head_blocks), False
-    else:
-        num_splits, split_len, o_part, lse = plan_splits(out, head_blocks, topk, BLOCK_N.value, num_splits)
-        grid = (tokens, num_splits, head_blocks)
-    split = num_splits > 1
+    num_splits, split_len, o_part, lse, grid = plan_launch(out, head_blocks, topk, BLOCK_N.value, num_splits, work)
+    split, trim = num_splits > 1, trim and work is None
     idx = indices.contiguous()
     _sparse_mla_ws_kernel[grid](
         q_lat.contiguous(), q_pe.contiguous(), cache, f32_view, bf16_view, idx, o_part, lse,

@@ -289,13 +289,8 @@ def sparse_mla_decode(
     single = tokens * head_blocks == 1 and prefetch
     block_n = block_n or (32 if single else 64)
     num_stages = num_stages or (3 if single else 2)
-    if work is not None:
-        num_splits, o_part, lse = work_splits(out, work)
-        split_len, grid, trim = topk, (work.parts.shape[0], 1, head_blocks), False
-    else:
-        num_splits, split_len, o_part, lse = plan_splits(out, head_blocks, topk, block_n, num_splits)
-        grid = (tokens, num_splits, head_blocks)
-    split = num_splits > 1
+    num_splits, split_len, o_part, lse, grid = plan_launch(out, head_blocks, topk, block_n, num_splits, work)
+    split, trim = num_splits > 1, trim and work is None
     idx = indices.contiguous()
     interp = q_lat.device.type != "cuda"
     # The trim's scan of a list covers at least 2048 entries (DeepSeek-V3.2's and GLM-5's top-k), so
@@ -357,15 +352,21 @@ def combine_splits(o_part: torch.Tensor, lse: torch.Tensor, out: torch.Tensor, c
     )  # fmt: skip
 
 
-def work_splits(out: torch.Tensor, work) -> tuple[int, torch.Tensor, torch.Tensor]:
-    """(splits, o_part, lse) for a work plan (mla_work.MlaWork): one part a row writes out itself;
-    more, float32 partial outputs for combine_splits(..., counts=work.counts)."""
+def plan_launch(out: torch.Tensor, head_blocks: int, topk: int, block_n: int, num_splits: int | None, work):
+    """-> (num_splits, split_len, o_part, lse, grid) of a decode launch: plan_splits' split with a
+    (tokens, splits, head blocks) grid, or a work plan's (mla_work.MlaWork: one program a part;
+    float32 partial outputs where rows have several parts, merged by combine_splits(...,
+    counts=work.counts))."""
     tokens, heads, rank = out.shape
+    if work is None:
+        num_splits, split_len, o_part, lse = plan_splits(out, head_blocks, topk, block_n, num_splits)
+        return num_splits, split_len, o_part, lse, (tokens, num_splits, head_blocks)
+    grid = (work.parts.shape[0], 1, head_blocks)
     if work.max_parts == 1:
-        return 1, out, out
+        return 1, topk, out, out, grid
     o_part = torch.empty(tokens, work.max_parts, heads, rank, dtype=torch.float32, device=out.device)
     lse = torch.empty(tokens, work.max_parts, heads, dtype=torch.float32, device=out.device)
-    return work.max_parts, o_part, lse
+    return work.max_parts, topk, o_part, lse, grid
 
 
 # Entries the trim's scan covers at least (see sparse_mla_decode).
