@@ -24,6 +24,7 @@ from bench_common import bf16_matmul_rate, copy_bandwidth, graph_time_us, print_
 from nsaserve.kernels import kv_cache_format as fmt
 from nsaserve.kernels.gluon_sparse_mla import sparse_mla_decode_gluon
 from nsaserve.kernels.gluon_sparse_mla_ws import sparse_mla_decode_ws
+from nsaserve.kernels.mla_work import plan_mla_work
 from nsaserve.kernels.triton_sparse_mla import sparse_mla_decode, sparse_mla_prefill
 
 RANK, ROPE, TOPK, CTX = 512, 64, 2048, 4096
@@ -85,6 +86,12 @@ CONFIGS = {
     # (gluon_sparse_mla.EARLY_GATHER), against their issue after it
     "gluon-early": {"kernel": "gluon", "early": True},
     "gluon-late": {"kernel": "gluon", "early": False},
+    # Rows of mixed lengths (the --spread cases: whole contexts of 819-2048, -1 after): the loops
+    # trimmed at each row's end (the registry's launch for such steps), against the step's work plan
+    # (kernels/mla_work.py: rows cut into parts, longest first; built inside each timed call here,
+    # where the model builds it once a step for all its layers).
+    "gluon-ws-plan": {"kernel": "ws", "plan": True},
+    "gluon-plan": {"kernel": "gluon", "plan": True},
 }
 PREFILL_TOKENS = 2048  # a prompt chunk after CTX cached positions: every row selects a full top-k
 
@@ -94,6 +101,9 @@ def attend(q_lat, q_pe, cache, slots, opts, prefill=False):
     {"kernel": "gluon"} (a prefill: no splits, the loop trimmed, as the registry backend calls it)."""
     opts = dict(opts)
     kernel = opts.pop("kernel", "triton")
+    if opts.pop("plan", False):  # each row's valid entries lead its list (whole contexts)
+        lens = (slots >= 0).sum(1)
+        opts["work"] = plan_mla_work(lens, slots.shape[1], torch.cuda.get_device_properties(0).multi_processor_count)
     if kernel == "ws":
         if prefill:
             opts = {"num_splits": 1, "trim": True, **opts}
@@ -134,12 +144,15 @@ def case_bytes_flops(batch, heads, fp8):
 
 
 def measure_all(
-    batch, heads, fp8, names, ceil, prefill=False, causal=False, contiguous=False, half=False, deadline=None
-) -> list[dict]:
+    batch, heads, fp8, names, ceil, prefill=False, causal=False, contiguous=False, half=False, spread=False,
+    deadline=None,
+) -> list[dict]:  # fmt: skip
     """Every config in names on the same inputs (one cache build), side by side. causal (prefill):
     query row i selects only min(i + 1, top-k) keys, -1 padded, as at the start of a prompt.
     contiguous (a control for the gather): each token reads 2048 physically consecutive rows.
-    half (decode of short contexts): the second half of every list is -1 (1024 positions cached)."""
+    half (decode of short contexts): the second half of every list is -1 (1024 positions cached).
+    spread (decode of serving's mix): each row keeps its first 819-2048 entries (a fixed draw), -1
+    after them, as whole contexts of those lengths in a 2048-wide graph bucket."""
     torch.cuda.empty_cache()  # the previous case's buffers are gone with its frame
     min_bytes, flops = case_bytes_flops(batch, heads, fp8)
     copies = 1 if prefill else max(2, min(32, math.ceil(4 * L2_BYTES / min_bytes)))
@@ -153,6 +166,13 @@ def measure_all(
         tail = torch.arange(TOPK // 2, TOPK, device="cuda")
         sets = [(ql, qp, slots.clone().index_fill_(1, tail, -1), pos, base) for ql, qp, slots, pos, base in sets]
         min_bytes, flops = min_bytes // 2, flops / 2
+    if spread:
+        g = torch.Generator().manual_seed(batch)
+        lens = torch.randint(819, TOPK + 1, (batch,), generator=g).cuda()
+        keep = torch.arange(TOPK, device="cuda")[None, :] < lens[:, None]
+        sets = [(ql, qp, torch.where(keep, slots, -1), pos, base) for ql, qp, slots, pos, base in sets]
+        frac = float(keep.float().mean())
+        min_bytes, flops = int(min_bytes * frac), flops * frac
     if contiguous:
         row0 = lambda base: base[:, None] + torch.arange(TOPK, device="cuda")[None, :]  # noqa: E731
         sets = [(q_lat, q_pe, row0(base), pos, base) for q_lat, q_pe, slots, pos, base in sets]
@@ -178,7 +198,10 @@ def measure_all(
                 "heads": heads,
                 "batch": (f"causal prefill {batch}" if causal else f"prefill {batch}")
                 if prefill
-                else (f"{batch} contiguous" if contiguous else f"{batch} half -1" if half else batch),
+                else (
+                    f"{batch} contiguous" if contiguous else f"{batch} half -1" if half
+                    else f"{batch} spread 819-2048" if spread else batch
+                ),  # fmt: skip
                 "config": name,
                 "us": us,
                 "us_per_token": us / batch,
@@ -225,6 +248,12 @@ def main() -> None:
     ap.add_argument(
         "--no-controls", action="store_true", help="skip the contiguous-rows and half -1 control cases"
     )
+    ap.add_argument(
+        "--spread", default="", help="batches of rows of mixed lengths (819-2048), e.g. 64,128,256 ('' for none)"
+    )
+    ap.add_argument(
+        "--spread-configs", default="gluon-trim,gluon-plan,gluon-ws-trim,gluon-ws-plan", help="configs of --spread"
+    )
     args = ap.parse_args()
     names = [n for n in args.configs.split(",") if n]
     batches = [int(b) for b in args.batches.split(",") if b]
@@ -254,6 +283,12 @@ def main() -> None:
         if deadline is None or time.monotonic() < deadline:
             half = ["default", "mask", "mask-trim"] + (["gluon", "gluon-trim"] if "gluon" in names else [])
             rows += measure_all(64, 64, fp8, half, ceil, half=True, deadline=deadline)
+    # Rows of serving's mixed lengths: the trimmed loops against the step's work plan.
+    for batch in [int(b) for b in args.spread.split(",") if b]:
+        for fp8 in (True, False):
+            if deadline is None or time.monotonic() < deadline:
+                spread_names = [n for n in args.spread_configs.split(",") if n]
+                rows += measure_all(batch, 64, fp8, spread_names, ceil, spread=True, deadline=deadline)
     for causal in (False, True):
         for fp8 in (True, False):
             if prefill and (deadline is None or time.monotonic() < deadline):
