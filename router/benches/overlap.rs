@@ -187,6 +187,7 @@ fn run(overlap: bool) -> Run {
                         ..Default::default()
                     },
                     max_new_tokens: 10_000,
+                    min_new_tokens: 0,
                     stop_token_ids: vec![],
                     prompt_logprobs: false,
                 })

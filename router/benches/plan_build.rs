@@ -78,6 +78,7 @@ fn main() {
             prompt_ids: prompt,
             sampling: SamplingParams::default(),
             max_new_tokens: 10_000,
+            min_new_tokens: 0,
             stop_token_ids: vec![],
             prompt_logprobs: false,
         };

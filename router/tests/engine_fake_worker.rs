@@ -212,6 +212,7 @@ fn request(prompt: Vec<i32>, max_new_tokens: u32, stop: Vec<i32>) -> GenerateReq
             ..Default::default()
         },
         max_new_tokens,
+        min_new_tokens: 0,
         stop_token_ids: stop,
         prompt_logprobs: false,
     }

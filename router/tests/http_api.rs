@@ -738,6 +738,35 @@ async fn stop_string_across_tokens_is_cut_and_aborts() {
 }
 
 #[tokio::test]
+async fn stop_strings_count_from_min_tokens_on() {
+    let h = harness();
+    h.engine.set_reply(Reply::Text("ab STOP cd STOP ef".into()));
+    // Byte-level, a token a character: the first "STOP" completes with token 7, the second
+    // with token 15. As vLLM counts, a stop string completed by token min_tokens counts.
+    for (min_tokens, text, tokens) in [(7, "ab ", 7), (8, "ab STOP cd ", 15)] {
+        for stream in [false, true] {
+            let body = json!({"prompt": "x", "stop": "STOP", "min_tokens": min_tokens, "max_tokens": 30,
+                              "stream": stream, "stream_options": if stream { json!({"include_usage": true}) } else { Value::Null }});
+            let r = h.post("/v1/completions", body).await;
+            if stream {
+                let chunks = r.chunks();
+                assert_eq!(
+                    stream_text(&chunks, |c| c["text"].as_str())[&0],
+                    text,
+                    "min_tokens {min_tokens}"
+                );
+                assert_eq!(chunks.last().unwrap()["usage"]["completion_tokens"], tokens);
+            } else {
+                let v = r.json();
+                assert_eq!(v["choices"][0]["text"], text, "min_tokens {min_tokens}");
+                assert_eq!(v["choices"][0]["finish_reason"], "stop");
+                assert_eq!(v["usage"]["completion_tokens"], tokens);
+            }
+        }
+    }
+}
+
+#[tokio::test]
 async fn held_back_stop_prefix_is_released_when_it_is_not_a_stop() {
     let h = harness();
     h.engine.set_reply(Reply::Text("abc ST".into()));
@@ -1284,8 +1313,6 @@ async fn vllm_extras_that_would_change_the_output_are_refused_and_no_ops_pass() 
     let h = harness();
     let c = "/v1/completions";
     let refused = [
-        ("min_tokens", json!(5)),
-        ("min_new_tokens", json!(2)),
         ("bad_words", json!(["x"])),
         ("allowed_token_ids", json!([1, 2])),
         ("guided_json", json!({"type": "object"})),
@@ -1304,12 +1331,54 @@ async fn vllm_extras_that_would_change_the_output_are_refused_and_no_ops_pass() 
         assert_error(&r, StatusCode::BAD_REQUEST, field);
         assert_eq!(r.json()["error"]["code"], "unsupported_parameter");
     }
-    let no_ops = json!({"prompt": "x", "min_tokens": 0, "bad_words": [], "allowed_token_ids": null,
+    let no_ops = json!({"prompt": "x", "bad_words": [], "allowed_token_ids": null,
                         "include_stop_str_in_output": false, "skip_special_tokens": true,
                         "use_beam_search": false, "guided_json": null});
     let r = h.post(c, no_ops).await;
     assert_eq!(r.status, StatusCode::OK, "{}", r.body);
     assert_eq!(h.engine.submitted.lock().len(), 1);
+}
+
+#[tokio::test]
+async fn min_tokens_reaches_the_engine_and_bad_values_are_refused() {
+    let h = harness();
+    let c = "/v1/completions";
+    for body in [
+        json!({"prompt": "x", "max_tokens": 5, "min_tokens": 3}),
+        json!({"prompt": "x", "max_tokens": 5, "min_new_tokens": 3}),
+        json!({"prompt": "x", "max_tokens": 5, "min_tokens": 3, "min_new_tokens": 3}),
+    ] {
+        let r = h.post(c, body).await;
+        assert_eq!(r.status, StatusCode::OK, "{}", r.body);
+        assert_eq!(h.engine.submitted.lock().last().unwrap().min_new_tokens, 3);
+    }
+    let r = h.post(c, json!({"prompt": "x", "max_tokens": 5})).await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.body);
+    assert_eq!(h.engine.submitted.lock().last().unwrap().min_new_tokens, 0);
+    let bad = [
+        (json!({"prompt": "x", "min_tokens": -1}), "min_tokens"),
+        (
+            json!({"prompt": "x", "max_tokens": 2, "min_tokens": 3}),
+            "min_tokens",
+        ),
+        (
+            json!({"prompt": "x", "max_tokens": 2, "min_new_tokens": 3}),
+            "min_new_tokens",
+        ),
+        (
+            json!({"prompt": "x", "min_tokens": 1, "min_new_tokens": 2}),
+            "min_new_tokens",
+        ),
+    ];
+    for (body, param) in bad {
+        let r = h.post(c, body).await;
+        assert_error(&r, StatusCode::BAD_REQUEST, param);
+    }
+    assert_eq!(
+        h.engine.submitted.lock().len(),
+        4,
+        "no bad request reached the engine"
+    );
 }
 
 #[tokio::test]

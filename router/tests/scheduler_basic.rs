@@ -6,7 +6,7 @@ mod scheduler_common;
 use std::collections::HashMap;
 
 use nsaserve_router::engine::{FinishReason, GenerateEvent, SubmitError};
-use nsaserve_router::protocol::{ForwardMode, SamplingParams};
+use nsaserve_router::protocol::{ForwardMode, SamplingParams, BAN_BIAS};
 use nsaserve_router::scheduler::Scheduler;
 use scheduler_common::*;
 
@@ -328,6 +328,76 @@ fn stop_tokens_and_max_new_tokens_finish_requests() {
     assert_eq!(out[&1].tokens.len(), stop_pos + 1);
     assert_eq!(out[&1].finish.unwrap().0, FinishReason::Stop);
     assert_eq!(out[&2].finish.unwrap(), (FinishReason::Length, 5, 0, 0));
+}
+
+#[test]
+fn min_new_tokens_bans_the_stop_tokens_until_the_minimum() {
+    let cfg = config(4, 64);
+    let prompt = seq(5, 0);
+    let (free_run, _) = reference(&request(prompt.clone(), 10, vec![]), cfg.max_context);
+    // Without a minimum it would stop at its second token.
+    let mut early = request(prompt.clone(), 10, vec![free_run[1]]);
+    early.min_new_tokens = 4;
+    let mut at_max = request(prompt.clone(), 3, vec![free_run[0]]);
+    at_max.min_new_tokens = 3;
+    for overlap in [false, true] {
+        let mut s = Scheduler::new(cfg.clone());
+        let mut exec = FakeExecutor::new(&cfg);
+        let mut out = HashMap::new();
+        s.submit(1, early.clone()).unwrap();
+        s.submit(2, at_max.clone()).unwrap();
+        let mut in_flight = None;
+        let mut n = 0;
+        loop {
+            let more = if overlap {
+                step_overlap(&mut s, &mut exec, n, &mut out, &mut in_flight)
+            } else {
+                step(&mut s, &mut exec, n, &mut out)
+            };
+            if !more {
+                break;
+            }
+            // Plans ban the stop token exactly while fewer than the minimum are generated
+            // (counting the tokens of plans in flight).
+            n += 1;
+            assert!(n < 1000);
+        }
+        check_outcome(1, &early, &out[&1], cfg.max_context);
+        check_outcome(2, &at_max, &out[&2], cfg.max_context);
+        assert!(out[&1].tokens.len() > 4 && !out[&1].tokens[..4].contains(&free_run[1]));
+        assert_eq!(out[&2].tokens.len(), 3);
+        assert_eq!(out[&2].finish.unwrap().0, FinishReason::Length);
+    }
+}
+
+#[test]
+fn plans_ban_stop_tokens_only_before_the_minimum() {
+    let cfg = config(4, 64);
+    let mut s = Scheduler::new(cfg.clone());
+    let mut exec = FakeExecutor::new(&cfg);
+    let mut out = HashMap::new();
+    let mut req = request(seq(3, 0), 6, vec![7, 2]);
+    req.min_new_tokens = 2;
+    req.sampling.logit_bias = vec![(2, 5.0), (9, -1.0)];
+    s.submit(1, req).unwrap();
+    let mut banned_samples = Vec::new();
+    for n in 0.. {
+        let Some(plan) = s.schedule(n) else { break };
+        for r in plan.requests.iter().filter(|r| r.sample) {
+            let bias = &r.sampling.logit_bias;
+            banned_samples.push(bias.iter().any(|&(_, b)| b == BAN_BIAS));
+            if banned_samples.len() <= 2 {
+                // The request's own bias on a stop token gives way to the ban; others stay.
+                assert_eq!(bias, &vec![(2, BAN_BIAS), (7, BAN_BIAS), (9, -1.0)]);
+            } else {
+                assert_eq!(bias, &vec![(2, 5.0), (9, -1.0)]);
+            }
+        }
+        let result = exec.run(&plan);
+        record(&mut out, s.on_result(&plan, &result));
+    }
+    assert_eq!(&banned_samples[..2], &[true, true]);
+    assert!(banned_samples[2..].iter().all(|b| !b));
 }
 
 #[test]

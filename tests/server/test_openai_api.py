@@ -119,6 +119,30 @@ def test_logit_bias_restricts_greedy_tokens_and_leaves_logprobs_raw(client):
         assert one.choices[0].logprobs.token_logprobs[0] < min(raw_top.values())
 
 
+def test_min_tokens_holds_off_eos_and_stop_strings(client):
+    """vLLM's min_tokens through the official client (extra_body): the end of the recital's EOS
+    is banned until the minimum (the text before it is the same), and a stop string completed
+    before the minimum does not end the text; SGLang's min_new_tokens does the same."""
+    end = "Namespaces are one honking great idea -- let's do more of"
+    plain = client.completions.create(model="zen", prompt=end, max_tokens=20, temperature=0)
+    assert plain.choices[0].finish_reason == "stop"
+    k = plain.usage.completion_tokens
+    for field in ("min_tokens", "min_new_tokens"):
+        held = client.completions.create(
+            model="zen", prompt=end, max_tokens=k + 8, temperature=0, extra_body={field: k + 4}
+        )
+        assert held.usage.completion_tokens >= k + 4, (field, held.usage)
+        assert held.choices[0].text.startswith(plain.choices[0].text), field
+    prompt = "Beautiful is better than"
+    first = client.completions.create(model="zen", prompt=prompt, max_tokens=60, temperature=0, stop=["better"])
+    n = first.usage.completion_tokens
+    later = client.completions.create(
+        model="zen", prompt=prompt, max_tokens=60, temperature=0, stop=["better"], extra_body={"min_tokens": n + 1}
+    )
+    assert later.choices[0].text.startswith(first.choices[0].text + "better")
+    assert later.choices[0].finish_reason == "stop" and later.usage.completion_tokens > n
+
+
 def test_stop_string_is_not_leaked(client):
     out = client.completions.create(
         model="zen", prompt="Beautiful is better than", max_tokens=100, temperature=0, stop=["Simple"]

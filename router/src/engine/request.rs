@@ -14,6 +14,8 @@ pub struct GenerateRequest {
     pub sampling: SamplingParams,
     /// Generation stops after this many new tokens (finish reason "length").
     pub max_new_tokens: u32,
+    /// None of `stop_token_ids` is sampled before this many new tokens (vLLM's `min_tokens`).
+    pub min_new_tokens: u32,
     /// Generation stops after any of these tokens (finish reason "stop"); the HTTP layer puts
     /// the model's EOS ids here unless the request set `ignore_eos`.
     pub stop_token_ids: Vec<i32>,

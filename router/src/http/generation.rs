@@ -24,6 +24,9 @@ pub struct GenerationContext {
     pub stops: Vec<String>,
     /// EOS and the request's stop token ids: they end generation but show no text.
     pub silent_ids: HashSet<i32>,
+    /// Stop strings end the text only from this many generated tokens on (`min_tokens`, as
+    /// vLLM counts it: the token that completes one is included).
+    pub min_tokens: u32,
     pub arrived: Instant,
 }
 
@@ -45,6 +48,7 @@ impl GenerationContext {
             metrics: Arc::clone(metrics),
             stops: v.stops.clone(),
             silent_ids,
+            min_tokens: v.min_tokens,
             arrived,
         })
     }
@@ -220,6 +224,13 @@ impl ChoiceState {
         }
         self.pending_tokens.push(GeneratedToken { id, logprobs });
         let text = self.detokenizer.push(&self.ctx.tokenizer, id);
+        if self.generated < self.ctx.min_tokens {
+            let text = self.stop.push_unmatched(&text);
+            if !text.is_empty() {
+                self.emit_text(text);
+            }
+            return;
+        }
         match self.stop.push(&text) {
             StopOutcome::Continue(text) => {
                 if !text.is_empty() {

@@ -9,12 +9,14 @@
 //! `max_tokens` / `max_completion_tokens` (default: the rest of the context), `temperature`,
 //! `top_p`, `top_k`, `min_p`, the three penalties, `logit_bias` (added to the raw logits before
 //! the penalties, as vLLM does; logprobs stay the model's), `seed` (sample i uses seed + i),
-//! `stop`, `stop_token_ids`, `ignore_eos`, `n`, `logprobs` / `top_logprobs`, `echo`, `stream`,
+//! `stop`, `stop_token_ids`, `ignore_eos`, `min_tokens` (or SGLang's `min_new_tokens`: the
+//! stop tokens are banned from sampling and stop strings do not count before that many tokens,
+//! as vLLM does), `n`, `logprobs` / `top_logprobs`, `echo`, `stream`,
 //! `stream_options.include_usage`, `tools`, `tool_choice`, `chat_template_kwargs`,
 //! `add_generation_prompt` and `user`. Fields that would change the output but are not
 //! implemented (`best_of`, `suffix`, a JSON `response_format`, a forced
-//! `tool_choice` without a tool-call parser, and vLLM's / SGLang's `min_tokens`,
-//! `min_new_tokens`, `bad_words`, `allowed_token_ids`, `guided_*`, `structured_outputs`,
+//! `tool_choice` without a tool-call parser, and vLLM's / SGLang's `bad_words`,
+//! `allowed_token_ids`, `guided_*`, `structured_outputs`,
 //! `include_stop_str_in_output`, `skip_special_tokens` and `use_beam_search` set to anything but
 //! their no-op values) are refused with a 400 rather than ignored.
 //!

@@ -52,6 +52,11 @@ pub struct SamplingFields {
     pub user: Option<String>,
     /// Token id (as a string) -> bias added to its logit, from -100 to 100.
     pub logit_bias: Option<Map<String, Value>>,
+    /// vLLM's: no stop token (EOS or `stop_token_ids`) is sampled, and no stop string ends the
+    /// text, before this many tokens are generated.
+    pub min_tokens: Option<i64>,
+    /// SGLang's name for `min_tokens`.
+    pub min_new_tokens: Option<i64>,
     /// vLLM / SGLang request extras that would change the output and are not implemented:
     /// refused with a 400 when set to anything but their no-op value, never silently ignored.
     #[serde(flatten)]
@@ -62,8 +67,6 @@ pub struct SamplingFields {
 /// knows each one's no-op value.
 #[derive(Debug, Default, Deserialize)]
 pub struct UnimplementedExtras {
-    pub min_tokens: Option<Value>,
-    pub min_new_tokens: Option<Value>,
     pub bad_words: Option<Value>,
     pub allowed_token_ids: Option<Value>,
     pub guided_json: Option<Value>,

@@ -29,6 +29,8 @@ pub struct Validated {
     /// The request's own stop token ids (EOS ids are added unless `ignore_eos`).
     pub stop_token_ids: Vec<i32>,
     pub ignore_eos: bool,
+    /// `min_tokens` (or SGLang's `min_new_tokens`): no stop before this many tokens.
+    pub min_tokens: u32,
     pub stream: bool,
     pub include_usage: bool,
 }
@@ -233,6 +235,7 @@ pub fn validate_sampling(
         model.vocab_size,
     )?;
     let logit_bias = check_logit_bias(f.logit_bias.as_ref(), model.vocab_size)?;
+    let min_tokens = check_min_tokens(f, max_tokens)?;
     refuse_unimplemented_extras(&f.unimplemented_extras)?;
     let stream = f.stream.unwrap_or(false);
     if f.stream_options.is_some() && !stream {
@@ -273,6 +276,7 @@ pub fn validate_sampling(
         stops,
         stop_token_ids,
         ignore_eos: f.ignore_eos.unwrap_or(false),
+        min_tokens,
         stream,
         include_usage: f
             .stream_options
@@ -282,17 +286,43 @@ pub fn validate_sampling(
     })
 }
 
+/// `min_tokens` (vLLM) or `min_new_tokens` (SGLang; both may be given if they agree): from 0
+/// up to `max_tokens` (when given; a longer minimum than the context allows ends at the context).
+fn check_min_tokens(f: &SamplingFields, max_tokens: Option<u32>) -> Result<u32, ApiError> {
+    let (param, value) = match (f.min_tokens, f.min_new_tokens) {
+        (Some(a), Some(b)) if a != b => {
+            return Err(ApiError::invalid_param(
+                "min_new_tokens",
+                format!("`min_tokens` ({a}) and `min_new_tokens` ({b}) disagree; give one."),
+            ))
+        }
+        (Some(a), _) => ("min_tokens", a),
+        (None, Some(b)) => ("min_new_tokens", b),
+        (None, None) => return Ok(0),
+    };
+    if value < 0 || value > i64::from(u32::MAX) {
+        return Err(ApiError::invalid_param(
+            param,
+            format!("`{param}` must be at least 0, got {value}."),
+        ));
+    }
+    match max_tokens {
+        Some(m) if value > i64::from(m) => Err(ApiError::invalid_param(
+            param,
+            format!("`{param}` ({value}) must not exceed `max_tokens` ({m})."),
+        )),
+        _ => Ok(value as u32),
+    }
+}
+
 /// vLLM / SGLang extras this server does not implement: a 400 naming the field when one is set
 /// to anything that would change the output (absent, null and each one's no-op value pass).
 fn refuse_unimplemented_extras(x: &UnimplementedExtras) -> Result<(), ApiError> {
     use serde_json::Value;
-    use serde_json::Value::{Array, Bool, Null, Number};
-    let zero = |v: &Value| matches!(v, Number(n) if n.as_f64() == Some(0.0));
+    use serde_json::Value::{Array, Bool, Null};
     let empty = |v: &Value| matches!(v, Array(a) if a.is_empty());
     type NoOp<'a> = &'a dyn Fn(&Value) -> bool;
-    let checks: [(&str, &Option<Value>, NoOp); 12] = [
-        ("min_tokens", &x.min_tokens, &zero),
-        ("min_new_tokens", &x.min_new_tokens, &zero),
+    let checks: [(&str, &Option<Value>, NoOp); 10] = [
         ("bad_words", &x.bad_words, &empty),
         ("allowed_token_ids", &x.allowed_token_ids, &|_| false),
         ("guided_json", &x.guided_json, &|_| false),
@@ -398,6 +428,7 @@ pub fn generate_requests(
                 prompt_ids: prompt_ids.to_vec(),
                 sampling,
                 max_new_tokens,
+                min_new_tokens: v.min_tokens.min(max_new_tokens),
                 stop_token_ids: stop_token_ids.clone(),
                 prompt_logprobs,
             }

@@ -73,7 +73,29 @@ impl Default for SamplingParams {
     }
 }
 
+/// The bias that bans a token: finite (plans carry finite biases), and low enough that no
+/// logit, temperature or penalty brings the token back (its probability is exactly 0).
+pub const BAN_BIAS: f32 = -1.0e30;
+
 impl SamplingParams {
+    /// These parameters with `ids` banned (their bias BAN_BIAS, whatever the request's
+    /// `logit_bias` said of them): `min_tokens`' stop tokens before the minimum.
+    pub fn banning(&self, ids: &[i32]) -> SamplingParams {
+        let mut bias: Vec<(i32, f32)> = self
+            .logit_bias
+            .iter()
+            .copied()
+            .filter(|(t, _)| !ids.contains(t))
+            .chain(ids.iter().map(|&t| (t, BAN_BIAS)))
+            .collect();
+        bias.sort_unstable_by_key(|&(t, _)| t);
+        bias.dedup_by_key(|&mut (t, _)| t);
+        SamplingParams {
+            logit_bias: bias,
+            ..self.clone()
+        }
+    }
+
     /// True when the sampler needs the request's token history.
     pub fn needs_history(&self) -> bool {
         self.repetition_penalty != 1.0

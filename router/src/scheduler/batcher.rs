@@ -293,7 +293,12 @@ impl Scheduler {
             } else {
                 -1
             },
-            sampling: r.sampling.clone(),
+            // Before min_new_tokens no stop token may be sampled.
+            sampling: if sample && generated < r.min_new_tokens as usize {
+                r.sampling.banning(&r.stop_token_ids)
+            } else {
+                r.sampling.clone()
+            },
             history_prompt_len: if wants_history {
                 r.prompt_len as i32
             } else {

@@ -22,6 +22,8 @@ pub struct Request {
     pub id: RequestId,
     pub sampling: SamplingParams,
     pub max_new_tokens: u32,
+    /// Until this many tokens are generated its plans ban `stop_token_ids` (SamplingParams::banning).
+    pub min_new_tokens: u32,
     pub stop_token_ids: Vec<i32>,
     pub wants_prompt_logprobs: bool,
     /// Length of the prompt as submitted; `tokens` beyond it were generated.
@@ -83,6 +85,7 @@ impl Request {
             id,
             sampling: req.sampling,
             max_new_tokens: req.max_new_tokens,
+            min_new_tokens: req.min_new_tokens,
             stop_token_ids: req.stop_token_ids,
             wants_prompt_logprobs: req.prompt_logprobs,
             prompt_len,

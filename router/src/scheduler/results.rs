@@ -138,7 +138,10 @@ impl Scheduler {
                         logprobs: lp.clone(),
                     },
                 ));
-                reason = if r.stop_token_ids.contains(&token) {
+                // A stop token counts from min_new_tokens on (the plans banned it before).
+                reason = if r.stop_token_ids.contains(&token)
+                    && r.generated() > r.min_new_tokens as usize
+                {
                     Some(FinishReason::Stop)
                 } else if r.generated() >= r.max_new_tokens as usize
                     || r.tokens.len() >= self.cfg.max_context as usize

@@ -6,6 +6,9 @@
 pub struct StopMatcher {
     stops: Vec<String>,
     held: String,
+    /// Bytes of `held` that came before stop strings could end the text (`push_unmatched`): a
+    /// stop string ending within them does not count.
+    floor: usize,
 }
 
 #[derive(Debug, PartialEq, Eq)]
@@ -21,6 +24,7 @@ impl StopMatcher {
         StopMatcher {
             stops: stops.into_iter().filter(|s| !s.is_empty()).collect(),
             held: String::new(),
+            floor: 0,
         }
     }
 
@@ -36,24 +40,51 @@ impl StopMatcher {
             .stops
             .iter()
             .filter_map(|s| {
-                self.held
+                // Only occurrences ending past the floor: those starting from `from` on.
+                let mut from = (self.floor + 1).saturating_sub(s.len());
+                while !self.held.is_char_boundary(from) {
+                    from += 1;
+                }
+                self.held[from..]
                     .find(s.as_str())
-                    .map(|start| (start + s.len(), start))
+                    .map(|start| (from + start + s.len(), from + start))
             })
             .min();
         if let Some((_, pos)) = first_match {
             let out = self.held[..pos].to_owned();
             self.held.clear();
+            self.floor = 0;
             return StopOutcome::Stopped(out);
         }
+        StopOutcome::Continue(self.release())
+    }
+
+    /// `push` before stop strings may end the text (`min_tokens` not reached): nothing matches,
+    /// and a suffix that could still grow into a stop string is held as `push` holds it, so a
+    /// stop string that starts here and completes later is still found.
+    pub fn push_unmatched(&mut self, text: &str) -> String {
+        if self.stops.is_empty() {
+            return text.to_owned();
+        }
+        self.held.push_str(text);
+        let out = self.release();
+        self.floor = self.held.len();
+        out
+    }
+
+    /// Sends all of the held text but the longest suffix that could begin a stop string.
+    fn release(&mut self) -> String {
         let keep = self.partial_match_len();
-        let out = self.held[..self.held.len() - keep].to_owned();
-        self.held.drain(..self.held.len() - keep);
-        StopOutcome::Continue(out)
+        let sent = self.held.len() - keep;
+        let out = self.held[..sent].to_owned();
+        self.held.drain(..sent);
+        self.floor = self.floor.saturating_sub(sent);
+        out
     }
 
     /// Generation ended without a stop string: the held text was never a stop string.
     pub fn flush(&mut self) -> String {
+        self.floor = 0;
         std::mem::take(&mut self.held)
     }
 
@@ -111,6 +142,28 @@ mod tests {
             run(&["\n\n", "STOP"], &["a\n", "b STO", "P\n\n"]),
             ("a\nb ".into(), true)
         );
+    }
+
+    #[test]
+    fn text_pushed_unmatched_never_stops_but_a_stop_completed_later_does() {
+        let mut m = StopMatcher::new(vec!["END".into(), "ab".into()]);
+        // Before the minimum: whole stop strings pass; a possible start ("E") is held.
+        assert_eq!(m.push_unmatched("x END ab E"), "x END ab ");
+        // After it: "E" + "ND" completes a stop string that began before.
+        assert_eq!(m.push("ND y"), StopOutcome::Stopped("".into()));
+        let mut m = StopMatcher::new(vec!["abcd".into(), "ab".into()]);
+        // "ab" is complete before the minimum, and held as the start of "abcd".
+        assert_eq!(m.push_unmatched("xab"), "x");
+        // It does not count afterwards; "abcd" completing later does.
+        assert_eq!(m.push("c"), StopOutcome::Continue("".into()));
+        assert_eq!(m.push("d!"), StopOutcome::Stopped("".into()));
+        let mut m = StopMatcher::new(vec!["abcd".into(), "ab".into()]);
+        assert_eq!(m.push_unmatched("xab"), "x");
+        assert_eq!(m.push("z ab"), StopOutcome::Stopped("abz ".into()));
+        // Multi-byte text around the floor.
+        let mut m = StopMatcher::new(vec!["é!".into()]);
+        assert_eq!(m.push_unmatched("日é"), "日");
+        assert_eq!(m.push("!"), StopOutcome::Stopped("".into()));
     }
 
     #[test]

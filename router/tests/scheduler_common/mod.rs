@@ -16,7 +16,7 @@ use std::collections::{HashMap, HashSet};
 
 use nsaserve_router::engine::{FinishReason, GenerateEvent, GenerateRequest, RequestId};
 use nsaserve_router::protocol::{
-    BatchPlan, PlannedRequest, PromptLogprobs, SamplingParams, StepResult, TokenLogprobs,
+    BatchPlan, PlannedRequest, PromptLogprobs, SamplingParams, StepResult, TokenLogprobs, BAN_BIAS,
 };
 use nsaserve_router::scheduler::{Scheduler, SchedulerConfig};
 
@@ -33,12 +33,24 @@ pub fn next_token(seq: &[i32]) -> i32 {
     (h % VOCAB) as i32
 }
 
+/// The fake model's pick: `next_token`, or the next id up that is not banned (as a sampler
+/// gives a banned token no probability).
+pub fn sample_token(seq: &[i32], banned: impl Fn(i32) -> bool) -> i32 {
+    let mut t = next_token(seq);
+    while banned(t) {
+        t = (t + 1) % VOCAB as i32;
+    }
+    t
+}
+
 /// What a correct engine generates for a request: tokens until a stop token or the limit.
 pub fn reference(req: &GenerateRequest, max_context: u32) -> (Vec<i32>, FinishReason) {
     let mut seq = req.prompt_ids.clone();
     let mut out = Vec::new();
     while out.len() < req.max_new_tokens as usize {
-        let t = next_token(&seq);
+        // Before min_new_tokens the stop tokens are banned.
+        let early = out.len() < req.min_new_tokens as usize;
+        let t = sample_token(&seq, |t| early && req.stop_token_ids.contains(&t));
         seq.push(t);
         out.push(t);
         if req.stop_token_ids.contains(&t) {
@@ -157,7 +169,10 @@ impl FakeExecutor {
                     logprob: -0.5,
                     top: vec![],
                 });
-                let t = next_token(&seq);
+                let bans = &r.sampling.logit_bias;
+                let t = sample_token(&seq, |t| {
+                    bans.iter().any(|&(id, b)| id == t && b == BAN_BIAS)
+                });
                 rows[row].1 = Some(t);
                 result.sampled.push((r.id, t, lp));
             }
@@ -396,6 +411,7 @@ pub fn request(prompt: Vec<i32>, max_new_tokens: u32, stop: Vec<i32>) -> Generat
         prompt_ids: prompt,
         sampling: SamplingParams::default(),
         max_new_tokens,
+        min_new_tokens: 0,
         stop_token_ids: stop,
         prompt_logprobs: false,
     }
