@@ -10,9 +10,10 @@ Every "attention" backend also takes whole_contexts= (keyword): the caller's hin
 its query's whole causal context followed by -1 padding (no context of the step exceeds the
 top-k), so a backend may stop each row at its last valid entry. Results must not depend on it.
 
-A backend may also plan a whole-context step once for all its layers: given a `plan_work(row_len,
-width)` attribute (row_len: each row's valid entries), the model calls it once a step and passes
-what it returns (unless None) to every layer's call as work= (triton_sparse_mla, mla_work.py).
+A backend may also plan a whole-context step once for all its layers: given a `plan_work(row_pos,
+width)` attribute (row_pos: each row's position, so its list holds row_pos + 1 valid entries), the
+model calls it once a step and passes what it returns (unless None) to every layer's call as
+work= (triton_sparse_mla, mla_work.py).
 """
 
 from __future__ import annotations

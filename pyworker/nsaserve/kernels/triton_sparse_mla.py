@@ -409,15 +409,15 @@ if MLA_WORK not in ("on", "off"):
     raise ValueError(f"NSASERVE_MLA_WORK={MLA_WORK!r}: expected on or off")
 
 
-def plan_attention_work(row_len: torch.Tensor, width: int):
+def plan_attention_work(row_pos: torch.Tensor, width: int):
     """The registry backend's plan for a step (sparse_mla_triton's work=), or None where it plans
-    nothing: MLA_WORK off, or a prompt-sized step. row_len: each row's valid entries (whole
-    contexts: its position + 1); width: the lists' width."""
-    if MLA_WORK != "on" or not 0 < row_len.numel() < PREFILL_TOKENS:
+    nothing: MLA_WORK off, or a prompt-sized step. row_pos: each row's position (whole contexts:
+    its list holds row_pos + 1 valid entries); width: the lists' width."""
+    if MLA_WORK != "on" or not 0 < row_pos.numel() < PREFILL_TOKENS:
         return None
     from .mla_work import plan_mla_work
 
-    return plan_mla_work(row_len, width, _num_sms(row_len.device))
+    return plan_mla_work(row_pos + 1, width, _num_sms(row_pos.device))
 
 
 def _takes_ws(q_lat, q_pe, latent_cache) -> bool:
