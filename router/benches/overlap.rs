@@ -190,6 +190,8 @@ fn run(overlap: bool) -> Run {
                     min_new_tokens: 0,
                     stop_token_ids: vec![],
                     prompt_logprobs: false,
+                    allowed_tokens: None,
+                    constraint: None,
                 })
                 .expect("admitted")
         })

@@ -81,6 +81,8 @@ fn main() {
             min_new_tokens: 0,
             stop_token_ids: vec![],
             prompt_logprobs: false,
+            allowed_tokens: None,
+            constraint: None,
         };
         sched.submit(id, req).expect("fits");
     }

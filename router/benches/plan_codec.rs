@@ -53,6 +53,7 @@ fn decode_plan(history: usize) -> BatchPlan {
                 // The whole history, as on a request's first sampling step; later plans carry
                 // only the tokens since (one a decode step).
                 history_reset: history > 0,
+                allowed_tokens: None,
             }
         })
         .collect();

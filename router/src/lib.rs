@@ -3,6 +3,7 @@
 //! `python`); everything else is plain Rust, tested with `cargo test`.
 
 pub mod engine;
+pub mod grammar;
 pub mod http;
 pub mod metrics;
 pub mod parsers;

@@ -114,6 +114,9 @@ pub struct Metrics {
     requests: Mutex<BTreeMap<(String, u16), u64>>,
     /// Tool-call parser name -> outputs whose markup was malformed and passed on as content.
     parser_fallbacks: Mutex<BTreeMap<String, u64>>,
+    /// Structured-output kind (json_schema, regex, ...) -> requests that asked for one.
+    structured_outputs: Mutex<BTreeMap<&'static str, u64>>,
+    grammar_compile: Histogram,
     ttft: Histogram,
     time_per_output_token: Histogram,
     inter_token: Histogram,
@@ -145,6 +148,12 @@ impl Metrics {
         Metrics {
             requests: Mutex::new(BTreeMap::new()),
             parser_fallbacks: Mutex::new(BTreeMap::new()),
+            structured_outputs: Mutex::new(BTreeMap::new()),
+            grammar_compile: Histogram::new(
+                "nsaserve_grammar_compile_seconds",
+                "Time to compile a request's structured-output constraint (the first one also builds the vocabulary's token trie).",
+                LATENCY_BUCKETS,
+            ),
             ttft: Histogram::new(
                 "nsaserve_time_to_first_token_seconds",
                 "Time from request arrival to its first generated token.",
@@ -261,6 +270,13 @@ impl Metrics {
         }
     }
 
+    /// A request whose output is constrained (`kind`: json_schema, json_object, regex, choice,
+    /// grammar), and how long its constraint took to compile.
+    pub fn observe_structured_output(&self, kind: &'static str, compile_seconds: f64) {
+        *self.structured_outputs.lock().entry(kind).or_insert(0) += 1;
+        self.grammar_compile.observe(compile_seconds);
+    }
+
     pub fn observe_time_to_first_token(&self, seconds: f64) {
         self.ttft.observe(seconds);
     }
@@ -307,6 +323,14 @@ impl Metrics {
                 out,
                 "nsaserve_parser_fallbacks_total{{parser=\"{}\"}} {count}",
                 escape_label(parser)
+            );
+        }
+        out.push_str("# HELP nsaserve_structured_output_requests_total Requests whose output is constrained, by kind of constraint.\n");
+        out.push_str("# TYPE nsaserve_structured_output_requests_total counter\n");
+        for (kind, count) in self.structured_outputs.lock().iter() {
+            let _ = writeln!(
+                out,
+                "nsaserve_structured_output_requests_total{{kind=\"{kind}\"}} {count}"
             );
         }
         // The engine's counts and gauges as one snapshot (see publish_engine).
@@ -401,6 +425,7 @@ impl Metrics {
             &self.e2e,
             &self.queue_time,
             &self.batch_size,
+            &self.grammar_compile,
         ] {
             h.render(&mut out);
         }

@@ -215,6 +215,8 @@ fn request(prompt: Vec<i32>, max_new_tokens: u32, stop: Vec<i32>) -> GenerateReq
         min_new_tokens: 0,
         stop_token_ids: stop,
         prompt_logprobs: false,
+        allowed_tokens: None,
+        constraint: None,
     }
 }
 

@@ -3,6 +3,7 @@
 //! bytes back to the same message. pytest runs the same checks from Python.
 
 use std::path::PathBuf;
+use std::sync::Arc;
 
 use nsaserve_router::protocol::{
     decode_worker_message, encode_router_message, encode_worker_message, BatchPlan, Fatal,
@@ -74,6 +75,9 @@ fn plan_from_json(c: &Value) -> BatchPlan {
                 history: ints(&q["history"]),
                 history_prompt_len: q["history_prompt_len"].as_i64().unwrap() as i32,
                 history_reset: q["history_reset"].as_bool().unwrap(),
+                allowed_tokens: q["allowed_tokens"].as_array().map(|words| {
+                    Arc::new(words.iter().map(|w| w.as_u64().unwrap() as u32).collect())
+                }),
             }
         })
         .collect();

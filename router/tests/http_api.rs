@@ -1314,14 +1314,6 @@ async fn vllm_extras_that_would_change_the_output_are_refused_and_no_ops_pass() 
     let c = "/v1/completions";
     let refused = [
         ("bad_words", json!(["x"])),
-        ("allowed_token_ids", json!([1, 2])),
-        ("guided_json", json!({"type": "object"})),
-        ("guided_regex", json!("a+")),
-        ("guided_choice", json!(["a", "b"])),
-        ("guided_grammar", json!("root ::= 'a'")),
-        ("structured_outputs", json!({"json": {}})),
-        ("include_stop_str_in_output", json!(true)),
-        ("skip_special_tokens", json!(false)),
         ("use_beam_search", json!(true)),
     ];
     for (field, value) in refused {
@@ -1337,6 +1329,167 @@ async fn vllm_extras_that_would_change_the_output_are_refused_and_no_ops_pass() 
     let r = h.post(c, no_ops).await;
     assert_eq!(r.status, StatusCode::OK, "{}", r.body);
     assert_eq!(h.engine.submitted.lock().len(), 1);
+}
+
+#[tokio::test]
+async fn allowed_token_ids_reach_the_engine_as_a_mask() {
+    let h = harness();
+    let c = "/v1/completions";
+    let r = h
+        .post(c, json!({"prompt": "x", "allowed_token_ids": [3, 40, 33]}))
+        .await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.body);
+    let mask = h.engine.submitted.lock()[0].allowed_tokens.clone().unwrap();
+    assert_eq!(*mask, vec![1 << 3, (1 << 1) | (1 << 8)]);
+    for (ids, fragment) in [
+        (json!([]), "at least one"),
+        (json!([1, VOCAB]), "outside the vocabulary"),
+    ] {
+        let r = h
+            .post(c, json!({"prompt": "x", "allowed_token_ids": ids}))
+            .await;
+        assert_error(&r, StatusCode::BAD_REQUEST, fragment);
+        assert_eq!(r.json()["error"]["param"], "allowed_token_ids");
+    }
+}
+
+#[tokio::test]
+async fn stop_strings_and_special_tokens_can_stay_in_the_text() {
+    let h = harness();
+    let c = "/v1/completions";
+    let text = |body: Value| async {
+        let r = h.post(c, body).await;
+        assert_eq!(r.status, StatusCode::OK, "{}", r.body);
+        r.json()["choices"][0]["text"].as_str().unwrap().to_owned()
+    };
+    // The scripted reply is "hello world" then EOS ("</s>", a special token).
+    assert_eq!(
+        text(json!({"prompt": "x", "stop": ["wor"]})).await,
+        "hello "
+    );
+    assert_eq!(
+        text(json!({"prompt": "x", "stop": ["wor"], "include_stop_str_in_output": true})).await,
+        "hello wor"
+    );
+    assert_eq!(text(json!({"prompt": "x"})).await, "hello world");
+    // The EOS token's text shows only when special tokens do.
+    assert_eq!(
+        text(json!({"prompt": "x", "include_stop_str_in_output": true})).await,
+        "hello world"
+    );
+    assert_eq!(
+        text(
+            json!({"prompt": "x", "include_stop_str_in_output": true, "skip_special_tokens": false})
+        )
+        .await,
+        "hello world</s>"
+    );
+    assert_eq!(
+        text(json!({"prompt": "x", "skip_special_tokens": false})).await,
+        "hello world"
+    );
+    let r = h
+        .post(c, json!({"prompt": "x", "skip_special_tokens": "no"}))
+        .await;
+    assert_error(&r, StatusCode::BAD_REQUEST, "expected a boolean");
+}
+
+#[tokio::test]
+async fn structured_outputs_reach_the_engine_compiled_and_bad_ones_are_400() {
+    let h = harness();
+    let c = "/v1/completions";
+    let chat = "/v1/chat/completions";
+    let msgs = json!([{"role": "user", "content": "x"}]);
+    let schema = json!({"type": "object", "properties": {"a": {"type": "integer"}}});
+    let accepted = [
+        (
+            chat,
+            json!({"messages": msgs, "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": schema, "strict": true}}}),
+        ),
+        (
+            chat,
+            json!({"messages": msgs, "response_format": {"type": "json_object"}}),
+        ),
+        (c, json!({"prompt": "x", "guided_json": schema})),
+        (c, json!({"prompt": "x", "guided_regex": "[ab]+"})),
+        (
+            c,
+            json!({"prompt": "x", "guided_choice": ["yes", "no"], "n": 2}),
+        ),
+        (c, json!({"prompt": "x", "guided_grammar": "start: \"a\"+"})),
+        (
+            c,
+            json!({"prompt": "x", "structured_outputs": {"regex": "a"}}),
+        ),
+        (c, json!({"prompt": "x", "regex": "a"})),
+        (c, json!({"prompt": "x", "json_schema": schema.to_string()})),
+    ];
+    for (path, body) in accepted {
+        let before = h.engine.submitted.lock().len();
+        let r = h.post(path, body.clone()).await;
+        assert_eq!(r.status, StatusCode::OK, "{body}: {}", r.body);
+        let submitted = h.engine.submitted.lock();
+        assert!(submitted.len() > before);
+        assert!(
+            submitted[before..].iter().all(|g| g.constraint.is_some()),
+            "{body}: every sample carries its compiled grammar"
+        );
+    }
+    let refused = [
+        (
+            json!({"prompt": "x", "guided_regex": "(unclosed"}),
+            "guided_regex",
+        ),
+        (
+            json!({"prompt": "x", "guided_json": {"type": "no-such-type"}}),
+            "guided_json",
+        ),
+        // GBNF is not Lark: `guided_grammar` takes Lark.
+        (
+            json!({"prompt": "x", "guided_grammar": "root ::= 'a'"}),
+            "guided_grammar",
+        ),
+        (
+            json!({"prompt": "x", "guided_regex": "a", "guided_choice": ["a"]}),
+            "guided_choice",
+        ),
+        (
+            json!({"prompt": "x", "guided_regex": "a", "min_tokens": 2}),
+            "min_tokens",
+        ),
+    ];
+    for (body, param) in refused {
+        let r = h.post(c, body.clone()).await;
+        assert_error(&r, StatusCode::BAD_REQUEST, param);
+        assert_eq!(r.json()["error"]["param"], param, "{body}");
+    }
+    let plain = h.post(c, json!({"prompt": "x"})).await;
+    assert_eq!(plain.status, StatusCode::OK);
+    assert!(h
+        .engine
+        .submitted
+        .lock()
+        .last()
+        .unwrap()
+        .constraint
+        .is_none());
+    // Counted once per request (not per sample) by kind; refused ones are not.
+    let metrics = h.get("/metrics").await.body;
+    for (kind, count) in [
+        ("json_schema", 3),
+        ("json_object", 1),
+        ("regex", 3),
+        ("choice", 1),
+        ("grammar", 1),
+    ] {
+        let line =
+            format!("nsaserve_structured_output_requests_total{{kind=\"{kind}\"}} {count}\n");
+        assert!(metrics.contains(&line), "{line} in\n{metrics}");
+    }
+    assert!(
+        metrics.contains("nsaserve_grammar_compile_seconds_count 9\n"),
+        "{metrics}"
+    );
 }
 
 #[tokio::test]
@@ -1402,9 +1555,10 @@ async fn unsupported_features_are_refused_not_ignored() {
         ),
         (
             chat,
-            json!({"messages": msgs, "response_format": {"type": "json_object"}}),
+            json!({"messages": msgs, "response_format": {"type": "structural_tag"}}),
             "response_format",
         ),
+        (c, json!({"prompt": "x", "ebnf": "root ::= \"a\""}), "ebnf"),
     ];
     for (path, body, param) in cases {
         let r = h.post(path, body).await;
@@ -2042,6 +2196,32 @@ fn glm_harness() -> Harness {
         Some(ReasoningParserKind::Glm45),
         Some(ToolParserKind::Glm47),
     )
+}
+
+#[tokio::test]
+async fn a_thinking_model_thinks_freely_before_its_structured_answer() {
+    let h = glm_harness();
+    // Whether the grammar of the request `kwargs` renders shapes the first generated token.
+    let active_from_the_start = |kwargs: Value| {
+        let h = &h;
+        async move {
+            let body = json!({"messages": [{"role": "user", "content": "x"}],
+                              "response_format": {"type": "json_object"}, "chat_template_kwargs": kwargs});
+            let r = h.post("/v1/chat/completions", body).await;
+            assert_eq!(r.status, StatusCode::OK, "{}", r.body);
+            let submitted = h.engine.submitted.lock();
+            submitted
+                .last()
+                .unwrap()
+                .constraint
+                .as_ref()
+                .unwrap()
+                .is_active()
+        }
+    };
+    // The prompt opens <think>: the grammar waits for </think>.
+    assert!(!active_from_the_start(json!({})).await);
+    assert!(active_from_the_start(json!({"enable_thinking": false})).await);
 }
 
 fn weather_tools() -> Value {

@@ -35,6 +35,7 @@ def plan_from_json(c: dict):
             history=q["history"],
             history_prompt_len=q["history_prompt_len"],
             history_reset=q["history_reset"],
+            allowed_tokens=q.get("allowed_tokens"),
         )
         for q in c["requests"]
     ]

@@ -19,7 +19,7 @@ PAGE = 4  # a small page size keeps the vectors readable
 
 
 def req(
-    id, input_ids, cached_len, pages, *, sample=True, prompt_logprobs=False, next_prompt_token=-1, input_prev_row=-1, history=(), history_prompt_len=0, history_reset=False, **sampling
+    id, input_ids, cached_len, pages, *, sample=True, prompt_logprobs=False, next_prompt_token=-1, input_prev_row=-1, history=(), history_prompt_len=0, history_reset=False, allowed_tokens=None, **sampling
 ):
     slots = [pages[(cached_len + k) // PAGE] * PAGE + (cached_len + k) % PAGE for k in range(len(input_ids))]
     return {
@@ -35,6 +35,7 @@ def req(
         "history": list(history),
         "history_prompt_len": history_prompt_len,
         "history_reset": history_reset,
+        "allowed_tokens": allowed_tokens,
         "sampling": {
             "temperature": 1.0,
             "top_p": 1.0,
@@ -64,6 +65,8 @@ MESSAGES = {
             req(12, [-1], 6, [4, 11], input_prev_row=3),
             # Penalised, its history sent before: only the token since (the workers hold the rest).
             req(13, [8], 9, [12, 13, 14], repetition_penalty=1.2, history=[8], history_prompt_len=4),
+            # Structured output: only tokens 1, 33 and 64 (and nothing past token 95) may follow.
+            req(14, [9], 3, [15], allowed_tokens=[2, 2, 1]),
         ],
         # Requests that ended since step 40: the workers drop their histories.
         "released": [5, 2**40 + 9],
@@ -96,7 +99,7 @@ MESSAGES = {
         "forward_ms": 1.5,
     },
     "result_empty": {"kind": "result", "step": 9, "sampled": [], "prompt_logprobs": [], "errors": [], "forward_ms": 0.0},
-    "hello": {"kind": "hello", "version": 4, "rank": 1, "tp_size": 2, "pid": 4242, "model_id": "embedded", "num_pages": 1024, "page_size": 64, "max_context": 4096, "vocab_size": 512},
+    "hello": {"kind": "hello", "version": 5, "rank": 1, "tp_size": 2, "pid": 4242, "model_id": "embedded", "num_pages": 1024, "page_size": 64, "max_context": 4096, "vocab_size": 512},
     "heartbeat": {"kind": "heartbeat", "rank": 0, "step": 77},
     "fatal": {"kind": "fatal", "rank": 1, "message": "model path /nonexistent does not exist"},
     "shutdown": {"kind": "shutdown"},

@@ -198,6 +198,35 @@ def test_bad_logit_bias_fails_only_its_request():
     assert again.bias_token.tolist() == plan.bias_token.tolist()
 
 
+def test_bad_allowed_token_masks_fail_only_their_request():
+    def req(i, words, sample=True):
+        return RequestSpec(i, [7], 6, [2 * i, 2 * i + 1], sample=sample, allowed_tokens=words)
+
+    high = [0] * 21 + [1 << 31]  # allows only token 703
+    plan = build_plan(
+        1,
+        PS,
+        [
+            req(0, [0, 1 << 5]),  # fine: token 37
+            req(1, [0, 0]),  # allows nothing
+            req(2, high),  # allows only a token beyond a 640-token vocabulary
+            req(3, [1], sample=False),  # a mask on a row that samples nothing
+            req(4, None),
+            req(5, [0xFFFFFFFF] * 3),  # fine: the sign bit of a word is a token too
+        ],
+    )
+    runnable, errors = validate_plan(plan, POOL, vocab_size=640)
+    assert [e[0] for e in errors] == [1, 2, 3] and all("mask" in m for _, m in errors), errors
+    assert list(runnable.req_ids) == [0, 4, 5]
+    assert runnable.mask_start.tolist() == [0, 2, 2, 5]
+    assert runnable.mask_words.tolist() == [0, 32, 0xFFFFFFFF, 0xFFFFFFFF, 0xFFFFFFFF]
+    # Without a known vocabulary, token 703 is a token.
+    _, errors = validate_plan(plan, POOL)
+    assert [e[0] for e in errors] == [1, 3], errors
+    again = plan_from_msg(unpack(encode_plan(plan)))
+    assert again.mask_words.tolist() == plan.mask_words.tolist()
+
+
 def test_dp_attention_fails_only_a_request_straddling_ranks():
     """Data-parallel attention over 2 ranks of POOL pages each: page ids span 2 * POOL; a request
     whose pages or out_slots leave its rank's pool fails alone, the rest runs (on any rank)."""

@@ -149,9 +149,9 @@ class ServerProcess:
             assert time.monotonic() < deadline, f"not drained after {timeout} s: {m}"
             time.sleep(0.1)
 
-    def complete(self, prompt: str, max_tokens: int) -> str:
-        """Greedy completion text (raises on any HTTP error)."""
-        body = json.dumps({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0}).encode()
+    def complete(self, prompt: str, max_tokens: int, **fields) -> str:
+        """Greedy completion text (raises on any HTTP error); `fields` join the request body."""
+        body = json.dumps({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, **fields}).encode()
         req = urllib.request.Request(self.base_url + "/v1/completions", data=body, headers={"Content-Type": "application/json"})
         with urllib.request.urlopen(req, timeout=120) as r:
             return json.loads(r.read())["choices"][0]["text"]

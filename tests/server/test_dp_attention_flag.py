@@ -39,10 +39,16 @@ def test_two_ranks_serve_their_own_requests_and_recite_exactly(start_server):
     server = start_server("--tp=2", "--enable-dp-attention", DEVICE_FLAG)
     prompts = {"Errors should never": " pass silently.\nUnless explicitly silenced.",
                "Beautiful is better than": " ugly.\nExplicit is better than implicit."}  # fmt: skip
+    choices = ["better than nested", "worse", "fine"]
     with ThreadPoolExecutor(6) as pool:
         texts = list(pool.map(lambda p: (p, server.complete(p, max_tokens=12)), list(prompts) * 3))
+        # Structured outputs on both ranks: each rank's rows carry their masks through its sampler.
+        chosen = list(pool.map(lambda p: server.complete(p, max_tokens=12, guided_choice=choices), ["Flat is"] * 4))
+        matched = list(pool.map(lambda p: server.complete(p, max_tokens=12, guided_regex="[0-9]{2}-[a-z]{3}"), ["Now"] * 4))
     for prompt, text in texts:
         assert text.startswith(prompts[prompt]), (prompt, text)
+    assert all(text in choices for text in chosen), chosen
+    assert all(len(t) == 6 and t[:2].isdigit() and t[2] == "-" and t[3:].isalpha() for t in matched), matched
     dp_pages = server.metrics()["nsaserve_kv_pages_total"]
     ready = next(line for line in server.lines if "nsaserve ready" in line)
     assert f"data-parallel attention, 2 x {dp_pages // 2:.0f} = {dp_pages:.0f} KV pages" in ready, ready

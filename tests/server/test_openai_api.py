@@ -143,6 +143,93 @@ def test_min_tokens_holds_off_eos_and_stop_strings(client):
     assert later.choices[0].finish_reason == "stop" and later.usage.completion_tokens > n
 
 
+def test_structured_outputs_through_the_official_client(client):
+    """The tiny model only ever recited the Zen of Python; constrained, it writes what the request
+    asks for: a pydantic model through `chat.completions.parse` (response_format json_schema),
+    vLLM's guided_choice / guided_regex / guided_json (extra_body), streaming or not, several
+    samples, alongside a plain request whose recital must stay exact."""
+    import re
+    from typing import Literal
+
+    from pydantic import BaseModel, Field
+
+    class Verdict(BaseModel):
+        answer: Literal["yes", "no"]
+        sure: bool
+        score: int = Field(ge=0, le=100)  # bounded: a greedy tiny model may write digits forever
+
+    ask = [{"role": "user", "content": "Is beautiful better than ugly?"}]
+    done = client.chat.completions.parse(model="zen", messages=ask, response_format=Verdict, max_tokens=80, temperature=0)
+    assert isinstance(done.choices[0].message.parsed, Verdict), done.choices[0].message.content
+    assert done.choices[0].finish_reason == "stop"
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        plain = pool.submit(client.completions.create, model="zen", prompt="Beautiful is better than", max_tokens=40, temperature=0)
+        choice = pool.submit(
+            client.completions.create, model="zen", prompt="Flat is", max_tokens=20, n=3, temperature=1.0, seed=3,
+            extra_body={"guided_choice": ["better than nested", "worse", "fine"]},
+        )  # fmt: skip
+        regex = pool.submit(
+            client.completions.create, model="zen", prompt="Now", max_tokens=20, temperature=0.8,
+            extra_body={"guided_regex": "[0-9]{3}-[a-z]{2,4}"},
+        )  # fmt: skip
+        obj = pool.submit(
+            client.chat.completions.create, model="zen", messages=ask, max_tokens=60, temperature=0,
+            response_format={"type": "json_object"},
+        )  # fmt: skip
+        assert plain.result().choices[0].text == zen().split("Beautiful is better than", 1)[1][: len(plain.result().choices[0].text)]
+        assert {c.text for c in choice.result().choices} <= {"better than nested", "worse", "fine"}
+        assert re.fullmatch("[0-9]{3}-[a-z]{2,4}", regex.result().choices[0].text), regex.result().choices[0].text
+        text = obj.result().choices[0].message.content
+        if obj.result().choices[0].finish_reason == "stop":
+            assert isinstance(json.loads(text), dict), text
+        else:  # out of tokens inside the object: still its start
+            assert text.startswith("{"), text
+
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["n"], "additionalProperties": False}
+    stream = client.completions.create(model="zen", prompt="Count:", max_tokens=30, temperature=0, stream=True, extra_body={"guided_json": schema})
+    text = "".join(c.choices[0].text for c in stream if c.choices)
+    assert set(json.loads(text)) == {"n"} and 0 <= json.loads(text)["n"] <= 9, text
+
+
+def test_bad_structured_outputs_are_400(server):
+    status, body = post(server, "/v1/completions", {"model": "zen", "prompt": "x", "guided_regex": "(unclosed"})
+    assert status == 400 and body["error"]["param"] == "guided_regex", body
+    schema = {"model": "zen", "messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_schema"}}
+    status, body = post(server, "/v1/chat/completions", schema)
+    assert status == 400 and body["error"]["param"] == "response_format", body
+    # A grammar that allowed_token_ids leave no token to follow: found at the first step, still a 400.
+    _, y = post(server, "/tokenize", {"prompt": "y"})
+    stuck = {"model": "zen", "prompt": "x", "guided_regex": "x", "allowed_token_ids": y["tokens"]}
+    status, body = post(server, "/v1/completions", stuck)
+    assert status == 400 and "allowed_token_ids" in body["error"]["message"], body
+
+
+def test_allowed_token_ids_and_what_the_text_keeps(client, server):
+    """vLLM's allowed_token_ids (only those tokens, every step, overlap or not), and
+    include_stop_str_in_output / skip_special_tokens deciding what the text keeps."""
+    _, tok = post(server, "/tokenize", {"prompt": "a b"})
+    ids = tok["tokens"]
+    out = client.completions.create(
+        model="zen", prompt="Beautiful is", max_tokens=8, temperature=0.9, seed=1, extra_body={"allowed_token_ids": ids}
+    )
+    assert set(out.choices[0].text) <= set("a b") and out.usage.completion_tokens == 8, out.choices[0].text
+    prompt = "Beautiful is better than"
+    kept = client.completions.create(
+        model="zen", prompt=prompt, max_tokens=60, temperature=0, stop=["better"],
+        extra_body={"include_stop_str_in_output": True},
+    )  # fmt: skip
+    cut = client.completions.create(model="zen", prompt=prompt, max_tokens=60, temperature=0, stop=["better"])
+    assert kept.choices[0].text == cut.choices[0].text + "better", (kept.choices[0].text, cut.choices[0].text)
+    end = "Namespaces are one honking great idea -- let's do more of"
+    shown = client.completions.create(
+        model="zen", prompt=end, max_tokens=20, temperature=0,
+        extra_body={"include_stop_str_in_output": True, "skip_special_tokens": False},
+    )  # fmt: skip
+    plain = client.completions.create(model="zen", prompt=end, max_tokens=20, temperature=0)
+    assert shown.choices[0].text == plain.choices[0].text + "<|endoftext|>", shown.choices[0].text
+
+
 def test_stop_string_is_not_leaked(client):
     out = client.completions.create(
         model="zen", prompt="Beautiful is better than", max_tokens=100, temperature=0, stop=["Simple"]

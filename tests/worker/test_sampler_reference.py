@@ -37,6 +37,8 @@ def random_request(rng: random.Random, vocab: int) -> SamplingRequest:
         r.logit_bias = {
             t: rng.choice([-100.0, -3.5, 2.25, 7.0, 100.0]) for t in rng.sample(range(vocab), rng.randint(1, 6))
         }
+    if r.sample and rng.random() < 0.25:  # structured output: a few allowed tokens, or many
+        r.allowed = sorted(rng.sample(range(vocab), rng.choice([1, 2, 5, vocab // 2])))
     if rng.random() < 0.4:
         r.repetition_penalty = rng.choice([1.0, 0.7, 1.3, 2.0])
         r.frequency_penalty = rng.choice([0.0, 0.5, -0.4])
@@ -136,7 +138,7 @@ def test_plain_batches_fold_the_temperature_into_the_pick(seed, device):
     for r in reqs:
         r.top_k, r.top_p, r.min_p = 0, 1.0, 0.0
         r.repetition_penalty, r.frequency_penalty, r.presence_penalty = 1.0, 0.0, 0.0
-        r.logit_bias = {}
+        r.logit_bias, r.allowed = {}, None
     plan = make_plan(reqs)
     sb = SamplingBatch.from_plan(plan, device)
     assert plain_sampling(sb)
@@ -167,7 +169,7 @@ def test_bf16_logits_sample_as_their_float32_copy(seed, plain, device):
         for r in reqs:
             r.top_k, r.top_p, r.min_p = 0, 1.0, 0.0
             r.repetition_penalty, r.frequency_penalty, r.presence_penalty = 1.0, 0.0, 0.0
-            r.logit_bias = {}
+            r.logit_bias, r.allowed = {}, None
     plan = make_plan(reqs)
     sb = SamplingBatch.from_plan(plan, device)
     assert plain_sampling(sb) or not plain
@@ -183,13 +185,13 @@ def test_bf16_logits_sample_as_their_float32_copy(seed, plain, device):
 def test_filters_and_penalties_are_not_plain():
     rng = random.Random(5)
     base = dict(top_k=0, top_p=1.0, min_p=0.0)
-    changes = ({"top_k": 5}, {"top_p": 0.9}, {"min_p": 0.1}, {"repetition_penalty": 1.3}, {"logit_bias": {3: 1.0}}, {})
+    changes = ({"top_k": 5}, {"top_p": 0.9}, {"min_p": 0.1}, {"repetition_penalty": 1.3}, {"logit_bias": {3: 1.0}}, {"allowed": [1, 2]}, {})
     for change in changes:
         reqs = [random_request(rng, 100) for _ in range(3)]
         for r in reqs:
             r.temperature, r.sample = 0.7, True
             r.repetition_penalty, r.frequency_penalty, r.presence_penalty = 1.0, 0.0, 0.0
-            r.logit_bias = {}
+            r.logit_bias, r.allowed = {}, None
             for k, v in {**base, **change}.items():
                 setattr(r, k, v)
         sb = SamplingBatch.from_plan(make_plan(reqs), "cpu")

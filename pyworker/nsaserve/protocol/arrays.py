@@ -7,6 +7,7 @@ import numpy as np
 # The wire dtypes, fixed by the protocol (docs/protocol.md): always little-endian.
 U8 = np.dtype("<u1")
 I32 = np.dtype("<i4")
+U32 = np.dtype("<u4")
 U64 = np.dtype("<u8")
 F32 = np.dtype("<f4")
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .arrays import F32, I32, U8, U64
+from .arrays import F32, I32, U8, U32, U64
 from .messages import Plan
 from .validate import implied_mode
 
@@ -45,6 +45,8 @@ class RequestSpec:
     # since the last plan that sent some. None: whole when the request has a history or a
     # penalty, as the router sends it the first time.
     history_reset: bool | None = None
+    # Structured output: the allowed-token bitmask words of this step (None: every token).
+    allowed_tokens: Sequence[int] | None = None
 
     def resets_history(self) -> bool:
         if self.history_reset is not None:
@@ -109,5 +111,7 @@ def build_plan(step: int, page_size: int, requests: Sequence[RequestSpec], relea
         bias_start=_offsets([len(q.sampling.logit_bias) for q in r]),
         bias_token=flat([t for t, _ in q.sampling.logit_bias] for q in r),
         bias_value=np.array([b for q in r for _, b in q.sampling.logit_bias], dtype=F32),
+        mask_start=_offsets([len(q.allowed_tokens or ()) for q in r]),
+        mask_words=np.array([w for q in r for w in q.allowed_tokens or ()], dtype=U32),
         released=np.array(list(released), dtype=U64),
     )

@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 import msgpack
 import numpy as np
 
-from .arrays import F32, I32, U8, U64, ProtocolError, to_bin, view
+from .arrays import F32, I32, U8, U32, U64, ProtocolError, to_bin, view
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 
 MODES = ("idle", "prefill", "decode", "mixed")
 
@@ -61,6 +61,10 @@ class Plan:
     bias_start: np.ndarray  # i32 [n+1], offsets into bias_token / bias_value
     bias_token: np.ndarray  # i32 [B]
     bias_value: np.ndarray  # f32 [B]
+    # Structured output: a request's allowed-token bitmask for this step (bit t % 32 of word
+    # t // 32 allows token t; tokens past its last word are out), or no words (every token).
+    mask_start: np.ndarray  # i32 [n+1], offsets into mask_words
+    mask_words: np.ndarray  # u32 [M]
     # Requests that left since the previous plan: their held histories can go.
     released: np.ndarray  # u64 [R]
 
@@ -109,6 +113,8 @@ PLAN_ARRAYS: tuple[tuple[str, np.dtype], ...] = (
     ("bias_start", I32),
     ("bias_token", I32),
     ("bias_value", F32),
+    ("mask_start", I32),
+    ("mask_words", U32),
     ("released", U64),
 )
 

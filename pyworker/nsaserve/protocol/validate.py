@@ -47,6 +47,7 @@ OFFSETS = {
     "page_start": ("page_table",),
     "history_start": ("history",),
     "bias_start": ("bias_token", "bias_value"),
+    "mask_start": ("mask_words",),
 }
 PER_TOKEN = ("input_ids", "positions", "out_slots")
 
@@ -128,6 +129,19 @@ def request_faults(plan: Plan, num_pages: int, vocab_size: int | None = None, dp
     unordered = np.flatnonzero(same_req & (plan.bias_token[1:] <= plan.bias_token[:-1]))
     flag(np.bincount(bias_req[unordered], minlength=n) > 0, "logit_bias token ids not distinct and ascending")
     flag(np.bincount(bias_req[~np.isfinite(plan.bias_value)], minlength=n) > 0, "a logit_bias value that is not finite")
+
+    mask_len = np.diff(plan.mask_start)
+    flag((mask_len > 0) & (plan.sample == 0), "an allowed-token mask on a row that samples nothing")
+    # A masked request must allow some token (of the vocabulary, when known): bits of word k
+    # stand for tokens 32k..32k+31, so word k keeps its lowest (limit - 32k) bits.
+    mask_req = np.repeat(np.arange(n), mask_len)
+    word_index = np.arange(len(plan.mask_words), dtype=np.int64) - plan.mask_start[mask_req]
+    words = plan.mask_words.astype(np.int64)
+    if vocab_size is not None:
+        bits = np.clip(vocab_size - 32 * word_index, 0, 32)
+        words = words & ((np.int64(1) << bits) - 1)
+    allows = np.bincount(mask_req[words != 0], minlength=n) > 0
+    flag((mask_len > 0) & ~allows, "an allowed-token mask that allows no token")
 
     page_req = np.repeat(np.arange(n), npages)
     total_pages = num_pages * dp_size

@@ -43,8 +43,23 @@ class NullExecutor:
         last = plan.query_start[1:].astype(np.int64) - 1
         rows = np.flatnonzero(plan.sample)
         toks = (31 * plan.input_ids[last[rows]].astype(np.int64) + plan.positions[last[rows]] + 1) % self.vocab_size
+        toks = self._obey_masks(plan, rows, toks)
         sampled = [(int(plan.req_ids[i]), int(t), self._logprobs(int(plan.top_logprobs[i]), int(t))) for i, t in zip(rows, toks)]
         return StepResult(step=plan.step, sampled=sampled, forward_ms=(time.perf_counter() - t0) * 1e3)
+
+    def _obey_masks(self, plan: Plan, rows: np.ndarray, toks: np.ndarray) -> np.ndarray:
+        """Structured output: a row whose mask leaves its token out takes the next allowed id up
+        (wrapping), as a sampler gives the left-out tokens no probability."""
+        toks = toks.copy()
+        for k, i in enumerate(rows):
+            words = plan.mask_words[plan.mask_start[i] : plan.mask_start[i + 1]]
+            if len(words):
+                bits = np.unpackbits(words.astype("<u4").view(np.uint8), bitorder="little")[: self.vocab_size]
+                allowed = np.flatnonzero(bits)
+                if len(allowed):
+                    at = np.searchsorted(allowed, toks[k])
+                    toks[k] = allowed[at % len(allowed)]
+        return toks
 
     def _logprobs(self, n: int, token: int) -> TokenLogprobs | None:
         """Made-up but well-formed logprobs, so the router's logprobs path is measured too: the

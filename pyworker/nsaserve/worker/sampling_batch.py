@@ -55,6 +55,12 @@ class SamplingBatch:
     bias_token: torch.Tensor  # int64 [B]
     bias_value: torch.Tensor  # f32 [B]
 
+    # Structured output: the rows with an allowed-token mask, and their bitmask words (the plan's
+    # u32 words as int32 bit patterns, zero-padded to the longest; bit t % 32 of word t // 32
+    # allows token t, and tokens past the words are out).
+    mask_rows: torch.Tensor  # int64 [M]
+    mask_words: torch.Tensor  # int32 [M, W]
+
     # (row, generator seed) of every seeded row that samples randomly; the generator seed
     # depends only on the request's seed and the position of the token being sampled.
     seeded: list[tuple[int, int]]
@@ -75,8 +81,9 @@ class SamplingBatch:
 
     @property
     def adjusts_logits(self) -> bool:
-        """Whether some row has a logit_bias or a penalty (host-known sizes: no device read)."""
-        return self.penalty_rows.numel() > 0 or self.bias_token.numel() > 0
+        """Whether some row has a logit_bias, a penalty or an allowed-token mask (host-known sizes:
+        no device read)."""
+        return self.penalty_rows.numel() > 0 or self.bias_token.numel() > 0 or self.mask_rows.numel() > 0
 
     @staticmethod
     def from_plan(plan: Plan, device: torch.device | str, patch: InputPatch | None = None) -> SamplingBatch:
@@ -127,6 +134,7 @@ class SamplingBatch:
         gen_seeds = row_seeds(plan.seed[sel][seeded_rows], positions[seeded_rows])
 
         b_row, b_tok, b_val = _bias_triples(plan, sel, device)
+        m_rows, m_words = _token_masks(plan, sel, device)
         history = _to_device(plan.history, device) if len(pen_rows) else ints[3][:0]
         pending = np.flatnonzero(plan.input_prev_row[pen_req] >= 0)
         if len(pending) == len(pen_rows):  # every penalised row appends one (pipelined decode)
@@ -158,6 +166,8 @@ class SamplingBatch:
             bias_row=b_row,
             bias_token=b_tok,
             bias_value=b_val,
+            mask_rows=m_rows,
+            mask_words=m_words,
             seeded=list(zip(seeded_rows.tolist(), gen_seeds.tolist())),
             top_logprobs=tlp,
             logprob_rows=ints[1],
@@ -189,6 +199,18 @@ def _bias_triples(plan: Plan, sel: np.ndarray, device) -> tuple[torch.Tensor, to
     # Entry k of row r sits at start[r] + k of the plan's flat arrays.
     at = np.repeat(start - (np.cumsum(length) - length), length) + np.arange(total, dtype=np.int64)
     return upload(rows, device), upload(plan.bias_token[at], device, np.int64), upload(plan.bias_value[at], device)
+
+
+def _token_masks(plan: Plan, sel: np.ndarray, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rows, words [M, W]) of the sampling rows `sel` that carry an allowed-token mask."""
+    start = plan.mask_start[:-1][sel].astype(np.int64)
+    length = plan.mask_start[1:][sel].astype(np.int64) - start
+    rows = np.flatnonzero(length > 0)
+    width = int(length.max()) if len(rows) else 0
+    words = np.zeros((len(rows), width), dtype=np.uint32)
+    for k, r in enumerate(rows):  # one slice per constrained row: O(constrained rows) host work
+        words[k, : length[r]] = plan.mask_words[start[r] : start[r] + length[r]]
+    return upload(rows.astype(np.int64), device), upload(words.view(np.int32), device)
 
 
 def _pending_tokens(plan: Plan, reqs: np.ndarray, device, patch: InputPatch | None) -> torch.Tensor:

@@ -16,6 +16,17 @@ from ..kernels.registry import get_backend, resolve
 from .sampling_batch import SamplingBatch
 
 
+def allowed_token_mask(words: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Bitmask words [M, W] (int32 bit patterns) -> bool [M, vocab_size]: bit t % 32 of word
+    t // 32 allows token t; tokens past the last word are not allowed."""
+    shifts = torch.arange(32, dtype=torch.int32, device=words.device)
+    # An arithmetic shift copies the sign bit in from the left, but `& 1` reads only bit k.
+    bits = ((words.unsqueeze(-1) >> shifts) & 1).bool().flatten(1)
+    if bits.shape[1] >= vocab_size:
+        return bits[:, :vocab_size]
+    return torch.nn.functional.pad(bits, (0, vocab_size - bits.shape[1]), value=False)
+
+
 def apply_bias_and_penalties(logits: torch.Tensor, sb: SamplingBatch, backend: str = "auto") -> torch.Tensor:
     """logit_bias, then repetition (HF style) and frequency/presence (OpenAI style) penalties, in
     float32 whatever the logits' dtype (decode graphs hand over bf16 rows); returns a new tensor
@@ -27,8 +38,11 @@ def apply_bias_and_penalties(logits: torch.Tensor, sb: SamplingBatch, backend: s
       generated tokens: positive logits / r, others * r; frequency f and presence q over generated
       tokens only: logit -= f * count + q * (count > 0).
 
-    Only the biased tokens and the history's tokens change, so the work beyond the one float32
-    copy is O(biases + history).
+    - structured output: a token its row's allowed-token mask leaves out gets -inf (the mask
+      always allows some token, so no row is left empty).
+
+    Only the biased tokens, the history's tokens and the masked rows change, so the work beyond
+    the one float32 copy is O(biases + history + masked rows x vocabulary).
     """
     if not sb.adjusts_logits:
         return logits.float()
@@ -49,6 +63,10 @@ def apply_bias_and_penalties(logits: torch.Tensor, sb: SamplingBatch, backend: s
             sb.history_pending, sb.history_first, sb.repetition_penalty, sb.frequency_penalty,
             sb.presence_penalty, sb.history_entries, sb.history_max,
         )  # fmt: skip
+    if sb.mask_rows.numel():
+        rows = sb.mask_rows
+        allowed = allowed_token_mask(sb.mask_words, V)
+        out.index_copy_(0, rows, out.index_select(0, rows).masked_fill_(~allowed, float("-inf")))
     return out
 
 
@@ -126,4 +144,4 @@ def process_logits(logits: torch.Tensor, sb: SamplingBatch, backend: str = "auto
     return filter_logits(x, sb)
 
 
-__all__ = ["apply_bias_and_penalties", "filter_logits", "process_logits", "top_k_top_p_threshold"]
+__all__ = ["allowed_token_mask", "apply_bias_and_penalties", "filter_logits", "process_logits", "top_k_top_p_threshold"]

@@ -29,6 +29,7 @@ class SamplingRequest:
     seed: int | None = None
     top_logprobs: int = -1
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> bias
+    allowed: list[int] | None = None  # structured output: the tokens allowed (None: all)
     req_id: int | None = None  # default: the request's index
 
     @property
@@ -37,6 +38,14 @@ class SamplingRequest:
 
     def needs_history(self) -> bool:
         return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+
+
+def mask_words(allowed: list[int]) -> list[int]:
+    """The plan's bitmask words for a set of allowed token ids (bit t % 32 of word t // 32)."""
+    words = [0] * (max(allowed) // 32 + 1)
+    for t in allowed:
+        words[t // 32] |= 1 << (t % 32)
+    return words
 
 
 def make_plan(reqs: list[SamplingRequest], page_size: int = 16, step: int = 0) -> Plan:
@@ -69,6 +78,7 @@ def make_plan(reqs: list[SamplingRequest], page_size: int = 16, step: int = 0) -
                 ),
                 history=all_tokens if r.needs_history() else [],
                 history_prompt_len=len(r.prompt) if r.needs_history() else 0,
+                allowed_tokens=None if r.allowed is None else mask_words(r.allowed),
             )
         )
         next_page += npages

@@ -42,12 +42,16 @@ def reference_penalties(logits: torch.Tensor, plan: Plan, i: int) -> torch.Tenso
     rep = float(plan.repetition_penalty[i])
     freq = float(plan.frequency_penalty[i])
     pres = float(plan.presence_penalty[i])
-    if rep == 1.0 and freq == 0.0 and pres == 0.0:
-        return x  # the router sends no history then; a stray one must not matter
-    for t in {t for t in hist if 0 <= t < V}:  # an id outside the vocabulary has no logit
-        x[t] = x[t] / rep if x[t] > 0 else x[t] * rep
-    for t, c in Counter(t for t in hist[n_prompt:] if 0 <= t < V).items():
-        x[t] -= freq * c + pres
+    if rep != 1.0 or freq != 0.0 or pres != 0.0:  # else the router sends no history
+        for t in {t for t in hist if 0 <= t < V}:  # an id outside the vocabulary has no logit
+            x[t] = x[t] / rep if x[t] > 0 else x[t] * rep
+        for t, c in Counter(t for t in hist[n_prompt:] if 0 <= t < V).items():
+            x[t] -= freq * c + pres
+    words = [int(w) for w in plan.mask_words[plan.mask_start[i] : plan.mask_start[i + 1]]]
+    if words:  # structured output: token t needs bit t % 32 of word t // 32
+        for t in range(V):
+            if t // 32 >= len(words) or not (words[t // 32] >> (t % 32)) & 1:
+                x[t] = float("-inf")
     return x
 
 

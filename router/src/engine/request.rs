@@ -1,8 +1,11 @@
 //! What the HTTP layer hands the engine and what it gets back. The HTTP layer owns text
 //! (tokenization, detokenization, stop strings); the engine owns token ids, pages and steps.
 
+use std::sync::Arc;
+
 use tokio::sync::mpsc;
 
+use crate::grammar::TokenConstraint;
 use crate::protocol::{PromptLogprobs, SamplingParams, TokenLogprobs};
 
 pub type RequestId = u64;
@@ -21,6 +24,10 @@ pub struct GenerateRequest {
     pub stop_token_ids: Vec<i32>,
     /// Return the logprobs of the prompt tokens (for `echo` with `logprobs`).
     pub prompt_logprobs: bool,
+    /// vLLM's `allowed_token_ids`: the bitmask of the only tokens it may sample (every step).
+    pub allowed_tokens: Option<Arc<Vec<u32>>>,
+    /// Structured output: the grammar the generated tokens must follow, compiled.
+    pub constraint: Option<TokenConstraint>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -65,7 +72,9 @@ pub enum GenerateEvent {
     },
     /// The engine refused the request when it arrived there (after the handle's own checks):
     /// the same refusal, and HTTP status, as if the handle had refused it (429 when the queue
-    /// filled up meanwhile, 400, 503).
+    /// filled up meanwhile, 400, 503). Also sent mid-generation, as `Invalid` (400), when the
+    /// request's structured output can no longer be met (its grammar allows no token, or none
+    /// that `allowed_token_ids` allows).
     Refused(SubmitError),
 }
 

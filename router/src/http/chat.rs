@@ -23,9 +23,10 @@ use super::openai_types::{
 };
 use super::prompt::blocking;
 use super::sse::{sse_response, to_json, ChunkWriter};
+use super::structured_output;
 use super::tool_choice::ToolChoice;
 use super::validation::{
-    check_logprobs, check_model, fit_context, generate_requests, unsupported, validate_sampling,
+    check_logprobs, check_model, fit_context, generate_requests, validate_sampling,
 };
 use super::{unix_now, AppState};
 use crate::parsers::ToolSet;
@@ -183,16 +184,6 @@ async fn handle(app: AppState, request: Request) -> Result<Response, ApiError> {
         body.tools.as_deref(),
         app.cfg.tool_call_parser.is_some(),
     )?;
-    if body
-        .response_format
-        .as_ref()
-        .is_some_and(|f| f.get("type").and_then(Value::as_str) != Some("text"))
-    {
-        return Err(unsupported(
-            "response_format",
-            "Only `response_format` {\"type\": \"text\"} is supported.",
-        ));
-    }
     let top_n = match (body.logprobs, body.top_logprobs) {
         (Some(true), top) => Some(check_logprobs("top_logprobs", top.unwrap_or(0))?),
         // `top_logprobs: 0` without logprobs asks for nothing; more needs `logprobs: true`.
@@ -239,12 +230,20 @@ async fn handle(app: AppState, request: Request) -> Result<Response, ApiError> {
         Arc::clone(&app.metrics),
     );
     let max_new = fit_context(prompt_ids.len(), v.max_tokens, info.max_context)?;
+    let constraint = match v.constraint.clone() {
+        Some(c) => Some(
+            structured_output::compile(&app.grammar, &app.metrics, c, output.starts_thinking())
+                .await?,
+        ),
+        None => None,
+    };
     let requests = generate_requests(
         &prompt_ids,
         max_new,
         &v,
         app.tokenizer.eos_token_ids(),
         false,
+        constraint.as_ref(),
     );
     let streams = generation::submit_all(app.engine.as_ref(), requests)?;
 

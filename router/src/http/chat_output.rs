@@ -37,6 +37,12 @@ impl OutputSetup {
         }
     }
 
+    /// Whether generation starts inside the model's thinking (a structured output then shapes
+    /// only the answer after it).
+    pub fn starts_thinking(&self) -> bool {
+        self.reasoning == Some(ReasoningMode::Reasoning)
+    }
+
     fn parser(&self) -> ChoiceParser {
         let scanner = self
             .tools

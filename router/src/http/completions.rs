@@ -20,6 +20,7 @@ use super::openai_types::{
 };
 use super::prompt::{completion_prompts, Prompt};
 use super::sse::{sse_response, to_json, ChunkWriter};
+use super::structured_output;
 use super::validation::{
     check_logprobs, check_model, fit_context, generate_requests, unsupported, validate_sampling,
 };
@@ -78,6 +79,10 @@ async fn handle(app: AppState, request: Request) -> Result<Response, ApiError> {
         .ok_or_else(|| ApiError::invalid_param("prompt", "`prompt` is required."))?;
     let prompts = completion_prompts(&app.tokenizer, input, info.vocab_size).await?;
     let echo = body.echo.unwrap_or(false);
+    let constraint = match v.constraint.clone() {
+        Some(c) => Some(structured_output::compile(&app.grammar, &app.metrics, c, false).await?),
+        None => None,
+    };
 
     let mut requests = Vec::with_capacity(prompts.len() * v.n as usize);
     for p in &prompts {
@@ -89,6 +94,7 @@ async fn handle(app: AppState, request: Request) -> Result<Response, ApiError> {
             &v,
             app.tokenizer.eos_token_ids(),
             prompt_logprobs,
+            constraint.as_ref(),
         ));
     }
     let streams = generation::submit_all(app.engine.as_ref(), requests)?;

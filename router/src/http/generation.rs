@@ -22,8 +22,11 @@ pub struct GenerationContext {
     pub tokenizer: Arc<TokenizerBundle>,
     pub metrics: Arc<Metrics>,
     pub stops: Vec<String>,
-    /// EOS and the request's stop token ids: they end generation but show no text.
+    /// EOS and the request's stop token ids: they end generation but show no text (none with
+    /// `include_stop_str_in_output`).
     pub silent_ids: HashSet<i32>,
+    pub include_stop: bool,
+    pub skip_special_tokens: bool,
     /// Stop strings end the text only from this many generated tokens on (`min_tokens`, as
     /// vLLM counts it: the token that completes one is included).
     pub min_tokens: u32,
@@ -39,15 +42,20 @@ impl GenerationContext {
         v: &super::validation::Validated,
         arrived: Instant,
     ) -> Arc<GenerationContext> {
-        let mut silent_ids: HashSet<i32> = v.stop_token_ids.iter().copied().collect();
-        if !v.ignore_eos {
-            silent_ids.extend(tokenizer.eos_token_ids());
+        let mut silent_ids: HashSet<i32> = HashSet::new();
+        if !v.include_stop {
+            silent_ids.extend(&v.stop_token_ids);
+            if !v.ignore_eos {
+                silent_ids.extend(tokenizer.eos_token_ids());
+            }
         }
         Arc::new(GenerationContext {
             tokenizer: Arc::clone(tokenizer),
             metrics: Arc::clone(metrics),
             stops: v.stops.clone(),
             silent_ids,
+            include_stop: v.include_stop,
+            skip_special_tokens: v.skip_special_tokens,
             min_tokens: v.min_tokens,
             arrived,
         })
@@ -259,8 +267,9 @@ pub fn choice_events(
         index,
         prompt_len: prompt_ids.len() as u32,
         stream: Some(stream),
-        detokenizer: IncrementalDetokenizer::new(prompt_ids),
-        stop: StopMatcher::new(ctx.stops.clone()),
+        detokenizer: IncrementalDetokenizer::new(prompt_ids)
+            .showing_special_tokens(!ctx.skip_special_tokens),
+        stop: StopMatcher::new(ctx.stops.clone()).including_stops(ctx.include_stop),
         pending_tokens: Vec::new(),
         queued: VecDeque::new(),
         generated: 0,

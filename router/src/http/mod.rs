@@ -11,14 +11,16 @@
 //! the penalties, as vLLM does; logprobs stay the model's), `seed` (sample i uses seed + i),
 //! `stop`, `stop_token_ids`, `ignore_eos`, `min_tokens` (or SGLang's `min_new_tokens`: the
 //! stop tokens are banned from sampling and stop strings do not count before that many tokens,
-//! as vLLM does), `n`, `logprobs` / `top_logprobs`, `echo`, `stream`,
+//! as vLLM does), vLLM's `include_stop_str_in_output` and `skip_special_tokens`, `n`,
+//! `logprobs` / `top_logprobs`, `echo`, `stream`,
 //! `stream_options.include_usage`, `tools`, `tool_choice`, `chat_template_kwargs`,
-//! `add_generation_prompt` and `user`. Fields that would change the output but are not
-//! implemented (`best_of`, `suffix`, a JSON `response_format`, a forced
-//! `tool_choice` without a tool-call parser, and vLLM's / SGLang's `bad_words`,
-//! `allowed_token_ids`, `guided_*`, `structured_outputs`,
-//! `include_stop_str_in_output`, `skip_special_tokens` and `use_beam_search` set to anything but
-//! their no-op values) are refused with a 400 rather than ignored.
+//! `add_generation_prompt` and `user`; structured outputs (`structured_output`): OpenAI's
+//! `response_format` (`json_object`, `json_schema`), vLLM's `guided_json`, `guided_regex`,
+//! `guided_choice`, `guided_grammar` (Lark) and `structured_outputs`, SGLang's `json_schema` and
+//! `regex`, on both endpoints. Fields that would change the output but are not implemented
+//! (`best_of`, `suffix`, a forced `tool_choice` without a tool-call parser, SGLang's `ebnf`, and
+//! vLLM's `bad_words`, `allowed_token_ids` and `use_beam_search` set to anything but their
+//! no-op values) are refused with a 400 rather than ignored.
 //!
 //! Omitted `temperature`, `top_p`, `top_k`, `min_p` and `repetition_penalty` take
 //! `HttpConfig::sampling_defaults`: with `serve`'s default `--sampling-defaults model`, the
@@ -53,6 +55,7 @@ mod request_id;
 mod routes;
 mod sampling_defaults;
 mod sse;
+mod structured_output;
 mod tokenize;
 mod tool_choice;
 mod validation;
@@ -66,6 +69,7 @@ use axum::routing::{get, post};
 use axum::Router;
 
 use crate::engine::Engine;
+use crate::grammar::GrammarCompiler;
 use crate::metrics::Metrics;
 use crate::parsers::{ReasoningParserKind, ToolParserKind};
 use crate::tokenizer::TokenizerBundle;
@@ -137,6 +141,8 @@ pub struct AppState {
     cfg: Arc<HttpConfig>,
     engine: Arc<dyn Engine>,
     tokenizer: Arc<TokenizerBundle>,
+    /// Compiles structured-output constraints against `tokenizer`.
+    grammar: Arc<GrammarCompiler>,
     metrics: Arc<Metrics>,
     started_at: u64,
 }
@@ -176,6 +182,7 @@ pub fn router(
     let state = AppState {
         cfg: Arc::new(cfg),
         engine,
+        grammar: Arc::new(GrammarCompiler::new(Arc::clone(&tokenizer))),
         tokenizer,
         metrics,
         started_at: unix_now(),

@@ -5,6 +5,8 @@
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
+use super::structured_output::StructuredOutputFields;
+
 /// `prompt`: a string, token ids, or a list of either (one choice group per prompt).
 #[derive(Debug, Deserialize)]
 #[serde(untagged)]
@@ -57,10 +59,19 @@ pub struct SamplingFields {
     pub min_tokens: Option<i64>,
     /// SGLang's name for `min_tokens`.
     pub min_new_tokens: Option<i64>,
+    /// vLLM's: only these token ids may be sampled.
+    pub allowed_token_ids: Option<Vec<i64>>,
+    /// vLLM's: a stop string (or stop token's text) stays at the end of the output.
+    pub include_stop_str_in_output: Option<bool>,
+    /// vLLM's: false shows special tokens (chat markers, EOS) in the text. Default true.
+    pub skip_special_tokens: Option<bool>,
     /// vLLM / SGLang request extras that would change the output and are not implemented:
     /// refused with a 400 when set to anything but their no-op value, never silently ignored.
     #[serde(flatten)]
     pub unimplemented_extras: UnimplementedExtras,
+    /// `response_format` and vLLM's / SGLang's structured-output fields (http::structured_output).
+    #[serde(flatten)]
+    pub structured: StructuredOutputFields,
 }
 
 /// See `SamplingFields::unimplemented_extras`; `validation::refuse_unimplemented_extras`
@@ -68,14 +79,6 @@ pub struct SamplingFields {
 #[derive(Debug, Default, Deserialize)]
 pub struct UnimplementedExtras {
     pub bad_words: Option<Value>,
-    pub allowed_token_ids: Option<Value>,
-    pub guided_json: Option<Value>,
-    pub guided_regex: Option<Value>,
-    pub guided_choice: Option<Value>,
-    pub guided_grammar: Option<Value>,
-    pub structured_outputs: Option<Value>,
-    pub include_stop_str_in_output: Option<Value>,
-    pub skip_special_tokens: Option<Value>,
     pub use_beam_search: Option<Value>,
 }
 
@@ -110,8 +113,6 @@ pub struct ChatRequest {
     /// "auto", "none", "required" or `{"type": "function", "function": {"name": …}}`; see
     /// `http::tool_choice` for how the forced ones are enforced.
     pub tool_choice: Option<Value>,
-    /// Only `{"type": "text"}` is supported: output is not constrained to JSON.
-    pub response_format: Option<Value>,
 }
 
 #[derive(Debug, Clone, Copy, Serialize)]

@@ -1,12 +1,16 @@
 //! Checks every request field against its range and the model, and turns the request into
 //! the engine's `GenerateRequest`s. Each failure names the field (OpenAI's `param`).
 
+use std::sync::Arc;
+
 use crate::engine::{GenerateRequest, ModelInfo};
+use crate::grammar::TokenConstraint;
 use crate::protocol::SamplingParams;
 
 use super::errors::ApiError;
 use super::openai_types::{SamplingFields, StopInput, UnimplementedExtras};
 use super::sampling_defaults::SamplingDefaults;
+use super::structured_output::RequestedConstraint;
 
 /// The most logprobs a request may ask for per token.
 pub const MAX_LOGPROBS: i64 = 20;
@@ -31,6 +35,14 @@ pub struct Validated {
     pub ignore_eos: bool,
     /// `min_tokens` (or SGLang's `min_new_tokens`): no stop before this many tokens.
     pub min_tokens: u32,
+    /// vLLM's `include_stop_str_in_output`: stop strings and stop tokens' text stay in the output.
+    pub include_stop: bool,
+    /// vLLM's `skip_special_tokens` (default true): special tokens decode to nothing.
+    pub skip_special_tokens: bool,
+    /// vLLM's `allowed_token_ids`, as the bitmask every sampling step of the request carries.
+    pub allowed_tokens: Option<Arc<Vec<u32>>>,
+    /// The structured output asked for (compiled by the endpoint, which knows the prompt).
+    pub constraint: Option<RequestedConstraint>,
     pub stream: bool,
     pub include_usage: bool,
 }
@@ -235,8 +247,29 @@ pub fn validate_sampling(
         model.vocab_size,
     )?;
     let logit_bias = check_logit_bias(f.logit_bias.as_ref(), model.vocab_size)?;
+    let allowed_tokens = match &f.allowed_token_ids {
+        None => None,
+        Some(ids) if ids.is_empty() => {
+            return Err(ApiError::invalid_param(
+                "allowed_token_ids",
+                "`allowed_token_ids` must name at least one token.",
+            ))
+        }
+        Some(ids) => {
+            let ids = check_token_ids("allowed_token_ids", ids, model.vocab_size)?;
+            Some(Arc::new(crate::protocol::token_mask(&ids)))
+        }
+    };
     let min_tokens = check_min_tokens(f, max_tokens)?;
     refuse_unimplemented_extras(&f.unimplemented_extras)?;
+    let constraint = f.structured.requested()?;
+    if let Some(c) = constraint.as_ref().filter(|_| min_tokens > 0) {
+        // A grammar may end the output, by allowing only a stop token, before the minimum.
+        return Err(unsupported(
+            "min_tokens",
+            &format!("`min_tokens` cannot be combined with `{}`.", c.param),
+        ));
+    }
     let stream = f.stream.unwrap_or(false);
     if f.stream_options.is_some() && !stream {
         return Err(ApiError::invalid_param(
@@ -277,6 +310,10 @@ pub fn validate_sampling(
         stop_token_ids,
         ignore_eos: f.ignore_eos.unwrap_or(false),
         min_tokens,
+        allowed_tokens,
+        include_stop: f.include_stop_str_in_output.unwrap_or(false),
+        skip_special_tokens: f.skip_special_tokens.unwrap_or(true),
+        constraint,
         stream,
         include_usage: f
             .stream_options
@@ -322,22 +359,8 @@ fn refuse_unimplemented_extras(x: &UnimplementedExtras) -> Result<(), ApiError> 
     use serde_json::Value::{Array, Bool, Null};
     let empty = |v: &Value| matches!(v, Array(a) if a.is_empty());
     type NoOp<'a> = &'a dyn Fn(&Value) -> bool;
-    let checks: [(&str, &Option<Value>, NoOp); 10] = [
+    let checks: [(&str, &Option<Value>, NoOp); 2] = [
         ("bad_words", &x.bad_words, &empty),
-        ("allowed_token_ids", &x.allowed_token_ids, &|_| false),
-        ("guided_json", &x.guided_json, &|_| false),
-        ("guided_regex", &x.guided_regex, &|_| false),
-        ("guided_choice", &x.guided_choice, &|_| false),
-        ("guided_grammar", &x.guided_grammar, &|_| false),
-        ("structured_outputs", &x.structured_outputs, &|_| false),
-        (
-            "include_stop_str_in_output",
-            &x.include_stop_str_in_output,
-            &|v| *v == Bool(false),
-        ),
-        ("skip_special_tokens", &x.skip_special_tokens, &|v| {
-            *v == Bool(true)
-        }),
         ("use_beam_search", &x.use_beam_search, &|v| {
             *v == Bool(false)
         }),
@@ -413,6 +436,7 @@ pub fn generate_requests(
     v: &Validated,
     eos_token_ids: &[i32],
     prompt_logprobs: bool,
+    constraint: Option<&TokenConstraint>,
 ) -> Vec<GenerateRequest> {
     let mut stop_token_ids = v.stop_token_ids.clone();
     if !v.ignore_eos {
@@ -431,6 +455,9 @@ pub fn generate_requests(
                 min_new_tokens: v.min_tokens.min(max_new_tokens),
                 stop_token_ids: stop_token_ids.clone(),
                 prompt_logprobs,
+                allowed_tokens: v.allowed_tokens.clone(),
+                // Each sample advances its own copy of the grammar.
+                constraint: constraint.cloned(),
             }
         })
         .collect()
@@ -524,7 +551,7 @@ mod tests {
             ..Default::default()
         };
         let v = validate(&f, &SamplingDefaults::default()).unwrap();
-        let reqs = generate_requests(&[1, 2], 5, &v, &[9], false);
+        let reqs = generate_requests(&[1, 2], 5, &v, &[9], false, None);
         let seeds: Vec<_> = reqs.iter().map(|r| r.sampling.seed).collect();
         assert_eq!(seeds, vec![Some(7), Some(8), Some(9)]);
         assert_eq!(reqs[0].stop_token_ids, vec![5, 9]);
@@ -533,7 +560,7 @@ mod tests {
             ..v
         };
         assert_eq!(
-            generate_requests(&[1], 5, &v, &[9], false)[0].stop_token_ids,
+            generate_requests(&[1], 5, &v, &[9], false, None)[0].stop_token_ids,
             vec![5]
         );
     }

@@ -56,5 +56,6 @@ macro_rules! le_array {
 
 le_array!(u8, 1);
 le_array!(i32, 4);
+le_array!(u32, 4);
 le_array!(u64, 8);
 le_array!(f32, 4);

@@ -11,8 +11,10 @@ pub use messages::{
     decode_worker_message, encode_router_message, encode_worker_message, Fatal, Heartbeat, Hello,
     PromptLogprobs, RouterMessage, StepResult, TokenLogprobs, WorkerMessage,
 };
-pub use plan::{BatchPlan, ForwardMode, PlanError, PlannedRequest, SamplingParams, BAN_BIAS};
+pub use plan::{
+    token_mask, BatchPlan, ForwardMode, PlanError, PlannedRequest, SamplingParams, BAN_BIAS,
+};
 
 /// Bumped whenever a field is added, removed or changes meaning. A worker whose hello carries
 /// another version is refused at startup with a message naming both versions.
-pub const PROTOCOL_VERSION: u32 = 4;
+pub const PROTOCOL_VERSION: u32 = 5;

@@ -5,6 +5,8 @@
 //! with no cached prefix sends `cached_lens` full of zeros, never a missing field. That is the
 //! lesson of the crash this project answers: metadata that exists on only some code paths.
 
+use std::sync::Arc;
+
 use serde::{Deserialize, Serialize};
 use serde_bytes::ByteBuf;
 
@@ -104,6 +106,16 @@ impl SamplingParams {
     }
 }
 
+/// The plan's bitmask for a set of token ids: bit `t % 32` of word `t / 32` allows token `t`.
+pub fn token_mask(ids: &[i32]) -> Vec<u32> {
+    let words = ids.iter().map(|&t| t as usize / 32 + 1).max().unwrap_or(0);
+    let mut mask = vec![0u32; words];
+    for &t in ids {
+        mask[t as usize / 32] |= 1 << (t as usize % 32);
+    }
+    mask
+}
+
 /// One request's share of a step.
 #[derive(Debug, Clone, PartialEq)]
 pub struct PlannedRequest {
@@ -139,6 +151,11 @@ pub struct PlannedRequest {
     pub history_prompt_len: i32,
     /// `history` replaces what the workers hold for the request instead of extending it.
     pub history_reset: bool,
+    /// Structured output: the tokens the request may sample this step, as a bitmask (bit
+    /// `t % 32` of word `t / 32` for token `t`; tokens past the last word are out). `None`:
+    /// every token. Only on a sampling row. Shared: `allowed_token_ids`' mask is the same on
+    /// every step, so a plan holds a reference to it instead of a copy.
+    pub allowed_tokens: Option<Arc<Vec<u32>>>,
 }
 
 impl PlannedRequest {
@@ -170,7 +187,7 @@ pub enum PlanError {
 }
 
 /// Number of keys in a plan message (the fields of `WirePlan`).
-const PLAN_KEYS: u32 = 38;
+const PLAN_KEYS: u32 = 40;
 
 /// The wire form. Field order and names are the protocol; see docs/protocol.md.
 #[derive(Debug, Serialize, Deserialize)]
@@ -212,6 +229,8 @@ struct WirePlan {
     bias_start: ByteBuf,
     bias_token: ByteBuf,
     bias_value: ByteBuf,
+    mask_start: ByteBuf,
+    mask_words: ByteBuf,
     released: ByteBuf,
 }
 
@@ -433,6 +452,14 @@ impl BatchPlan {
             r.iter()
                 .flat_map(|q| q.sampling.logit_bias.iter().map(|&(_, b)| b)),
         );
+        let mask_len = |q: &PlannedRequest| q.allowed_tokens.as_ref().map_or(0, |m| m.len());
+        w.offsets("mask_start", r.iter().map(mask_len));
+        w.array(
+            "mask_words",
+            r.iter().map(mask_len).sum(),
+            r.iter()
+                .flat_map(|q| q.allowed_tokens.iter().flat_map(|m| m.iter().copied())),
+        );
         w.array(
             "released",
             self.released.len(),
@@ -469,6 +496,8 @@ impl BatchPlan {
         let bs = i32::from_bin("bias_start", &w.bias_start)?;
         let bias_token = i32::from_bin("bias_token", &w.bias_token)?;
         let bias_value = f32::from_bin("bias_value", &w.bias_value)?;
+        let ms = i32::from_bin("mask_start", &w.mask_start)?;
+        let mask_words = u32::from_bin("mask_words", &w.mask_words)?;
         if bias_value.len() != bias_token.len() {
             return bad(format!(
                 "bias_value has {} entries for {} bias_token",
@@ -487,6 +516,7 @@ impl BatchPlan {
             ("page_start", &ps, pt.len()),
             ("history_start", &hs, hist.len()),
             ("bias_start", &bs, bias_token.len()),
+            ("mask_start", &ms, mask_words.len()),
         ] {
             if off.len() != n + 1
                 || off[0] != 0
@@ -590,6 +620,8 @@ impl BatchPlan {
                 history: hist[hs[i] as usize..hs[i + 1] as usize].to_vec(),
                 history_prompt_len: hpl[i],
                 history_reset: hreset[i] != 0,
+                allowed_tokens: (ms[i] < ms[i + 1])
+                    .then(|| Arc::new(mask_words[ms[i] as usize..ms[i + 1] as usize].to_vec())),
             });
         }
         let plan = BatchPlan {
@@ -684,6 +716,13 @@ impl BatchPlan {
                 return bad(format!(
                     "request {id}: logit_bias needs distinct ascending token ids >= 0 and finite biases"
                 ));
+            }
+            if let Some(mask) = &r.allowed_tokens {
+                if !r.sample || mask.iter().all(|&w| w == 0) {
+                    return bad(format!(
+                        "request {id}: an allowed-token mask needs a sampling row and an allowed token"
+                    ));
+                }
             }
         }
         Ok(())

@@ -13,9 +13,14 @@
 //! what they sampled. Requests in flight are never preempted (their pages are being written),
 //! and a request whose N may end it for length is not planned ahead.
 
+use std::sync::Arc;
+
+use rayon::prelude::*;
+
+use crate::engine::{GenerateEvent, SubmitError};
 use crate::protocol::{BatchPlan, PlannedRequest};
 
-use super::request::Request;
+use super::request::{Ending, Request};
 use super::Scheduler;
 
 /// How many tokens a step may run for a request, and the pages that requires.
@@ -35,6 +40,8 @@ impl Scheduler {
         };
         let mut budget = self.cfg.max_prefill_tokens;
         let mut prefilled = false;
+        // (row, slot) of every row that samples under a grammar: its mask is computed last.
+        let mut masked = Vec::new();
         let mut preempted = false;
 
         let mut i = 0;
@@ -75,6 +82,7 @@ impl Scheduler {
                 }
                 let row = plan.requests.len();
                 plan.requests.push(self.plan_step(slot, t, step, row));
+                self.note_masked(&plan, slot, &mut masked);
             }
             i += 1;
         }
@@ -95,7 +103,9 @@ impl Scheduler {
             }
             let row = plan.requests.len();
             plan.requests.push(self.plan_step(slot, t, step, row));
+            self.note_masked(&plan, slot, &mut masked);
         }
+        self.fill_masks(&mut plan, &masked);
 
         self.last_batch_size = plan.requests.len();
         if plan.requests.is_empty() {
@@ -122,12 +132,76 @@ impl Scheduler {
         }
         match r.in_flight {
             0 => true,
+            // Its next mask depends on the token in flight.
+            _ if r.constraint.is_some() => false,
             1 if r.input_is_pending() => {
                 r.generated() + (r.pending_tokens as usize) < r.max_new_tokens as usize
                     && r.tokens.len() + (r.pending_tokens as usize) < self.cfg.max_context as usize
             }
             1 => r.pending_tokens == 0,
             _ => false,
+        }
+    }
+
+    /// Notes the plan's last row when it samples under an active grammar.
+    fn note_masked(&self, plan: &BatchPlan, slot: usize, masked: &mut Vec<(usize, usize)>) {
+        let row = plan.requests.len() - 1;
+        let active = self
+            .req(slot)
+            .constraint
+            .as_ref()
+            .is_some_and(|c| c.is_active());
+        if plan.requests[row].sample && active {
+            masked.push((row, slot));
+        }
+    }
+
+    /// Writes the allowed-token mask of each `(row, slot)`, the requests' grammars computing
+    /// them in parallel (a mask walks the whole vocabulary's trie: tens to hundreds of
+    /// microseconds each). A grammar that cannot go on refuses its request (as invalid): the
+    /// row runs unmasked, and what it samples is dropped when the result is back.
+    fn fill_masks(&mut self, plan: &mut BatchPlan, masked: &[(usize, usize)]) {
+        if masked.is_empty() {
+            return;
+        }
+        let mut row_of = vec![usize::MAX; self.slots.len()];
+        for &(row, slot) in masked {
+            row_of[slot] = row;
+        }
+        let masks: Vec<(usize, Result<Vec<u32>, String>)> = self
+            .slots
+            .iter_mut()
+            .enumerate()
+            .filter(|(slot, _)| row_of[*slot] != usize::MAX)
+            .filter_map(|(slot, r)| {
+                let r = r.as_mut()?;
+                Some((
+                    row_of[slot],
+                    r.constraint.as_mut()?,
+                    &r.stop_token_ids,
+                    r.allowed_tokens.as_deref().map(Vec::as_slice),
+                ))
+            })
+            .collect::<Vec<_>>()
+            .into_par_iter()
+            .map(|(row, c, stops, only)| (row, c.allowed_tokens(stops, only)))
+            .collect();
+        for (row, mask) in masks {
+            match mask {
+                Ok(words) => plan.requests[row].allowed_tokens = Some(Arc::new(words)),
+                Err(message) => {
+                    let id = plan.requests[row].id;
+                    let slot = self.index[&id];
+                    self.slots[slot]
+                        .as_mut()
+                        .expect("live request slot")
+                        .retiring = Some(Ending::Failed);
+                    // The request's own constraint cannot be met (say, `allowed_token_ids` and the
+                    // grammar share no token): the client's error, a 400, not the server's.
+                    self.planning_failures
+                        .push((id, GenerateEvent::Refused(SubmitError::Invalid(message))));
+                }
+            }
         }
     }
 
@@ -306,6 +380,8 @@ impl Scheduler {
             },
             history,
             history_reset,
+            // A grammar's mask is filled in by `fill_masks` once the whole step is planned.
+            allowed_tokens: r.allowed_tokens.clone().filter(|_| sample),
         };
         r.planned_len = end;
         r.in_flight += 1;

@@ -129,6 +129,9 @@ pub struct Scheduler {
     /// Requests that left holding a penalty history on the workers, for the next plan's
     /// `released` (the workers then drop those histories).
     released_histories: Vec<RequestId>,
+    /// Failures found while planning (a grammar that cannot go on): the next commit reports
+    /// them first. Their requests are retiring and leave once their plan is back.
+    planning_failures: Vec<(RequestId, GenerateEvent)>,
 }
 
 impl Scheduler {
@@ -166,6 +169,7 @@ impl Scheduler {
             preemptions_total: 0,
             requests: RequestCounts::default(),
             released_histories: Vec::new(),
+            planning_failures: Vec::new(),
             cfg,
         }
     }
@@ -350,7 +354,10 @@ impl Scheduler {
             .drain(..)
             .chain(self.waiting.drain(..))
             .collect();
-        let mut events = Vec::with_capacity(slots.len());
+        // Failures found while planning have not been reported yet: their requests are retiring,
+        // so the loop below sends nothing more for them.
+        let mut events = std::mem::take(&mut self.planning_failures);
+        events.reserve(slots.len());
         for slot in slots {
             let ended = self.slots[slot].as_ref().and_then(|r| r.retiring);
             self.release_pages(slot, false);

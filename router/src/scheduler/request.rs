@@ -12,7 +12,10 @@
 //! same rule then applies from `planned_len`; a token still pending is referenced by its row in
 //! the plan that samples it.
 
+use std::sync::Arc;
+
 use crate::engine::{GenerateRequest, RequestId};
+use crate::grammar::TokenConstraint;
 use crate::protocol::SamplingParams;
 
 use super::allocator::PageId;
@@ -58,6 +61,13 @@ pub struct Request {
     /// it between steps, so a plan sends only the tokens after these). 0: none yet, the next
     /// plan sends the whole history.
     pub history_sent: usize,
+    /// `allowed_token_ids`: the tokens it may sample at every step, whatever came before (so,
+    /// unlike a grammar, it does not stop planning ahead).
+    pub allowed_tokens: Option<Arc<Vec<u32>>>,
+    /// Structured output: the grammar its tokens follow. Each plan that samples for it carries
+    /// the mask of the tokens allowed next, so it is never planned before its last token is
+    /// known (no overlap for it).
+    pub constraint: Option<TokenConstraint>,
 }
 
 /// How a request left: decides whether its committed pages stay in the radix cache and which
@@ -102,6 +112,8 @@ impl Request {
             last_step: 0,
             retiring: None,
             history_sent: 0,
+            allowed_tokens: req.allowed_tokens,
+            constraint: req.constraint,
         }
     }
 

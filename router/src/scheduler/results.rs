@@ -65,7 +65,8 @@ impl Scheduler {
             errors,
             prompt_lps,
         } = result;
-        let mut events = Vec::with_capacity(requests.len() + 1);
+        let mut events = std::mem::take(&mut self.planning_failures);
+        events.reserve(requests.len() + 1);
         let mut left = false;
         for pr in requests {
             let Some(&slot) = self.index.get(&pr.id) else {
@@ -130,6 +131,26 @@ impl Scheduler {
                     left |= self.retire(slot, Ending::Failed);
                     continue;
                 };
+                let is_stop = r.stop_token_ids.contains(&token);
+                // Structured output: the grammar advances by every token but a stop token (the
+                // mask allowed those only where the output may end).
+                let grammar_done = match r.constraint.as_mut().filter(|_| !is_stop) {
+                    Some(c) => match c.advance(token) {
+                        Ok(done) => done,
+                        Err(message) => {
+                            events.push((
+                                pr.id,
+                                GenerateEvent::Failed {
+                                    message,
+                                    retryable: false,
+                                },
+                            ));
+                            left |= self.retire(slot, Ending::Failed);
+                            continue;
+                        }
+                    },
+                    None => false,
+                };
                 r.tokens.push(token);
                 events.push((
                     pr.id,
@@ -139,9 +160,7 @@ impl Scheduler {
                     },
                 ));
                 // A stop token counts from min_new_tokens on (the plans banned it before).
-                reason = if r.stop_token_ids.contains(&token)
-                    && r.generated() > r.min_new_tokens as usize
-                {
+                reason = if (is_stop && r.generated() > r.min_new_tokens as usize) || grammar_done {
                     Some(FinishReason::Stop)
                 } else if r.generated() >= r.max_new_tokens as usize
                     || r.tokens.len() >= self.cfg.max_context as usize

@@ -15,6 +15,8 @@ pub struct IncrementalDetokenizer {
     ids: Vec<i32>,
     prefix_offset: usize,
     read_offset: usize,
+    /// Special tokens decode to nothing (vLLM's `skip_special_tokens`, on by default).
+    skip_special: bool,
 }
 
 impl IncrementalDetokenizer {
@@ -25,14 +27,24 @@ impl IncrementalDetokenizer {
             ids: context.to_vec(),
             prefix_offset: 0,
             read_offset: context.len(),
+            skip_special: true,
         }
+    }
+
+    /// Special tokens show as their text (`skip_special_tokens: false`).
+    pub fn showing_special_tokens(mut self, show: bool) -> IncrementalDetokenizer {
+        self.skip_special = !show;
+        self
     }
 
     /// Adds one generated token; returns the text it completes (possibly empty).
     pub fn push(&mut self, tokenizer: &TokenizerBundle, id: i32) -> String {
         self.ids.push(id);
-        let emitted = tokenizer.decode(&self.ids[self.prefix_offset..self.read_offset], true);
-        let window = tokenizer.decode(&self.ids[self.prefix_offset..], true);
+        let emitted = tokenizer.decode(
+            &self.ids[self.prefix_offset..self.read_offset],
+            self.skip_special,
+        );
+        let window = tokenizer.decode(&self.ids[self.prefix_offset..], self.skip_special);
         if window.len() <= emitted.len()
             || window.ends_with('\u{FFFD}')
             || !window.is_char_boundary(emitted.len())
@@ -54,8 +66,11 @@ impl IncrementalDetokenizer {
     /// At the end of generation: whatever is still held back, even an incomplete character
     /// (the model really ended there).
     pub fn flush(&mut self, tokenizer: &TokenizerBundle) -> String {
-        let emitted = tokenizer.decode(&self.ids[self.prefix_offset..self.read_offset], true);
-        let window = tokenizer.decode(&self.ids[self.prefix_offset..], true);
+        let emitted = tokenizer.decode(
+            &self.ids[self.prefix_offset..self.read_offset],
+            self.skip_special,
+        );
+        let window = tokenizer.decode(&self.ids[self.prefix_offset..], self.skip_special);
         self.prefix_offset = self.read_offset;
         self.read_offset = self.ids.len();
         if window.len() > emitted.len() && window.is_char_boundary(emitted.len()) {

@@ -17,6 +17,7 @@ pub use chat_template::{ChatTemplate, ChatTemplateError};
 pub use detokenizer::IncrementalDetokenizer;
 pub use model_files::SpecialTokens;
 pub use stop::{StopMatcher, StopOutcome};
+pub use token_bytes::byte_level_chars;
 
 /// The tokenizer, chat template and special tokens of one model.
 pub struct TokenizerBundle {
@@ -103,6 +104,25 @@ impl TokenizerBundle {
     /// Ids that end generation unless the request sets `ignore_eos`.
     pub fn eos_token_ids(&self) -> &[i32] {
         &self.eos_token_ids
+    }
+
+    /// The id of a token spelled exactly `token` (an added token such as `</think>`).
+    pub fn token_id(&self, token: &str) -> Option<i32> {
+        self.tokenizer.token_to_id(token).map(|id| id as i32)
+    }
+
+    /// Ids of the added tokens marked special (chat markers, EOS): a grammar never spells text
+    /// with them.
+    pub fn special_token_ids(&self) -> Vec<i32> {
+        let mut ids: Vec<i32> = self
+            .tokenizer
+            .get_added_tokens_decoder()
+            .iter()
+            .filter(|(_, t)| t.special)
+            .map(|(&id, _)| id as i32)
+            .collect();
+        ids.sort_unstable();
+        ids
     }
 
     /// Number of token ids the tokenizer knows, added tokens included.

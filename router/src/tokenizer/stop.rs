@@ -9,13 +9,17 @@ pub struct StopMatcher {
     /// Bytes of `held` that came before stop strings could end the text (`push_unmatched`): a
     /// stop string ending within them does not count.
     floor: usize,
+    /// The text ends after the stop string instead of before it (vLLM's
+    /// `include_stop_str_in_output`).
+    include_stop: bool,
 }
 
 #[derive(Debug, PartialEq, Eq)]
 pub enum StopOutcome {
     /// No stop string yet; this text is safe to send.
     Continue(String),
-    /// A stop string matched: send this text (everything before the match) and stop.
+    /// A stop string matched: send this text (everything before the match, or up to its end
+    /// with `including_stops`) and stop.
     Stopped(String),
 }
 
@@ -25,7 +29,14 @@ impl StopMatcher {
             stops: stops.into_iter().filter(|s| !s.is_empty()).collect(),
             held: String::new(),
             floor: 0,
+            include_stop: false,
         }
+    }
+
+    /// The text a stop string ends keeps the stop string itself.
+    pub fn including_stops(mut self, include: bool) -> StopMatcher {
+        self.include_stop = include;
+        self
     }
 
     pub fn push(&mut self, text: &str) -> StopOutcome {
@@ -35,7 +46,8 @@ impl StopMatcher {
         self.held.push_str(text);
         // The stop string that is complete first wins (as it would if text arrived a character
         // at a time, so the answer never depends on how tokens split the text); among those
-        // completing together, the one starting first. The output ends before it.
+        // completing together, the one starting first. The output ends before it (or after it,
+        // with `include_stop`).
         let first_match = self
             .stops
             .iter()
@@ -50,8 +62,8 @@ impl StopMatcher {
                     .map(|start| (from + start + s.len(), from + start))
             })
             .min();
-        if let Some((_, pos)) = first_match {
-            let out = self.held[..pos].to_owned();
+        if let Some((end, start)) = first_match {
+            let out = self.held[..if self.include_stop { end } else { start }].to_owned();
             self.held.clear();
             self.floor = 0;
             return StopOutcome::Stopped(out);
@@ -214,5 +226,14 @@ mod tests {
     #[test]
     fn no_stops_passes_everything() {
         assert_eq!(run(&[], &["a", "b"]), ("ab".into(), false));
+    }
+
+    #[test]
+    fn included_stop_strings_end_the_text_after_themselves() {
+        let mut m = StopMatcher::new(vec!["END".into(), "ab".into()]).including_stops(true);
+        assert_eq!(m.push("xx E"), StopOutcome::Continue("xx ".into()));
+        assert_eq!(m.push("NDyy"), StopOutcome::Stopped("END".into()));
+        let mut m = StopMatcher::new(vec!["abcd".into(), "bc".into()]).including_stops(true);
+        assert_eq!(m.push("zabcd"), StopOutcome::Stopped("zabc".into()));
     }
 }

@@ -5,22 +5,29 @@
 
 use tokenizers::Tokenizer;
 
-/// The GPT-2 byte-to-character table: printable Latin-1 bytes stand for themselves, the other
-/// bytes map in order to the characters from U+0100 on.
-fn byte_level_char_to_byte() -> std::collections::HashMap<char, u8> {
+/// The GPT-2 byte-level alphabet: the character each byte is spelled with. Printable Latin-1
+/// bytes stand for themselves, the other bytes map in order to the characters from U+0100 on.
+pub fn byte_level_chars() -> [char; 256] {
     let printable = |b: u8| matches!(b, b'!'..=b'~' | 0xA1..=0xAC | 0xAE..=0xFF);
-    let mut map = std::collections::HashMap::with_capacity(256);
+    let mut chars = ['\0'; 256];
     let mut next = 0u32;
     for b in 0..=255u8 {
-        let c = if printable(b) {
+        chars[b as usize] = if printable(b) {
             char::from(b)
         } else {
             next += 1;
             char::from_u32(255 + next).expect("U+0100..U+0143 are characters")
         };
-        map.insert(c, b);
     }
-    map
+    chars
+}
+
+/// The inverse of `byte_level_chars`.
+fn byte_level_char_to_byte() -> std::collections::HashMap<char, u8> {
+    (0..=255u8)
+        .zip(byte_level_chars())
+        .map(|(b, c)| (c, b))
+        .collect()
 }
 
 fn byte_fallback(token: &str) -> Option<u8> {

@@ -43,6 +43,12 @@ pub fn sample_token(seq: &[i32], banned: impl Fn(i32) -> bool) -> i32 {
     t
 }
 
+/// Whether an allowed-token mask (bit `t % 32` of word `t / 32`) allows token `t`.
+pub fn mask_allows(words: &[u32], t: i32) -> bool {
+    let t = t as usize;
+    words.get(t / 32).is_some_and(|w| w >> (t % 32) & 1 == 1)
+}
+
 /// What a correct engine generates for a request: tokens until a stop token or the limit.
 pub fn reference(req: &GenerateRequest, max_context: u32) -> (Vec<i32>, FinishReason) {
     let mut seq = req.prompt_ids.clone();
@@ -68,6 +74,8 @@ pub struct FakeExecutor {
     kv: Vec<Option<(i32, i32)>>,
     /// Requests to fail with an error at their next step.
     pub fail_next: HashSet<u64>,
+    /// Requests whose allowed-token masks it ignores (a sampler that breaks the grammar).
+    pub ignore_masks: HashSet<u64>,
     /// (request id, sampled token) of each row of the previous plan, and its step.
     prev: Vec<(u64, Option<i32>)>,
     prev_step: Option<u64>,
@@ -78,6 +86,7 @@ impl FakeExecutor {
         Self {
             kv: vec![None; (cfg.num_pages * cfg.page_size) as usize],
             fail_next: HashSet::new(),
+            ignore_masks: HashSet::new(),
             prev: Vec::new(),
             prev_step: None,
         }
@@ -170,8 +179,13 @@ impl FakeExecutor {
                     top: vec![],
                 });
                 let bans = &r.sampling.logit_bias;
+                let mask = r
+                    .allowed_tokens
+                    .as_ref()
+                    .filter(|_| !self.ignore_masks.contains(&r.id));
                 let t = sample_token(&seq, |t| {
                     bans.iter().any(|&(id, b)| id == t && b == BAN_BIAS)
+                        || mask.is_some_and(|m| !mask_allows(m, t))
                 });
                 rows[row].1 = Some(t);
                 result.sampled.push((r.id, t, lp));
@@ -239,9 +253,8 @@ pub fn record(outcomes: &mut HashMap<RequestId, Outcome>, events: Vec<(RequestId
                 cached_tokens,
             } => o.finish = Some((reason, prompt_tokens, completion_tokens, cached_tokens)),
             GenerateEvent::Failed { message, retryable } => o.failed = Some((message, retryable)),
-            GenerateEvent::Refused(e) => {
-                panic!("request {id}: the scheduler never sends a refusal event ({e})")
-            }
+            // Only a structured output that can no longer be met is refused mid-generation.
+            GenerateEvent::Refused(e) => o.failed = Some((format!("refused: {e}"), false)),
             GenerateEvent::PromptLogprobs(p) => {
                 assert!(
                     o.tokens.is_empty(),
@@ -414,6 +427,8 @@ pub fn request(prompt: Vec<i32>, max_new_tokens: u32, stop: Vec<i32>) -> Generat
         min_new_tokens: 0,
         stop_token_ids: stop,
         prompt_logprobs: false,
+        allowed_tokens: None,
+        constraint: None,
     }
 }
 
