@@ -2439,22 +2439,8 @@ async fn chat_tool_choice_none_required_and_named() {
         .await
         .json();
     assert_eq!(v["choices"][0]["finish_reason"], "tool_calls");
-    // "required", but the model answered in words: returned as it is.
-    h.engine
-        .set_reply(Reply::Text("t</think>No tool needed.".into()));
-    let v = h
-        .post(
-            "/v1/chat/completions",
-            json!({"messages": msgs, "tools": weather_tools(), "tool_choice": "required"}),
-        )
-        .await
-        .json();
-    assert_eq!(
-        v["choices"][0]["message"],
-        json!({"role": "assistant", "content": "No tool needed.", "reasoning_content": "t"})
-    );
-    assert_eq!(v["choices"][0]["finish_reason"], "stop");
-    // Named: only that tool is rendered, and only calls to it count.
+    // Named: only that tool is rendered, and only calls to it count (the grammar, tested
+    // below, keeps a real model from writing others; this engine ignores it).
     h.engine.set_reply(Reply::Text(GLM_CALL_REPLY.into()));
     let named = json!({"type": "function", "function": {"name": "get_time"}});
     let v = h
@@ -2500,6 +2486,133 @@ async fn chat_tool_choice_none_required_and_named() {
         let r = h.post(chat, body).await;
         assert_error(&r, StatusCode::BAD_REQUEST, fragment);
         assert_eq!(r.json()["error"]["param"], "tool_choice");
+    }
+}
+
+/// The ids `text` encodes to, one token each (the markup tags are single tokens).
+fn token_id(h: &Harness, text: &str) -> i32 {
+    let ids = h.tokenizer.encode(text, false).unwrap();
+    assert_eq!(ids.len(), 1, "{text:?} is one token");
+    ids[0]
+}
+
+#[tokio::test]
+async fn chat_forced_tool_choice_constrains_decoding_to_calls() {
+    let h = glm_harness();
+    h.engine.set_reply(Reply::Text(GLM_CALL_REPLY.into()));
+    let msgs = json!([{"role": "user", "content": "hi"}]);
+    let allowed = |c: &mut nsaserve_router::grammar::TokenConstraint, t: i32| {
+        let words = c.allowed_tokens(&[EOS], None).unwrap();
+        words
+            .get(t as usize / 32)
+            .is_some_and(|w| w >> (t % 32) & 1 == 1)
+    };
+    let submitted = |h: &Harness| h.engine.submitted.lock().last().unwrap().clone();
+    // "auto": no grammar.
+    let r = h
+        .post(
+            "/v1/chat/completions",
+            json!({"messages": msgs, "tools": weather_tools()}),
+        )
+        .await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.body);
+    assert!(submitted(&h).constraint.is_none());
+    for choice in [
+        json!("required"),
+        json!({"type": "function", "function": {"name": "get_weather"}}),
+    ] {
+        let r = h
+            .post(
+                "/v1/chat/completions",
+                json!({"messages": msgs, "tools": weather_tools(), "tool_choice": choice}),
+            )
+            .await;
+        assert_eq!(r.status, StatusCode::OK, "{}", r.body);
+        let mut c = submitted(&h)
+            .constraint
+            .expect("a forced choice is a grammar");
+        // The model thinks freely, then may only open a call.
+        assert!(!c.is_active());
+        c.advance(token_id(&h, "</think>")).unwrap();
+        assert!(c.is_active());
+        assert!(allowed(&mut c, token_id(&h, "<tool_call>")));
+        assert!(!allowed(&mut c, token_id(&h, "hello")));
+        assert!(!allowed(&mut c, EOS), "no answer without a call");
+        c.advance(token_id(&h, "<tool_call>")).unwrap();
+        for t in h.tokenizer.encode("get_", false).unwrap() {
+            assert!(allowed(&mut c, t));
+            c.advance(t).unwrap();
+        }
+        let byte = |s: &str| h.tokenizer.encode(s, false).unwrap()[0];
+        assert!(allowed(&mut c, byte("w")), "get_weather");
+        assert_eq!(
+            allowed(&mut c, byte("t")),
+            choice == "required",
+            "get_time only if not named"
+        );
+    }
+    let metrics = h.get("/metrics").await.body;
+    assert!(
+        metrics.contains("nsaserve_structured_output_requests_total{kind=\"tool_call\"} 2\n"),
+        "{metrics}"
+    );
+    // A forced choice is already a grammar; nor can it promise min_tokens.
+    let chat = "/v1/chat/completions";
+    let cases = [
+        (
+            json!({"messages": msgs, "tools": weather_tools(), "tool_choice": "required",
+                   "response_format": {"type": "json_object"}}),
+            "tool_choice",
+            "cannot be combined with `response_format`",
+        ),
+        (
+            json!({"messages": msgs, "tools": weather_tools(), "tool_choice": "required", "min_tokens": 3}),
+            "min_tokens",
+            "forced `tool_choice`",
+        ),
+        (
+            json!({"messages": msgs, "tools": [{"type": "function", "function": {}}], "tool_choice": "required"}),
+            "tools",
+            "each with a `name`",
+        ),
+    ];
+    for (body, param, fragment) in cases {
+        let r = h.post(chat, body).await;
+        assert_error(&r, StatusCode::BAD_REQUEST, fragment);
+        assert_eq!(r.json()["error"]["param"], param);
+    }
+}
+
+#[tokio::test]
+async fn chat_parallel_tool_calls_false_keeps_the_first_call() {
+    let h = glm_harness();
+    let two = format!("{GLM_CALL_REPLY}<tool_call>get_time</tool_call>");
+    h.engine.set_reply(Reply::Text(two));
+    let msgs = json!([{"role": "user", "content": "hi"}]);
+    for (parallel, calls) in [(Value::Null, 2), (json!(true), 2), (json!(false), 1)] {
+        let body =
+            json!({"messages": msgs, "tools": weather_tools(), "parallel_tool_calls": parallel});
+        let v = h.post("/v1/chat/completions", body.clone()).await.json();
+        let got = v["choices"][0]["message"]["tool_calls"].as_array().unwrap();
+        assert_eq!(got.len(), calls, "{v}");
+        assert_eq!(got[0]["function"]["name"], "get_weather");
+        assert_eq!(v["choices"][0]["finish_reason"], "tool_calls");
+        // Streamed: the same calls, indexed from 0.
+        let mut body = body;
+        body["stream"] = json!(true);
+        let r = h.post("/v1/chat/completions", body).await;
+        let names: Vec<String> = r
+            .chunks()
+            .iter()
+            .flat_map(|e| {
+                e["choices"][0]["delta"]["tool_calls"]
+                    .as_array()
+                    .cloned()
+                    .unwrap_or_default()
+            })
+            .filter_map(|d| d["function"]["name"].as_str().map(str::to_owned))
+            .collect();
+        assert_eq!(names.len(), calls, "{}", r.body);
     }
 }
 

@@ -94,6 +94,14 @@ def fallbacks(server, parser: str = "glm47") -> int:
     return int(found.group(1)) if found else 0
 
 
+def forced_choices(server) -> int:
+    """Requests whose forced tool_choice became a grammar, from /metrics."""
+    status, body = server.get("/metrics")
+    assert status == 200
+    found = re.search(r'^nsaserve_structured_output_requests_total{kind="tool_call"} (\d+)$', body.decode(), re.M)
+    return int(found.group(1)) if found else 0
+
+
 def only_prompt(script: Script, marker: str) -> str:
     records = script.prompts(marker)
     assert len(records) == 1, records
@@ -258,7 +266,27 @@ def test_tool_choice_required(client, script):
     assert call.function.name == "get_time" and json.loads(call.function.arguments) == {"tz": "CET"}
 
 
-def test_tool_choice_named_shows_and_accepts_only_that_tool(client, script, server):
+def test_tool_choice_required_steers_an_answer_in_words_into_a_call(client, script, server):
+    """The "model" wants to answer in words; the forced choice's grammar masks every token that
+    is not the start of a call, so the sampler (greedy over what the mask leaves) writes one."""
+    marker = script.reply("No tool needed.</think>It is sunny in Paris today, enjoy!")
+    before = forced_choices(server)
+    out = client.chat.completions.create(
+        model="glm", messages=user(f"words {marker}"), tools=TOOLS, tool_choice="required",
+        temperature=0, max_tokens=80,
+    )  # fmt: skip
+    choice = out.choices[0]
+    assert reasoning_of(choice.message) == "No tool needed."
+    assert "sunny" not in (choice.message.content or "")
+    if choice.finish_reason == "tool_calls":
+        assert choice.message.tool_calls and not choice.message.content
+        assert {c.function.name for c in choice.message.tool_calls} <= {"get_weather", "get_time"}
+    else:  # cut inside a call's free-text value: the unfinished markup comes back as content
+        assert choice.finish_reason == "length" and choice.message.content.startswith("<tool_call>get_")
+    assert forced_choices(server) == before + 1
+
+
+def test_tool_choice_named_shows_and_allows_only_that_tool(client, script):
     named = {"type": "function", "function": {"name": "get_weather"}}
     marker = script.reply(f"Forecast.</think>{WEATHER_CALL}")
     out = client.chat.completions.create(
@@ -268,15 +296,29 @@ def test_tool_choice_named_shows_and_accepts_only_that_tool(client, script, serv
     assert call.function.name == "get_weather" and json.loads(call.function.arguments) == WEATHER_ARGS
     prompt = only_prompt(script, marker)
     assert '"name": "get_weather"' in prompt and "get_time" not in prompt
-    # A call to a tool the choice excludes is not a call: it comes back as content, counted.
+    # The "model" calls a tool the choice excludes: the grammar lets it write only get_weather.
     other = "<tool_call>get_time<arg_key>tz</arg_key><arg_value>UTC</arg_value></tool_call>"
     marker = script.reply(f"Wrong tool.</think>{other}")
-    before = fallbacks(server)
     out = client.chat.completions.create(
-        model="glm", messages=user(f"named {marker}"), tools=TOOLS, tool_choice=named, temperature=0
-    )
-    assert not out.choices[0].message.tool_calls and out.choices[0].message.content == other
-    assert fallbacks(server) == before + 1
+        model="glm", messages=user(f"named {marker}"), tools=TOOLS, tool_choice=named, temperature=0,
+        max_tokens=60,
+    )  # fmt: skip
+    msg = out.choices[0].message
+    assert "get_time" not in (msg.content or "")
+    assert all(c.function.name == "get_weather" for c in msg.tool_calls or [])
+    assert (msg.content or "").startswith("<tool_call>get_weather") or msg.tool_calls
+
+
+def test_parallel_tool_calls_false_allows_one_call(client, script):
+    two = f"{WEATHER_CALL}<tool_call>get_time<arg_key>tz</arg_key><arg_value>CET</arg_value></tool_call>"
+    marker = script.reply(f"Both.</think>{two}")
+    kwargs = dict(model="glm", messages=user(f"two {marker}"), tools=TOOLS, temperature=0)
+    assert len(client.chat.completions.create(**kwargs).choices[0].message.tool_calls) == 2
+    for choice in ("auto", "required"):
+        out = client.chat.completions.create(**kwargs, tool_choice=choice, parallel_tool_calls=False)
+        (call,) = out.choices[0].message.tool_calls
+        assert call.function.name == "get_weather" and json.loads(call.function.arguments) == WEATHER_ARGS
+        assert out.choices[0].finish_reason == "tool_calls"
 
 
 def test_tool_result_is_rendered_into_the_next_turn(client, script, glm_dir):
@@ -386,7 +428,9 @@ def test_deepseek_v32_calls_and_r1_reasoning(deepseek_client, script):
     kwargs = dict(model="ds", messages=user(f"ds {marker}"), tools=TOOLS, temperature=0)
     whole = deepseek_client.chat.completions.create(**kwargs)
     _, final = streamed(deepseek_client, **kwargs)
-    for out in (whole, final):
+    # Forced: the DSML markup is what the grammar allows, so the same calls come back.
+    forced = deepseek_client.chat.completions.create(**kwargs, tool_choice="required")
+    for out in (whole, final, forced):
         msg = out.choices[0].message
         assert reasoning_of(msg) == "Check the city." and not msg.content
         assert [(c.function.name, json.loads(c.function.arguments)) for c in msg.tool_calls] == [

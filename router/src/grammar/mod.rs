@@ -17,7 +17,9 @@ mod spec;
 mod token_env;
 
 pub use constraint::{GrammarCompiler, TokenConstraint};
-pub use spec::OutputConstraint;
+pub use spec::{json_options, OutputConstraint};
 
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+pub(crate) mod walk;

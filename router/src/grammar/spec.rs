@@ -16,13 +16,16 @@ pub enum OutputConstraint {
     Choice(Vec<String>),
     /// Text of this Lark grammar (llguidance's dialect: `start: ...`, `%json {...}` allowed).
     Lark(String),
+    /// Calls to the offered tools in the model's markup, for a forced `tool_choice`: a Lark
+    /// grammar the router builds (`parsers::forced_calls_grammar`).
+    ToolCalls(String),
 }
 
 /// JSON as the model writes it here: `", "` between items, `": "` after keys, and no other
 /// whitespace. A free whitespace rule lets a model pad forever (newlines until `max_tokens`);
 /// fixed separators keep the output bounded and read like ordinary JSON. A schema's own
 /// `x-guidance` options override these.
-fn json_options() -> Value {
+pub fn json_options() -> Value {
     json!({"whitespace_flexible": false, "item_separator": ", ", "key_separator": ": "})
 }
 
@@ -47,6 +50,7 @@ impl OutputConstraint {
             OutputConstraint::Regex(_) => "regex",
             OutputConstraint::Choice(_) => "choice",
             OutputConstraint::Lark(_) => "grammar",
+            OutputConstraint::ToolCalls(_) => "tool_call",
         }
     }
 
@@ -67,7 +71,9 @@ impl OutputConstraint {
                 let alternatives: Vec<String> = choices.iter().map(|c| regex_literal(c)).collect();
                 TopLevelGrammar::from_regex(&format!("(?:{})", alternatives.join("|")))
             }
-            OutputConstraint::Lark(source) => TopLevelGrammar::from_lark(source.clone()),
+            OutputConstraint::Lark(source) | OutputConstraint::ToolCalls(source) => {
+                TopLevelGrammar::from_lark(source.clone())
+            }
         }
     }
 }

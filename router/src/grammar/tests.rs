@@ -3,10 +3,9 @@
 
 use std::sync::Arc;
 
-use rand::rngs::StdRng;
-use rand::{Rng, SeedableRng};
 use serde_json::{json, Value};
 
+use super::walk::{allowed_ids, uniform};
 use super::*;
 use crate::tokenizer::TokenizerBundle;
 
@@ -16,36 +15,13 @@ fn tokenizer() -> Arc<TokenizerBundle> {
     Arc::new(TokenizerBundle::from_model_dir(&dir).expect("the embedded model's tokenizer"))
 }
 
-fn allowed_ids(words: &[u32]) -> Vec<i32> {
-    (0..words.len() * 32)
-        .filter(|&t| words[t / 32] >> (t % 32) & 1 == 1)
-        .map(|t| t as i32)
-        .collect()
-}
-
-/// Samples uniformly among the allowed tokens until a stop token or the grammar's end; the
-/// text generated, and whether it ended (rather than running out of `max_tokens`).
 fn walk(
     tok: &TokenizerBundle,
     c: &mut TokenConstraint,
     seed: u64,
     max_tokens: usize,
 ) -> (String, bool) {
-    let stops = tok.eos_token_ids().to_vec();
-    let mut rng = StdRng::seed_from_u64(seed);
-    let mut ids = Vec::new();
-    for _ in 0..max_tokens {
-        let allowed = allowed_ids(&c.allowed_tokens(&stops, None).expect("a mask"));
-        let t = allowed[rng.random_range(0..allowed.len())];
-        if stops.contains(&t) {
-            return (tok.decode(&ids, true), true);
-        }
-        ids.push(t);
-        if c.advance(t).expect("an allowed token fits") {
-            return (tok.decode(&ids, true), true);
-        }
-    }
-    (tok.decode(&ids, true), false)
+    super::walk::walk(tok, c, seed, max_tokens, uniform)
 }
 
 #[test]

@@ -26,7 +26,7 @@ use super::sse::{sse_response, to_json, ChunkWriter};
 use super::structured_output;
 use super::tool_choice::ToolChoice;
 use super::validation::{
-    check_logprobs, check_model, fit_context, generate_requests, validate_sampling,
+    check_logprobs, check_model, fit_context, generate_requests, unsupported, validate_sampling,
 };
 use super::{unix_now, AppState};
 use crate::parsers::ToolSet;
@@ -208,6 +208,30 @@ async fn handle(app: AppState, request: Request) -> Result<Response, ApiError> {
         .messages
         .ok_or_else(|| ApiError::invalid_param("messages", "`messages` is required."))?;
     let messages = normalize_messages(messages)?;
+    let parallel_calls = body.parallel_tool_calls.unwrap_or(true);
+    let forced = tool_choice.forced_constraint(
+        app.cfg.tool_call_parser,
+        body.tools.as_deref(),
+        parallel_calls,
+    )?;
+    if let Some(forced) = &forced {
+        if let Some(other) = &v.constraint {
+            return Err(unsupported(
+                forced.param,
+                &format!(
+                    "A forced `tool_choice` cannot be combined with `{}`.",
+                    other.param
+                ),
+            ));
+        }
+        if v.min_tokens > 0 {
+            // The calls may be complete, allowing only a stop token, before the minimum.
+            return Err(unsupported(
+                "min_tokens",
+                "`min_tokens` cannot be combined with a forced `tool_choice`.",
+            ));
+        }
+    }
     let tool_set = match (app.cfg.tool_call_parser, &body.tools, &tool_choice) {
         (Some(kind), Some(tools), choice) if *choice != ToolChoice::None => {
             Some((kind, ToolSet::from_request(tools, choice.only())))
@@ -227,10 +251,11 @@ async fn handle(app: AppState, request: Request) -> Result<Response, ApiError> {
         app.cfg.reasoning_parser,
         &rendered,
         tool_set,
+        parallel_calls,
         Arc::clone(&app.metrics),
     );
     let max_new = fit_context(prompt_ids.len(), v.max_tokens, info.max_context)?;
-    let constraint = match v.constraint.clone() {
+    let constraint = match v.constraint.clone().or(forced) {
         Some(c) => Some(
             structured_output::compile(&app.grammar, &app.metrics, c, output.starts_thinking())
                 .await?,

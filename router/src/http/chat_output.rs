@@ -18,6 +18,8 @@ use super::openai_types::{
 pub struct OutputSetup {
     reasoning: Option<ReasoningMode>,
     tools: Option<(ToolParserKind, ToolSet)>,
+    /// `parallel_tool_calls`: false keeps only a choice's first call.
+    parallel_calls: bool,
     metrics: Arc<Metrics>,
 }
 
@@ -28,11 +30,13 @@ impl OutputSetup {
         reasoning: Option<ReasoningParserKind>,
         rendered_prompt: &str,
         tools: Option<(ToolParserKind, ToolSet)>,
+        parallel_calls: bool,
         metrics: Arc<Metrics>,
     ) -> OutputSetup {
         OutputSetup {
             reasoning: reasoning.map(|kind| ReasoningMode::for_prompt(kind, rendered_prompt)),
             tools: tools.filter(|(_, set)| !set.is_empty()),
+            parallel_calls,
             metrics,
         }
     }
@@ -53,6 +57,7 @@ impl OutputSetup {
             tool_parser: self.tools.as_ref().map(|(kind, _)| kind.name()),
             metrics: Arc::clone(&self.metrics),
             calls: 0,
+            max_calls: if self.parallel_calls { u32::MAX } else { 1 },
         }
     }
 
@@ -119,30 +124,37 @@ struct ChoiceParser {
     tool_parser: Option<&'static str>,
     metrics: Arc<Metrics>,
     calls: u32,
+    /// Calls past this many are dropped (`parallel_tool_calls: false`).
+    max_calls: u32,
 }
 
 impl ChoiceParser {
     fn feed(&mut self, text: &str) -> Vec<OutputPiece> {
         let pieces = self.parser.feed(text);
-        self.count(&pieces);
-        pieces
+        self.count(pieces)
     }
 
     fn finish(&mut self) -> Vec<OutputPiece> {
         let pieces = self.parser.finish();
-        self.count(&pieces);
-        pieces
+        self.count(pieces)
     }
 
-    fn count(&mut self, pieces: &[OutputPiece]) {
-        self.calls += pieces
-            .iter()
-            .filter(|p| matches!(p, OutputPiece::ToolCall(_)))
-            .count() as u32;
+    /// Counts the calls, dropping those past `max_calls`, and the parser's fallbacks.
+    fn count(&mut self, mut pieces: Vec<OutputPiece>) -> Vec<OutputPiece> {
+        let (calls, max) = (&mut self.calls, self.max_calls);
+        pieces.retain(|p| {
+            if !matches!(p, OutputPiece::ToolCall(_)) {
+                return true;
+            }
+            *calls += 1;
+            *calls <= max
+        });
+        self.calls = self.calls.min(max);
         if let Some(name) = self.tool_parser {
             self.metrics
                 .add_parser_fallbacks(name, u64::from(self.parser.take_fallbacks()));
         }
+        pieces
     }
 
     /// "tool_calls" when the model stopped after calling tools; a length cut stays "length".

@@ -113,6 +113,8 @@ pub struct ChatRequest {
     /// "auto", "none", "required" or `{"type": "function", "function": {"name": …}}`; see
     /// `http::tool_choice` for how the forced ones are enforced.
     pub tool_choice: Option<Value>,
+    /// false: at most one tool call (see `http::tool_choice`).
+    pub parallel_tool_calls: Option<bool>,
 }
 
 #[derive(Debug, Clone, Copy, Serialize)]

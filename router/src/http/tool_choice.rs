@@ -1,15 +1,21 @@
-//! `tool_choice`: which tools the template sees and which calls count.
+//! `tool_choice`: which tools the template sees, which calls count, and for the forced ones
+//! the grammar that makes the model call.
 //!
-//! No constrained decoding backs "required" or a named function. They are enforced by what
-//! the model is shown and by validating its output: a named choice renders only that tool
-//! into the prompt and accepts only calls to it; "required" accepts calls to any offered
-//! tool. If the model still answers without a call, the answer is returned as it is, with
-//! finish_reason "stop" (the client sees no `tool_calls` rather than an error). "none" keeps
-//! the tools in the prompt, as other servers do, but never turns output into calls.
+//! "required" and a named function are enforced by constrained decoding: after its thinking the
+//! model may write only calls, in the markup of the server's `--tool-call-parser`, to the
+//! offered functions (a named choice: that one, which is also the only tool rendered into the
+//! prompt), each with the parameters its schema requires, values of their types
+//! (`parsers::forced_calls_grammar`). `parallel_tool_calls: false` allows one call. "none"
+//! keeps the tools in the prompt, as other servers do, but never turns output into calls;
+//! "auto" leaves the choice to the model.
 
 use serde_json::Value;
 
+use crate::grammar::OutputConstraint;
+use crate::parsers::{forced_calls_grammar, CallCount, ToolParserKind};
+
 use super::errors::ApiError;
+use super::structured_output::RequestedConstraint;
 use super::validation::unsupported;
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -106,5 +112,38 @@ impl ToolChoice {
             ToolChoice::Named(name) => Some(name),
             _ => None,
         }
+    }
+
+    /// The constraint that makes a forced choice's output calls; `None` for "auto" and "none".
+    /// `from_request` already checked that a forced choice has a parser and tools.
+    pub fn forced_constraint(
+        &self,
+        parser: Option<ToolParserKind>,
+        tools: Option<&[Value]>,
+        parallel_calls: bool,
+    ) -> Result<Option<RequestedConstraint>, ApiError> {
+        let only = match self {
+            ToolChoice::Auto | ToolChoice::None => return Ok(None),
+            ToolChoice::Required => None,
+            ToolChoice::Named(name) => Some(name.as_str()),
+        };
+        let (Some(kind), Some(tools)) = (parser, tools) else {
+            return Ok(None);
+        };
+        let count = if parallel_calls {
+            CallCount::OneOrMore
+        } else {
+            CallCount::One
+        };
+        let lark = forced_calls_grammar(kind, tools, only, count).ok_or_else(|| {
+            ApiError::invalid_param(
+                "tools",
+                "A forced `tool_choice` needs `tools` of type function, each with a `name`.",
+            )
+        })?;
+        Ok(Some(RequestedConstraint {
+            param: "tool_choice",
+            spec: OutputConstraint::ToolCalls(lark),
+        }))
     }
 }

@@ -17,10 +17,10 @@ use super::tool_calls::RawCall;
 
 pub const OPEN: &str = "<｜DSML｜function_calls>";
 pub const CLOSE: &str = "</｜DSML｜function_calls>";
-const INVOKE_OPEN: &str = "<｜DSML｜invoke name=\"";
-const INVOKE_CLOSE: &str = "</｜DSML｜invoke>";
-const PARAM_OPEN: &str = "<｜DSML｜parameter name=\"";
-const PARAM_CLOSE: &str = "</｜DSML｜parameter>";
+pub(super) const INVOKE_OPEN: &str = "<｜DSML｜invoke name=\"";
+pub(super) const INVOKE_CLOSE: &str = "</｜DSML｜invoke>";
+pub(super) const PARAM_OPEN: &str = "<｜DSML｜parameter name=\"";
+pub(super) const PARAM_CLOSE: &str = "</｜DSML｜parameter>";
 
 /// The text between the `function_calls` tags, or `None` if it is not well formed.
 pub fn parse_block(inner: &str) -> Option<Vec<RawCall>> {

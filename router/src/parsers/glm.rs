@@ -8,10 +8,10 @@ use super::tool_calls::RawCall;
 
 pub const OPEN: &str = "<tool_call>";
 pub const CLOSE: &str = "</tool_call>";
-const KEY_OPEN: &str = "<arg_key>";
-const KEY_CLOSE: &str = "</arg_key>";
-const VALUE_OPEN: &str = "<arg_value>";
-const VALUE_CLOSE: &str = "</arg_value>";
+pub(super) const KEY_OPEN: &str = "<arg_key>";
+pub(super) const KEY_CLOSE: &str = "</arg_key>";
+pub(super) const VALUE_OPEN: &str = "<arg_value>";
+pub(super) const VALUE_CLOSE: &str = "</arg_value>";
 
 /// The text between `<tool_call>` and `</tool_call>`, or `None` if it is not well formed.
 pub fn parse_block(inner: &str) -> Option<Vec<RawCall>> {

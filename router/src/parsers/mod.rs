@@ -11,6 +11,7 @@
 //! skips special tokens, keeps them. A tokenizer that marked them special would hide them.
 
 mod arguments;
+mod call_grammar;
 mod dsml;
 mod glm;
 mod markers;
@@ -21,6 +22,7 @@ mod tool_calls;
 use serde::Deserialize;
 
 pub use arguments::ToolSet;
+pub use call_grammar::{forced_calls_grammar, CallCount};
 pub use output::{OutputParser, OutputPiece, ParsedOutput, ParsedToolCall};
 pub use reasoning::{ReasoningMode, ReasoningSplitter};
 pub use tool_calls::ToolCallScanner;
