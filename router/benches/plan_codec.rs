@@ -54,6 +54,7 @@ fn decode_plan(history: usize) -> BatchPlan {
                 // only the tokens since (one a decode step).
                 history_reset: history > 0,
                 allowed_tokens: None,
+                mask_late: false,
             }
         })
         .collect();

@@ -80,6 +80,12 @@ impl PlanSender {
         Ok(())
     }
 
+    /// Sends to rank 0 alone (the only rank that samples): a step's late masks.
+    pub fn send_to_rank0(&self, bytes: &[u8]) -> Result<()> {
+        self.sockets[0].send(bytes, 0)?;
+        Ok(())
+    }
+
     pub fn shutdown_all(&self) {
         if let Ok(bytes) = encode_router_message(&RouterMessage::Shutdown) {
             for s in &self.sockets {

@@ -3,9 +3,10 @@
 //! only that request, a worker that goes silent fails everything and turns health off, and a
 //! worker that dies is replaced: the engine serves again from an empty pool of the new size.
 //! The fake worker resolves overlap references (`input_prev_row`) from what it sampled in the
-//! previous step, as real workers do, and fails a request whose reference is wrong.
+//! previous step, as real workers do, and fails a request whose reference is wrong. It obeys
+//! allowed-token masks, waiting for a step's late masks as rank 0 does.
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -15,8 +16,8 @@ use nsaserve_router::engine::{
 };
 use nsaserve_router::metrics::Metrics;
 use nsaserve_router::protocol::{
-    encode_worker_message, BatchPlan, Heartbeat, Hello, SamplingParams, StepResult, WorkerMessage,
-    PROTOCOL_VERSION,
+    decode_router_message, encode_worker_message, BatchPlan, Heartbeat, Hello, RouterMessage,
+    SamplingParams, StepResult, WorkerMessage, PROTOCOL_VERSION,
 };
 use nsaserve_router::transport::Endpoints;
 
@@ -46,6 +47,21 @@ struct Switches {
     silent: AtomicBool,
     /// Closes its sockets and ends (a killed worker).
     gone: AtomicBool,
+    /// Rows that arrived with `mask_late` (their masks in a later `masks` message).
+    late_rows: AtomicU64,
+}
+
+/// The allowed token nearest above `token` (wrapping), or `token` without a mask.
+fn obey(mask: Option<&[u32]>, token: i32) -> i32 {
+    let Some(words) = mask else {
+        return token;
+    };
+    let allowed = |t: usize| words.get(t / 32).is_some_and(|w| w >> (t % 32) & 1 == 1);
+    let n = words.len() * 32;
+    (0..n)
+        .map(|k| (token as usize + k) % n)
+        .find(|&t| allowed(t))
+        .expect("a mask allows some token") as i32
 }
 
 fn spawn_fake_worker(
@@ -99,6 +115,22 @@ fn spawn_fake_worker(
             let Ok(plan) = BatchPlan::decode(&bytes) else {
                 return;
             };
+            // Late masks come once the router has committed the previous step, before anything else.
+            let late = plan.requests.iter().filter(|r| r.mask_late).count() as u64;
+            let mut late_masks = std::collections::HashMap::new();
+            if late > 0 {
+                switches.late_rows.fetch_add(late, Ordering::SeqCst);
+                let masks = loop {
+                    if let Ok(bytes) = plans.recv_bytes(0) {
+                        match decode_router_message(&bytes) {
+                            Ok(RouterMessage::Masks(m)) if m.step == plan.step => break m,
+                            Ok(RouterMessage::Masks(_)) => continue,
+                            _ => return,
+                        }
+                    }
+                };
+                late_masks.extend(masks.masks);
+            }
             let mut sampled = vec![];
             let mut errors = vec![];
             let mut rows = vec![];
@@ -116,8 +148,13 @@ fn spawn_fake_worker(
                     *r.input_ids.last().unwrap()
                 };
                 let dropped = matches!(behaviour, Behaviour::DropRequestTwo) && r.id == 2;
-                let token =
-                    (r.sample && !dropped).then(|| fake_token(behaviour, input, r.seq_len()));
+                let mask = r
+                    .allowed_tokens
+                    .as_deref()
+                    .or_else(|| late_masks.get(&r.id))
+                    .map(Vec::as_slice);
+                let token = (r.sample && !dropped)
+                    .then(|| obey(mask, fake_token(behaviour, input, r.seq_len())));
                 if let Some(t) = token {
                     sampled.push((r.id, t, None));
                 }
@@ -507,4 +544,68 @@ async fn data_parallel_ranks_give_the_same_outputs_as_one_pool() {
         );
         assert_eq!(workload_dp(false, dp_size).await, one, "dp {dp_size}");
     }
+}
+
+/// Structured outputs through the engine and a worker that obeys masks: with overlap the
+/// constrained requests are planned ahead (late masks, sent after each commit and before the
+/// next plan) and give the outputs planning after each result gives; so do data-parallel ranks.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn late_masks_give_the_outputs_of_masks_in_the_plan() {
+    use nsaserve_router::grammar::{GrammarCompiler, OutputConstraint};
+    use nsaserve_router::tokenizer::TokenizerBundle;
+
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../pyworker/nsaserve/embedded_model");
+    let tok = Arc::new(TokenizerBundle::from_model_dir(&dir).unwrap());
+    let compiler = GrammarCompiler::new(Arc::clone(&tok));
+    let run = |overlap: bool, dp_size: usize| {
+        let (tok, compiler) = (Arc::clone(&tok), &compiler);
+        async move {
+            let started = start_engine_dp(Behaviour::Echo, overlap, dp_size);
+            let mut streams = vec![];
+            for i in 0..6i32 {
+                let mut req = request((0..3 + i).collect(), 12, tok.eos_token_ids().to_vec());
+                let spec = OutputConstraint::Regex(
+                    ["[a-c]{4}", "(ab|ba){1,3}c", "[0-9]{2,5}"][i as usize % 3].into(),
+                );
+                req.constraint = Some(compiler.compile(&spec, false).unwrap());
+                streams.push(started.engine.submit(req).unwrap());
+            }
+            let mut out = vec![];
+            for s in streams {
+                let events = collect(s).await;
+                assert!(
+                    matches!(events.last(), Some(GenerateEvent::Finished { .. })),
+                    "{events:?}"
+                );
+                let body: Vec<i32> = tokens(&events)
+                    .into_iter()
+                    .filter(|t| !tok.eos_token_ids().contains(t))
+                    .collect();
+                out.push(tok.decode(&body, false));
+            }
+            let late = started.switches.late_rows.load(Ordering::SeqCst);
+            started.engine.shutdown();
+            (out, late)
+        }
+    };
+    let (planned, late) = run(false, 1).await;
+    assert_eq!(late, 0, "without overlap every mask is in its plan");
+    for (i, text) in planned.iter().enumerate() {
+        let ok = match i % 3 {
+            0 => text.len() == 4 && text.bytes().all(|b| (b'a'..=b'c').contains(&b)),
+            1 => text.ends_with('c') && text.len() >= 3,
+            _ => (2..=5).contains(&text.len()) && text.bytes().all(|b| b.is_ascii_digit()),
+        };
+        assert!(ok, "request {i}: {text:?}");
+    }
+    let (ahead, late) = run(true, 1).await;
+    assert_eq!(ahead, planned);
+    assert!(
+        late >= 6,
+        "constrained decode steps planned ahead: {late} late rows"
+    );
+    let (dp, late) = run(true, 2).await;
+    assert_eq!(dp, planned);
+    assert!(late >= 6, "{late}");
 }

@@ -6,9 +6,9 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use nsaserve_router::protocol::{
-    decode_worker_message, encode_router_message, encode_worker_message, BatchPlan, Fatal,
-    Heartbeat, Hello, PlannedRequest, PromptLogprobs, RouterMessage, SamplingParams, StepResult,
-    TokenLogprobs, WorkerMessage,
+    decode_router_message, decode_worker_message, encode_router_message, encode_worker_message,
+    BatchPlan, Fatal, Heartbeat, Hello, LateMasks, PlannedRequest, PromptLogprobs, RouterMessage,
+    SamplingParams, StepResult, TokenLogprobs, WorkerMessage,
 };
 use serde_json::Value;
 
@@ -78,6 +78,7 @@ fn plan_from_json(c: &Value) -> BatchPlan {
                 allowed_tokens: q["allowed_tokens"].as_array().map(|words| {
                     Arc::new(words.iter().map(|w| w.as_u64().unwrap() as u32).collect())
                 }),
+                mask_late: q["mask_late"].as_bool().unwrap(),
             }
         })
         .collect();
@@ -200,12 +201,28 @@ fn worker_messages_encode_to_the_golden_bytes_and_decode_back() {
 }
 
 #[test]
-fn shutdown_encodes_to_the_golden_bytes() {
+fn router_messages_encode_to_the_golden_bytes_and_decode_back() {
     let (_, bytes) = load("shutdown");
     assert_eq!(
         encode_router_message(&RouterMessage::Shutdown).unwrap(),
         bytes
     );
+    assert_eq!(
+        decode_router_message(&bytes).unwrap(),
+        RouterMessage::Shutdown
+    );
+    let (json, bytes) = load("masks");
+    let masks = RouterMessage::Masks(LateMasks {
+        step: json["step"].as_u64().unwrap(),
+        masks: json["masks"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|m| (m[0].as_u64().unwrap(), ints(&m[1])))
+            .collect(),
+    });
+    assert_eq!(encode_router_message(&masks).unwrap(), bytes);
+    assert_eq!(decode_router_message(&bytes).unwrap(), masks);
 }
 
 #[test]

@@ -5,13 +5,16 @@ from __future__ import annotations
 import math
 
 import msgpack
+import numpy as np
 
+from nsaserve.protocol.arrays import I32, U32, U64
 from nsaserve.protocol.builder import RequestSpec, SamplingSpec, build_plan
 from nsaserve.protocol.messages import (
     SHUTDOWN,
     Fatal,
     Heartbeat,
     Hello,
+    LateMasks,
     PromptLogprobs,
     StepResult,
     TokenLogprobs,
@@ -36,6 +39,7 @@ def plan_from_json(c: dict):
             history_prompt_len=q["history_prompt_len"],
             history_reset=q["history_reset"],
             allowed_tokens=q.get("allowed_tokens"),
+            mask_late=q.get("mask_late", False),
         )
         for q in c["requests"]
     ]
@@ -54,6 +58,17 @@ def result_from_json(c: dict) -> StepResult:
     return StepResult(c["step"], sampled, prompt, [tuple(e) for e in c["errors"]], c["forward_ms"])
 
 
+def masks_from_json(c: dict) -> LateMasks:
+    words = [w for _, ws in c["masks"] for w in ws]
+    start = np.cumsum([0] + [len(ws) for _, ws in c["masks"]])
+    return LateMasks(
+        c["step"],
+        np.array([r for r, _ in c["masks"]], dtype=U64),
+        start.astype(I32),
+        np.array(words, dtype=U32),
+    )
+
+
 def build_message(c: dict) -> bytes:
     kind = c["kind"]
     fields = {k: v for k, v in c.items() if k != "kind"}
@@ -67,6 +82,8 @@ def build_message(c: dict) -> bytes:
         return Heartbeat(**fields).encode()
     if kind == "fatal":
         return Fatal(**fields).encode()
+    if kind == "masks":
+        return masks_from_json(c).encode()
     if kind == "shutdown":
         return SHUTDOWN
     raise ValueError(kind)

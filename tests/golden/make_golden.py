@@ -19,7 +19,7 @@ PAGE = 4  # a small page size keeps the vectors readable
 
 
 def req(
-    id, input_ids, cached_len, pages, *, sample=True, prompt_logprobs=False, next_prompt_token=-1, input_prev_row=-1, history=(), history_prompt_len=0, history_reset=False, allowed_tokens=None, **sampling
+    id, input_ids, cached_len, pages, *, sample=True, prompt_logprobs=False, next_prompt_token=-1, input_prev_row=-1, history=(), history_prompt_len=0, history_reset=False, allowed_tokens=None, mask_late=False, **sampling
 ):
     slots = [pages[(cached_len + k) // PAGE] * PAGE + (cached_len + k) % PAGE for k in range(len(input_ids))]
     return {
@@ -36,6 +36,7 @@ def req(
         "history_prompt_len": history_prompt_len,
         "history_reset": history_reset,
         "allowed_tokens": allowed_tokens,
+        "mask_late": mask_late,
         "sampling": {
             "temperature": 1.0,
             "top_p": 1.0,
@@ -67,6 +68,8 @@ MESSAGES = {
             req(13, [8], 9, [12, 13, 14], repetition_penalty=1.2, history=[8], history_prompt_len=4),
             # Structured output: only tokens 1, 33 and 64 (and nothing past token 95) may follow.
             req(14, [9], 3, [15], allowed_tokens=[2, 2, 1]),
+            # Structured output planned while step 40 ran: its mask follows in a masks message.
+            req(15, [-1], 2, [0], input_prev_row=4, mask_late=True),
         ],
         # Requests that ended since step 40: the workers drop their histories.
         "released": [5, 2**40 + 9],
@@ -99,7 +102,10 @@ MESSAGES = {
         "forward_ms": 1.5,
     },
     "result_empty": {"kind": "result", "step": 9, "sampled": [], "prompt_logprobs": [], "errors": [], "forward_ms": 0.0},
-    "hello": {"kind": "hello", "version": 5, "rank": 1, "tp_size": 2, "pid": 4242, "model_id": "embedded", "num_pages": 1024, "page_size": 64, "max_context": 4096, "vocab_size": 512},
+    # Step 41's late masks, sent to rank 0 once step 40 is committed: request 15 may sample
+    # tokens 0 and 40 only.
+    "masks": {"kind": "masks", "step": 41, "masks": [[15, [1, 256]]]},
+    "hello": {"kind": "hello", "version": 6, "rank": 1, "tp_size": 2, "pid": 4242, "model_id": "embedded", "num_pages": 1024, "page_size": 64, "max_context": 4096, "vocab_size": 512},
     "heartbeat": {"kind": "heartbeat", "rank": 0, "step": 77},
     "fatal": {"kind": "fatal", "rank": 1, "message": "model path /nonexistent does not exist"},
     "shutdown": {"kind": "shutdown"},

@@ -111,9 +111,9 @@ class CountingExecutor:
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
-    def launch(self, plan, is_rank0, patch=None, after_forward=None):
+    def launch(self, plan, is_rank0, patch=None, after_forward=None, late_masks=None):
         self.calls.append(("launch", plan.step))
-        return self.inner.launch(plan, is_rank0, patch, after_forward)
+        return self.inner.launch(plan, is_rank0, patch, after_forward, late_masks)
 
     def finish(self, step):
         self.calls.append(("finish", step.plan.step))
@@ -301,3 +301,40 @@ def test_the_previous_result_goes_out_before_the_next_steps_sampling_is_built(ex
     assert events.index(("sent", 1)) < events.index(("sampling", 2))
     assert events.index(("sent", 2)) < events.index(("sampling", 3))
     assert [e for e in events if e[0] == "sent"] == [("sent", s) for s in range(1, 7)]
+
+
+def test_a_late_mask_is_waited_for_after_the_forward_and_obeyed(executor):
+    """Structured output under overlap: step 2's row arrives with mask_late, and its mask only
+    after step 1's result has gone out (the router commits 1 first); the pipelined loop launches
+    step 2, sends 1's result, waits for the masks, and samples under them."""
+    from nsaserve.protocol.arrays import I32, U32, U64
+    from nsaserve.protocol.messages import LateMasks
+    from nsaserve.worker.inbox import PlanInbox
+    from nsaserve.worker.main import late_masks_merger
+
+    vocab = executor.vocab_size
+    first = build_plan(1, PAGE, [RequestSpec(1, [5, 6, 7], 0, pages(1))])
+    second = build_plan(2, PAGE, [RequestSpec(1, [-1], 3, pages(1), input_prev_row=0, mask_late=True)])
+    free = [s[1] for s in sequential_steps(executor, [first, second])]
+    want = (free[1][0][1] + 1) % vocab  # not what it samples unmasked
+    words = np.zeros((vocab + 31) // 32, dtype=U32)
+    words[want // 32] = np.uint32(1 << (want % 32))
+    masks = LateMasks(2, np.array([1], dtype=U64), np.array([0, len(words)], dtype=I32), words).encode()
+    queue = deque([encode_plan(first), encode_plan(second)])
+    sent = []
+
+    def send(data):
+        sent.append(summary(data))
+        queue.append(masks if len(sent) == 1 else SHUTDOWN)
+
+    inbox = PlanInbox(queue.popleft, lambda: bool(queue))
+    counting = CountingExecutor(executor)
+    serve_pipelined(inbox.recv, inbox.waiting, send, counting, True, [0], late_masks_merger(inbox, vocab, True))
+    assert counting.calls[:3] == [("launch", 1), ("launch", 2), ("finish", 1)]
+    assert sent[0] == (1, free[0], [])
+    assert sent[1][1] == [(1, want, None)] and sent[1][2] == []
+
+
+def sequential_steps(executor, plans) -> list:
+    prev = PrevStep(is_rank0=True)
+    return [summary(run_plan(encode_plan(p), executor, True, prev)[0].encode()) for p in plans]

@@ -47,6 +47,8 @@ class RequestSpec:
     history_reset: bool | None = None
     # Structured output: the allowed-token bitmask words of this step (None: every token).
     allowed_tokens: Sequence[int] | None = None
+    # The mask comes in a `masks` message for this step instead (overlap).
+    mask_late: bool = False
 
     def resets_history(self) -> bool:
         if self.history_reset is not None:
@@ -113,5 +115,6 @@ def build_plan(step: int, page_size: int, requests: Sequence[RequestSpec], relea
         bias_value=np.array([b for q in r for _, b in q.sampling.logit_bias], dtype=F32),
         mask_start=_offsets([len(q.allowed_tokens or ()) for q in r]),
         mask_words=np.array([w for q in r for w in q.allowed_tokens or ()], dtype=U32),
+        mask_late=col(lambda q: q.mask_late, U8),
         released=np.array(list(released), dtype=U64),
     )

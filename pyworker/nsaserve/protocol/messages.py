@@ -14,7 +14,7 @@ import numpy as np
 
 from .arrays import F32, I32, U8, U32, U64, ProtocolError, to_bin, view
 
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6
 
 MODES = ("idle", "prefill", "decode", "mixed")
 
@@ -65,6 +65,9 @@ class Plan:
     # t // 32 allows token t; tokens past its last word are out), or no words (every token).
     mask_start: np.ndarray  # i32 [n+1], offsets into mask_words
     mask_words: np.ndarray  # u32 [M]
+    # u8 [n]: 1 where the row's mask comes later, in a `masks` message for this step (overlap:
+    # it depends on the token the request samples in the step before); see LateMasks.
+    mask_late: np.ndarray
     # Requests that left since the previous plan: their held histories can go.
     released: np.ndarray  # u64 [R]
 
@@ -115,6 +118,7 @@ PLAN_ARRAYS: tuple[tuple[str, np.dtype], ...] = (
     ("bias_value", F32),
     ("mask_start", I32),
     ("mask_words", U32),
+    ("mask_late", U8),
     ("released", U64),
 )
 
@@ -166,6 +170,45 @@ def encode_plan(plan: Plan) -> bytes:
     for name, dt in PLAN_ARRAYS:
         msg[name] = to_bin(getattr(plan, name), dt)
     return msgpack.packb(msg, use_bin_type=True)
+
+
+@dataclass
+class LateMasks:
+    """The `masks` message: the allowed-token masks of a step's `mask_late` rows, sent to rank 0
+    once the step before it is committed. A late row it leaves out samples unmasked (its request
+    ended meanwhile, or its grammar had not started)."""
+
+    step: int
+    req_ids: np.ndarray  # u64 [m]
+    mask_start: np.ndarray  # i32 [m+1], offsets into mask_words
+    mask_words: np.ndarray  # u32 [M]
+
+    def masks(self) -> dict[int, np.ndarray]:
+        """Request id -> its mask words."""
+        return {int(r): self.mask_words[self.mask_start[k] : self.mask_start[k + 1]] for k, r in enumerate(self.req_ids)}
+
+    def encode(self) -> bytes:
+        msg = {
+            "kind": "masks",
+            "step": self.step,
+            "req_ids": to_bin(self.req_ids, U64),
+            "mask_start": to_bin(self.mask_start, I32),
+            "mask_words": to_bin(self.mask_words, U32),
+        }
+        return msgpack.packb(msg, use_bin_type=True)
+
+
+def late_masks_from_msg(msg: dict) -> LateMasks:
+    """Typed view of a `masks` message; its offsets are checked here, its rows against the plan
+    by validate.apply_late_masks."""
+    if msg.get("kind") != "masks":
+        raise ProtocolError(f"expected masks, got kind {msg.get('kind')!r}")
+    m = LateMasks(_int(msg, "step"), view(msg, "req_ids", U64), view(msg, "mask_start", I32), view(msg, "mask_words", U32))
+    start = m.mask_start
+    n = len(m.req_ids)
+    if len(start) != n + 1 or start[0] != 0 or start[-1] != len(m.mask_words) or (np.diff(start) < 0).any():
+        raise ProtocolError(f"masks: mask_start is not offsets 0..{len(m.mask_words)} over {n} requests")
+    return m
 
 
 @dataclass

@@ -40,6 +40,7 @@ PER_REQUEST = (
     "top_logprobs",
     "history_prompt_lens",
     "history_reset",
+    "mask_late",
 )
 # offsets field -> the flat arrays it indexes
 OFFSETS = {
@@ -142,6 +143,8 @@ def request_faults(plan: Plan, num_pages: int, vocab_size: int | None = None, dp
         words = words & ((np.int64(1) << bits) - 1)
     allows = np.bincount(mask_req[words != 0], minlength=n) > 0
     flag((mask_len > 0) & ~allows, "an allowed-token mask that allows no token")
+    flag(plan.mask_late > 1, "mask_late other than 0 and 1")
+    flag((plan.mask_late != 0) & ((plan.sample == 0) | (mask_len > 0)), "mask_late on a row that samples nothing or has its mask")
 
     page_req = np.repeat(np.arange(n), npages)
     total_pages = num_pages * dp_size

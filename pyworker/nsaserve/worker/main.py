@@ -16,9 +16,11 @@ import sys
 import threading
 
 from ..protocol.arrays import ProtocolError
-from ..protocol.messages import Fatal, Heartbeat, Hello, Plan, StepResult, plan_from_msg, unpack
+from ..protocol.late_masks import apply_late_masks, late_rows
+from ..protocol.messages import Fatal, Heartbeat, Hello, LateMasks, Plan, StepResult, plan_from_msg, unpack
 from ..protocol.validate import validate_plan
 from .executor import NullExecutor, StepExecutor
+from .inbox import PlanInbox
 from .pipeline import DeviceRefs, LaunchedStep, wait_for_plan_or_done
 from .prev_step import PrevStep
 from .transport import Endpoints, WorkerSockets
@@ -147,6 +149,34 @@ def receive_plan(data: bytes, executor) -> tuple[Plan, Plan, list[tuple[int, str
     return full, runnable, errors
 
 
+def late_masks_merger(inbox: PlanInbox, vocab_size: int | None, is_rank0: bool):
+    """fn(plan) -> (plan with its late rows' masks, errors of the requests whose mask is unusable).
+    Rank 0 waits for the step's `masks` message (the router sends it once the step before is
+    committed); other ranks sample nothing and take the plan as it is."""
+
+    def merge(plan: Plan) -> tuple[Plan, list[tuple[int, str]]]:
+        if not is_rank0 or not len(late_rows(plan)):
+            return plan, []
+        masks = inbox.masks_for(plan.step)
+        if masks is None:
+            why = f"the masks of step {plan.step} did not arrive"
+            empty = LateMasks(plan.step, plan.req_ids[:0], plan.mask_start[:1], plan.mask_words[:0])
+            merged, _ = apply_late_masks(plan, empty, vocab_size)
+            return merged, [(int(plan.req_ids[i]), why) for i in late_rows(plan)]
+        return apply_late_masks(plan, masks, vocab_size)
+
+    return merge
+
+
+def without_tokens_of(result: StepResult, errors: list[tuple[int, str]]) -> StepResult:
+    """The result with the failed requests' sampled tokens dropped and their errors added."""
+    if errors:
+        failed = {r for r, _ in errors}
+        result.sampled = [e for e in result.sampled if e[0] not in failed]
+        result.errors += errors
+    return result
+
+
 def release_histories(executor, plan: Plan) -> None:
     """A plan none of whose requests runs still names requests whose penalty histories can go
     (an executor that keeps them does it in its launch otherwise)."""
@@ -172,13 +202,14 @@ def failed_step(e: Exception, step: int, req_ids) -> list[tuple[int, str]]:
 
 
 def run_plan(
-    data: bytes, executor: StepExecutor, is_rank0: bool, prev: PrevStep | None = None
+    data: bytes, executor: StepExecutor, is_rank0: bool, prev: PrevStep | None = None, late_masks=None
 ) -> tuple[StepResult | None, int]:
     """One received message -> the result to send (None for shutdown) and the step it answered.
 
     `prev` remembers what the last step sampled, for plans that reference it (overlap).
-    Raises only `GroupBroken`: a bad plan or a failing step becomes per-request errors in the
-    result.
+    late_masks(plan): merges the step's late masks (late_masks_merger), waited for before the step
+    runs. Raises only `GroupBroken`: a bad plan or a failing step becomes per-request errors in
+    the result.
     """
     prev = prev if prev is not None else PrevStep(is_rank0)
     try:
@@ -193,10 +224,14 @@ def run_plan(
     errors += bad_refs
     if not runnable.num_reqs:
         release_histories(executor, plan)
+    mask_errors: list[tuple[int, str]] = []
+    if late_masks is not None and runnable.num_reqs:
+        runnable, mask_errors = late_masks(runnable)
     try:
         result = executor.run(runnable, is_rank0) if runnable.num_reqs else StepResult(step=plan.step)
     except Exception as e:  # a failing step fails its requests, not the worker
         result = StepResult(step=plan.step, errors=failed_step(e, plan.step, runnable.req_ids))
+    result = without_tokens_of(result, mask_errors)
     result.step = plan.step
     result.errors = errors + result.errors
     prev.record(plan, result)
@@ -204,14 +239,15 @@ def run_plan(
 
 
 def launch_plan(
-    data: bytes, executor, is_rank0: bool, refs: DeviceRefs, before_launch=None, after_forward=None
+    data: bytes, executor, is_rank0: bool, refs: DeviceRefs, before_launch=None, after_forward=None, late_masks=None
 ) -> tuple[str, object, list, int]:
     """The pipelined counterpart of run_plan: one received message -> ("shutdown", None, [], -1),
     ("result", StepResult, [], step) when nothing was launched (an unreadable or empty plan, or a
     launch that failed), or ("launched", LaunchedStep, validation errors, step).
     before_launch(plan): called with the plan about to be launched, before its launch;
     after_forward(): called by the launch once the forward is queued (executor.launch). Neither
-    is called when nothing is launched. An exception from after_forward is raised here, after the
+    is called when nothing is launched. late_masks(plan): merges the step's late masks, called by
+    the launch after after_forward (late_masks_merger). An exception from after_forward is raised here, after the
     launch, not taken for the step's own failure."""
     try:
         received = receive_plan(data, executor)
@@ -238,7 +274,9 @@ def launch_plan(
             hook_errors.append(e)
 
     try:
-        step = executor.launch(runnable, is_rank0, patch, after_forward=hook if after_forward is not None else None)
+        step = executor.launch(
+            runnable, is_rank0, patch, after_forward=hook if after_forward is not None else None, late_masks=late_masks
+        )
     except Exception as e:  # a failing step fails its requests, not the worker
         if hook_errors:
             raise hook_errors[0] from None
@@ -262,7 +300,7 @@ def finish_step(executor, step: LaunchedStep, errors: list) -> StepResult:
     return result
 
 
-def serve_pipelined(recv, plan_waiting, send, executor, is_rank0: bool, progress: list[int]) -> None:
+def serve_pipelined(recv, plan_waiting, send, executor, is_rank0: bool, progress: list[int], late_masks=None) -> None:
     """The step loop of --worker-pipeline (worker/pipeline.py): step N+1 is launched before step
     N's result is built and sent, whenever N+1's plan arrives while N is still running and N+1's
     launch is quick (executor.launch_is_quick). Results go out in step order. Raises GroupBroken
@@ -295,7 +333,9 @@ def serve_pipelined(recv, plan_waiting, send, executor, is_rank0: bool, progress
     while True:
         if pending is not None and not wait_for_plan_or_done(plan_waiting, pending[0]):
             finish_pending()  # no plan before N was done: the router waits for N
-        kind, what, errors, _ = launch_plan(recv(), executor, is_rank0, refs, finish_first_unless_quick, finish_pending)
+        kind, what, errors, _ = launch_plan(
+            recv(), executor, is_rank0, refs, finish_first_unless_quick, finish_pending, late_masks
+        )
         finish_pending()  # when nothing was launched, or the launch failed before its forward
         if kind == "shutdown":
             return
@@ -376,11 +416,13 @@ def main(argv: list[str] | None = None) -> int:
     is_rank0 = args.rank == 0
     prev = PrevStep(is_rank0)
     pipelined = args.worker_pipeline and hasattr(executor, "launch")
+    inbox = PlanInbox(sockets.recv_plan, sockets.plan_waiting)
+    late_masks = late_masks_merger(inbox, executor.vocab_size, is_rank0)
     try:
         if pipelined:
-            serve_pipelined(sockets.recv_plan, sockets.plan_waiting, sockets.send, executor, is_rank0, progress)
+            serve_pipelined(inbox.recv, inbox.waiting, sockets.send, executor, is_rank0, progress, late_masks)
         while not pipelined:
-            result, step = run_plan(sockets.recv_plan(), executor, is_rank0, prev)
+            result, step = run_plan(inbox.recv(), executor, is_rank0, prev, late_masks)
             if result is None:
                 break
             progress[0] = max(progress[0], step)

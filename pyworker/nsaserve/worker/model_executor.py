@@ -102,12 +102,17 @@ class ModelExecutor:
         whole step, which would hold the previous step's tokens back for all of it."""
         return self.device.type != "cpu"
 
-    def launch(self, plan: Plan, is_rank0: bool, patch: InputPatch | None = None, after_forward=None) -> LaunchedStep:
+    def launch(
+        self, plan: Plan, is_rank0: bool, patch: InputPatch | None = None, after_forward=None, late_masks=None
+    ) -> LaunchedStep:
         """Queues the step's device work (forward, sampling and the copy of its tokens, and
         logprobs where asked, to pinned host memory) without waiting for it. patch: input tokens
         already on the device (the previous step's samples, worker/pipeline.py). after_forward():
         called once the forward is queued, before the sampling's host work; the pipelined loop
-        sends the previous step's result there, so it reaches the router that much sooner."""
+        sends the previous step's result there, so it reaches the router that much sooner.
+        late_masks(plan) -> (plan, errors): after that, the step's late structured-output masks
+        (worker/main.py's late_masks_merger: rank 0 waits for them while the forward runs);
+        requests whose mask is unusable sample unmasked and their tokens are not sent."""
         t0 = time.perf_counter()
         marks = DeviceMarks() if self.step_log is not None and is_rank0 and self.device.type == "cuda" else None
         graph = self.graphs is not None and self.graphs.fits(plan)
@@ -124,6 +129,9 @@ class ModelExecutor:
             logits = self.runner.forward_plan(plan, patch)
         if after_forward is not None:
             after_forward()
+        mask_errors: list[tuple[int, str]] = []
+        if late_masks is not None:
+            plan, mask_errors = late_masks(plan)
         # The sampling parameters are built while the forward runs: their uploads go through
         # pinned memory (host_to_device.upload), so nothing here waits for the device.
         # Every plan goes through the histories on rank 0, in order, sampling or not (its
@@ -136,7 +144,7 @@ class ModelExecutor:
             logits = logits.float()  # kept past the launch: a copy of its own
         step = LaunchedStep(
             plan=plan, is_rank0=is_rank0, t0=t0, graph=graph, sb=sb, prompt_rows=prompt_rows, on_cpu=self.device.type == "cpu",
-            failed=history_errors,
+            failed=history_errors + mask_errors,
         )  # fmt: skip
         if not is_rank0:
             return step

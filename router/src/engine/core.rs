@@ -20,7 +20,7 @@ use tokio::sync::mpsc::UnboundedSender;
 
 use super::shared::Shared;
 use super::{GenerateEvent, GenerateRequest, RequestId};
-use crate::protocol::{BatchPlan, StepResult, WorkerMessage};
+use crate::protocol::{encode_router_message, BatchPlan, RouterMessage, StepResult, WorkerMessage};
 use crate::scheduler::DataParallelScheduler;
 use crate::transport::PlanSender;
 
@@ -228,7 +228,26 @@ impl EngineCore {
             },
         };
         self.finish_step(&plan, result);
+        self.send_late_masks();
         None
+    }
+
+    /// Once a step is committed, the masks of the next plan's `mask_late` rows (their grammars
+    /// have now seen the tokens they sampled) go to rank 0, which waits for them before that
+    /// step's sampling. Sent before anything else goes to rank 0, so they precede the next plan.
+    fn send_late_masks(&mut self) {
+        let Some((next, None)) = self.outstanding.front() else {
+            return;
+        };
+        let Some(masks) = self.scheduler.late_masks(next) else {
+            return;
+        };
+        let sent = encode_router_message(&RouterMessage::Masks(masks))
+            .map_err(|e| e.to_string())
+            .and_then(|bytes| self.sender.send_to_rank0(&bytes).map_err(|e| e.to_string()));
+        if let Err(e) = sent {
+            self.send_error = Some(format!("could not send late masks to rank 0: {e}"));
+        }
     }
 
     /// Waits for rank 0's answer to `plan`, handling everything else that arrives meanwhile.

@@ -1,5 +1,6 @@
-//! Control and result messages. Router -> worker: plans (see `plan.rs`) and shutdown.
-//! Worker -> router: hello, heartbeat, fatal, and (rank 0 only) one step result per plan.
+//! Control and result messages. Router -> worker: plans (see `plan.rs`), late masks (rank 0
+//! only) and shutdown. Worker -> router: hello, heartbeat, fatal, and (rank 0 only) one step
+//! result per plan.
 
 use serde::{Deserialize, Serialize};
 use serde_bytes::ByteBuf;
@@ -76,10 +77,77 @@ pub enum WorkerMessage {
     Result(StepResult),
 }
 
+/// The allowed-token masks of a step's `mask_late` rows, sent to rank 0 once the step before
+/// it is committed (the grammar has then seen the token each request sampled there). A late
+/// row it leaves out samples unmasked: its request ended meanwhile, or its grammar has not
+/// started (the model is still thinking).
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct LateMasks {
+    pub step: u64,
+    /// `(request id, mask words)`, bit `t % 32` of word `t / 32` allowing token `t`.
+    pub masks: Vec<(u64, Vec<u32>)>,
+}
+
 /// Everything the router sends besides plans.
 #[derive(Debug, Clone, PartialEq)]
 pub enum RouterMessage {
+    Masks(LateMasks),
     Shutdown,
+}
+
+/// Wire form of late masks; see docs/protocol.md.
+#[derive(Debug, Serialize, Deserialize)]
+struct WireMasks {
+    kind: String,
+    step: u64,
+    req_ids: ByteBuf,
+    mask_start: ByteBuf,
+    mask_words: ByteBuf,
+}
+
+impl WireMasks {
+    fn from_masks(m: &LateMasks) -> WireMasks {
+        let mut start = Vec::with_capacity(m.masks.len() + 1);
+        start.push(0i32);
+        let mut words = Vec::new();
+        for (_, w) in &m.masks {
+            words.extend_from_slice(w);
+            start.push(words.len() as i32);
+        }
+        WireMasks {
+            kind: "masks".into(),
+            step: m.step,
+            req_ids: u64::to_bin(&m.masks.iter().map(|(id, _)| *id).collect::<Vec<_>>()),
+            mask_start: i32::to_bin(&start),
+            mask_words: u32::to_bin(&words),
+        }
+    }
+
+    fn into_masks(self) -> Result<LateMasks, PlanError> {
+        let ids = u64::from_bin("req_ids", &self.req_ids)?;
+        let start = i32::from_bin("mask_start", &self.mask_start)?;
+        let words = u32::from_bin("mask_words", &self.mask_words)?;
+        if start.len() != ids.len() + 1
+            || start[0] != 0
+            || start[ids.len()] as usize != words.len()
+            || start.windows(2).any(|p| p[0] > p[1])
+        {
+            return Err(PlanError::Invalid(format!(
+                "masks: mask_start is not offsets 0..{} over {} requests",
+                words.len(),
+                ids.len()
+            )));
+        }
+        let masks = ids
+            .iter()
+            .enumerate()
+            .map(|(k, &id)| (id, words[start[k] as usize..start[k + 1] as usize].to_vec()))
+            .collect();
+        Ok(LateMasks {
+            step: self.step,
+            masks,
+        })
+    }
 }
 
 #[derive(Debug, Serialize, Deserialize)]
@@ -328,6 +396,21 @@ pub fn encode_worker_message(msg: &WorkerMessage) -> Result<Vec<u8>, PlanError> 
 
 pub fn encode_router_message(msg: &RouterMessage) -> Result<Vec<u8>, PlanError> {
     Ok(match msg {
+        RouterMessage::Masks(m) => rmp_serde::to_vec_named(&WireMasks::from_masks(m))?,
         RouterMessage::Shutdown => rmp_serde::to_vec_named(&WireControl::Shutdown {})?,
     })
+}
+
+/// Decodes a router message other than a plan (the golden vectors check the encoder with it).
+pub fn decode_router_message(bytes: &[u8]) -> Result<RouterMessage, PlanError> {
+    let kind: Kind = rmp_serde::from_slice(bytes)?;
+    match kind.kind.as_str() {
+        "masks" => Ok(RouterMessage::Masks(
+            rmp_serde::from_slice::<WireMasks>(bytes)?.into_masks()?,
+        )),
+        "shutdown" => Ok(RouterMessage::Shutdown),
+        other => Err(PlanError::Invalid(format!(
+            "not a router message: kind {other:?}"
+        ))),
+    }
 }

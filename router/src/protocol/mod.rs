@@ -8,8 +8,9 @@ mod plan;
 
 pub use arrays::{ArrayError, LeArray};
 pub use messages::{
-    decode_worker_message, encode_router_message, encode_worker_message, Fatal, Heartbeat, Hello,
-    PromptLogprobs, RouterMessage, StepResult, TokenLogprobs, WorkerMessage,
+    decode_router_message, decode_worker_message, encode_router_message, encode_worker_message,
+    Fatal, Heartbeat, Hello, LateMasks, PromptLogprobs, RouterMessage, StepResult, TokenLogprobs,
+    WorkerMessage,
 };
 pub use plan::{
     token_mask, BatchPlan, ForwardMode, PlanError, PlannedRequest, SamplingParams, BAN_BIAS,
@@ -17,4 +18,4 @@ pub use plan::{
 
 /// Bumped whenever a field is added, removed or changes meaning. A worker whose hello carries
 /// another version is refused at startup with a message naming both versions.
-pub const PROTOCOL_VERSION: u32 = 5;
+pub const PROTOCOL_VERSION: u32 = 6;

@@ -156,6 +156,11 @@ pub struct PlannedRequest {
     /// every token. Only on a sampling row. Shared: `allowed_token_ids`' mask is the same on
     /// every step, so a plan holds a reference to it instead of a copy.
     pub allowed_tokens: Option<Arc<Vec<u32>>>,
+    /// Structured output under overlap: the row's mask depends on the token the request samples
+    /// in the step still in flight, so it is not in this plan; a `masks` message brings it to
+    /// rank 0 once that step's result is committed (or leaves the row out: then unmasked, as
+    /// when the request ended meanwhile). Only on a sampling row without `allowed_tokens`.
+    pub mask_late: bool,
 }
 
 impl PlannedRequest {
@@ -187,7 +192,7 @@ pub enum PlanError {
 }
 
 /// Number of keys in a plan message (the fields of `WirePlan`).
-const PLAN_KEYS: u32 = 40;
+const PLAN_KEYS: u32 = 41;
 
 /// The wire form. Field order and names are the protocol; see docs/protocol.md.
 #[derive(Debug, Serialize, Deserialize)]
@@ -231,6 +236,7 @@ struct WirePlan {
     bias_value: ByteBuf,
     mask_start: ByteBuf,
     mask_words: ByteBuf,
+    mask_late: ByteBuf,
     released: ByteBuf,
 }
 
@@ -460,6 +466,7 @@ impl BatchPlan {
             r.iter()
                 .flat_map(|q| q.allowed_tokens.iter().flat_map(|m| m.iter().copied())),
         );
+        w.array("mask_late", n, r.iter().map(|q| q.mask_late as u8));
         w.array(
             "released",
             self.released.len(),
@@ -560,9 +567,12 @@ impl BatchPlan {
         let ipr = i32::from_bin("input_prev_row", &w.input_prev_row)?;
         let hpl = i32::from_bin("history_prompt_lens", &w.history_prompt_lens)?;
         let hreset = u8::from_bin("history_reset", &w.history_reset)?;
+        let mask_late = u8::from_bin("mask_late", &w.mask_late)?;
         let released = u64::from_bin("released", &w.released)?;
-        if hreset.iter().any(|&v| v > 1) {
-            return bad("history_reset holds a value other than 0 and 1".into());
+        for (name, flags) in [("history_reset", &hreset), ("mask_late", &mask_late)] {
+            if flags.iter().any(|&v| v > 1) {
+                return bad(format!("{name} holds a value other than 0 and 1"));
+            }
         }
         for (name, len) in [
             ("top_k", top_k.len()),
@@ -575,6 +585,7 @@ impl BatchPlan {
             ("input_prev_row", ipr.len()),
             ("history_prompt_lens", hpl.len()),
             ("history_reset", hreset.len()),
+            ("mask_late", mask_late.len()),
         ] {
             if len != n {
                 return bad(format!("{name} has {len} entries for {n} requests"));
@@ -622,6 +633,7 @@ impl BatchPlan {
                 history_reset: hreset[i] != 0,
                 allowed_tokens: (ms[i] < ms[i + 1])
                     .then(|| Arc::new(mask_words[ms[i] as usize..ms[i + 1] as usize].to_vec())),
+                mask_late: mask_late[i] != 0,
             });
         }
         let plan = BatchPlan {
@@ -723,6 +735,11 @@ impl BatchPlan {
                         "request {id}: an allowed-token mask needs a sampling row and an allowed token"
                     ));
                 }
+            }
+            if r.mask_late && (!r.sample || r.allowed_tokens.is_some()) {
+                return bad(format!(
+                    "request {id}: mask_late needs a sampling row without a mask in the plan"
+                ));
             }
         }
         Ok(())

@@ -23,6 +23,9 @@ use crate::protocol::{BatchPlan, PlannedRequest};
 use super::request::{Ending, Request};
 use super::Scheduler;
 
+/// A request's mask for a step: `None` for every token; `Err` when its grammar cannot go on.
+type MaskOutcome = Result<Option<Vec<u32>>, String>;
+
 /// How many tokens a step may run for a request, and the pages that requires.
 struct Take {
     tokens: usize,
@@ -82,7 +85,7 @@ impl Scheduler {
                 }
                 let row = plan.requests.len();
                 plan.requests.push(self.plan_step(slot, t, step, row));
-                self.note_masked(&plan, slot, &mut masked);
+                self.note_masked(&mut plan, slot, &mut masked);
             }
             i += 1;
         }
@@ -103,7 +106,7 @@ impl Scheduler {
             }
             let row = plan.requests.len();
             plan.requests.push(self.plan_step(slot, t, step, row));
-            self.note_masked(&plan, slot, &mut masked);
+            self.note_masked(&mut plan, slot, &mut masked);
         }
         self.fill_masks(&mut plan, &masked);
 
@@ -125,15 +128,14 @@ impl Scheduler {
     /// change what that plan decides: a known prompt chunk, or one token referencing the
     /// pending one, if that token cannot end the request for length. Penalised requests too:
     /// their history then lacks the pending token, which the worker has on the device and adds
-    /// (the plan's history rule, docs/protocol.md).
+    /// (the plan's history rule, docs/protocol.md). So are requests under a grammar: their
+    /// mask follows in a `masks` message once the pending token is known (`late_masks.rs`).
     fn plannable(&self, r: &Request) -> bool {
         if r.retiring.is_some() {
             return false;
         }
         match r.in_flight {
             0 => true,
-            // Its next mask depends on the token in flight.
-            _ if r.constraint.is_some() => false,
             1 if r.input_is_pending() => {
                 r.generated() + (r.pending_tokens as usize) < r.max_new_tokens as usize
                     && r.tokens.len() + (r.pending_tokens as usize) < self.cfg.max_context as usize
@@ -143,40 +145,61 @@ impl Scheduler {
         }
     }
 
-    /// Notes the plan's last row when it samples under an active grammar.
-    fn note_masked(&self, plan: &BatchPlan, slot: usize, masked: &mut Vec<(usize, usize)>) {
+    /// Notes the plan's last row when it samples under a grammar: with its input known, for
+    /// `fill_masks`; with its input the token still in flight, as a late row (its mask, and any
+    /// `allowed_token_ids`, go in the step's `masks` message).
+    fn note_masked(&self, plan: &mut BatchPlan, slot: usize, masked: &mut Vec<(usize, usize)>) {
         let row = plan.requests.len() - 1;
-        let active = self
-            .req(slot)
-            .constraint
-            .as_ref()
-            .is_some_and(|c| c.is_active());
-        if plan.requests[row].sample && active {
+        let Some(c) = self.req(slot).constraint.as_ref() else {
+            return;
+        };
+        let pr = &mut plan.requests[row];
+        if !pr.sample {
+            return;
+        }
+        if pr.input_prev_row >= 0 {
+            pr.mask_late = true;
+            pr.allowed_tokens = None;
+        } else if c.is_active() {
             masked.push((row, slot));
         }
     }
 
-    /// Writes the allowed-token mask of each `(row, slot)`, the requests' grammars computing
-    /// them in parallel (a mask walks the whole vocabulary's trie: tens to hundreds of
-    /// microseconds each). A grammar that cannot go on refuses its request (as invalid): the
-    /// row runs unmasked, and what it samples is dropped when the result is back.
+    /// Writes the allowed-token mask of each `(row, slot)` (see `masks_of`). A grammar that
+    /// cannot go on refuses its request: the row runs unmasked, and what it samples is dropped
+    /// when the result is back.
     fn fill_masks(&mut self, plan: &mut BatchPlan, masked: &[(usize, usize)]) {
-        if masked.is_empty() {
-            return;
+        for (row, mask) in self.masks_of(masked) {
+            match mask {
+                Some(words) => plan.requests[row].allowed_tokens = Some(Arc::new(words)),
+                None => plan.requests[row].allowed_tokens = None,
+            }
         }
-        let mut row_of = vec![usize::MAX; self.slots.len()];
-        for &(row, slot) in masked {
-            row_of[slot] = row;
+    }
+
+    /// The allowed-token masks of the requests in `slots` (`(key, slot)`), their grammars
+    /// computing them in parallel (a mask walks the whole vocabulary's trie: tens to hundreds
+    /// of microseconds each), each ANDed with the request's `allowed_token_ids`. A request whose
+    /// grammar is not active yet (still thinking) gets its `allowed_token_ids` mask, if any. A
+    /// grammar that cannot go on refuses its request (as invalid) and gets `None`.
+    pub(super) fn masks_of(&mut self, slots: &[(usize, usize)]) -> Vec<(usize, Option<Vec<u32>>)> {
+        if slots.is_empty() {
+            return Vec::new();
         }
-        let masks: Vec<(usize, Result<Vec<u32>, String>)> = self
+        let mut key_of = vec![usize::MAX; self.slots.len()];
+        for &(key, slot) in slots {
+            key_of[slot] = key;
+        }
+        let masks: Vec<(usize, usize, MaskOutcome)> = self
             .slots
             .iter_mut()
             .enumerate()
-            .filter(|(slot, _)| row_of[*slot] != usize::MAX)
+            .filter(|(slot, _)| key_of[*slot] != usize::MAX)
             .filter_map(|(slot, r)| {
                 let r = r.as_mut()?;
                 Some((
-                    row_of[slot],
+                    key_of[slot],
+                    slot,
                     r.constraint.as_mut()?,
                     &r.stop_token_ids,
                     r.allowed_tokens.as_deref().map(Vec::as_slice),
@@ -184,25 +207,30 @@ impl Scheduler {
             })
             .collect::<Vec<_>>()
             .into_par_iter()
-            .map(|(row, c, stops, only)| (row, c.allowed_tokens(stops, only)))
+            .map(|(key, slot, c, stops, only)| {
+                let mask = if c.is_active() {
+                    c.allowed_tokens(stops, only).map(Some)
+                } else {
+                    Ok(only.map(<[u32]>::to_vec))
+                };
+                (key, slot, mask)
+            })
             .collect();
-        for (row, mask) in masks {
-            match mask {
-                Ok(words) => plan.requests[row].allowed_tokens = Some(Arc::new(words)),
+        masks
+            .into_iter()
+            .map(|(key, slot, mask)| match mask {
+                Ok(words) => (key, words),
                 Err(message) => {
-                    let id = plan.requests[row].id;
-                    let slot = self.index[&id];
-                    self.slots[slot]
-                        .as_mut()
-                        .expect("live request slot")
-                        .retiring = Some(Ending::Failed);
+                    let r = self.slots[slot].as_mut().expect("live request slot");
+                    r.retiring = Some(Ending::Failed);
                     // The request's own constraint cannot be met (say, `allowed_token_ids` and the
                     // grammar share no token): the client's error, a 400, not the server's.
                     self.planning_failures
-                        .push((id, GenerateEvent::Refused(SubmitError::Invalid(message))));
+                        .push((r.id, GenerateEvent::Refused(SubmitError::Invalid(message))));
+                    (key, None)
                 }
-            }
-        }
+            })
+            .collect()
     }
 
     /// Prompt tokens a request may run now. Chunking cuts prompts to the budget and chunk size;
@@ -382,6 +410,7 @@ impl Scheduler {
             history_reset,
             // A grammar's mask is filled in by `fill_masks` once the whole step is planned.
             allowed_tokens: r.allowed_tokens.clone().filter(|_| sample),
+            mask_late: false,
         };
         r.planned_len = end;
         r.in_flight += 1;

@@ -20,7 +20,7 @@
 //! statistics as a plain [`Scheduler`].
 
 use crate::engine::{GenerateEvent, GenerateRequest, RequestId, SubmitError};
-use crate::protocol::{BatchPlan, PlannedRequest, StepResult};
+use crate::protocol::{BatchPlan, LateMasks, PlannedRequest, StepResult};
 
 use super::results::ResultIndex;
 use super::{Scheduler, SchedulerConfig, SchedulerStats};
@@ -257,5 +257,32 @@ impl DataParallelScheduler {
             }
         }
         events
+    }
+
+    /// The `masks` message for a plan still in flight, once the step before it is committed:
+    /// `None` when the plan has no late row (then none is sent); otherwise every rank's late
+    /// masks, possibly none (the worker waits for the message all the same).
+    pub fn late_masks(&mut self, plan: &BatchPlan) -> Option<LateMasks> {
+        if !plan.requests.iter().any(|pr| pr.mask_late) {
+            return None;
+        }
+        let mut masks = Vec::new();
+        if self.ranks.len() == 1 {
+            masks = self.ranks[0].late_masks(plan.requests.iter());
+        } else {
+            let mut by_rank: Vec<Vec<&PlannedRequest>> = vec![Vec::new(); self.ranks.len()];
+            for pr in plan.requests.iter().filter(|pr| pr.mask_late) {
+                if let Some(r) = self.owner(pr).filter(|&r| r < self.ranks.len()) {
+                    by_rank[r].push(pr);
+                }
+            }
+            for (s, mine) in self.ranks.iter_mut().zip(by_rank) {
+                masks.extend(s.late_masks(mine.into_iter()));
+            }
+        }
+        Some(LateMasks {
+            step: plan.step,
+            masks,
+        })
     }
 }

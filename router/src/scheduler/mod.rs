@@ -16,6 +16,7 @@
 mod allocator;
 mod batcher;
 mod data_parallel;
+mod late_masks;
 mod radix;
 mod request;
 mod results;

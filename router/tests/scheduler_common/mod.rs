@@ -13,6 +13,7 @@
 #![allow(dead_code)]
 
 use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
 
 use nsaserve_router::engine::{FinishReason, GenerateEvent, GenerateRequest, RequestId};
 use nsaserve_router::protocol::{
@@ -309,13 +310,28 @@ pub fn step_overlap(
         }
     }
     let had = in_flight.is_some();
+    let mut next = next;
     if let Some(prev) = in_flight.take() {
         let result = exec.run(&prev);
         record(outcomes, sched.on_result(&prev, &result));
         sched.check_invariants().expect("invariants after result");
+        if let Some(plan) = next.as_mut() {
+            merge_late_masks(sched, plan);
+        }
     }
     *in_flight = next;
     had || in_flight.is_some()
+}
+
+/// What the engine and rank 0 do once the step before `plan` is committed: the scheduler's late
+/// masks go into `plan`'s `mask_late` rows (a row they leave out samples unmasked).
+pub fn merge_late_masks(sched: &mut Scheduler, plan: &mut BatchPlan) {
+    let masks: HashMap<u64, Vec<u32>> =
+        sched.late_masks(plan.requests.iter()).into_iter().collect();
+    for r in plan.requests.iter_mut().filter(|r| r.mask_late) {
+        r.mask_late = false;
+        r.allowed_tokens = masks.get(&r.id).cloned().map(Arc::new);
+    }
 }
 
 /// Drives a scheduler the way the engine does, with overlap on or off.
