@@ -11,12 +11,13 @@
 //! Run: `cargo bench --bench overlap [-- results.json]`; with a path, the numbers are also
 //! written there as JSON.
 
+mod fake_engine;
+
 use std::sync::mpsc;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use nsaserve_router::engine::{Engine, EngineHandle, EngineLimits, GenerateRequest, Startup};
-use nsaserve_router::metrics::Metrics;
+use fake_engine::percentile;
+use nsaserve_router::engine::{Engine, GenerateRequest};
 use nsaserve_router::protocol::{
     encode_worker_message, BatchPlan, Heartbeat, Hello, SamplingParams, StepResult, WorkerMessage,
     PROTOCOL_VERSION,
@@ -135,10 +136,6 @@ fn fake_worker(endpoints: Endpoints, report: mpsc::Sender<StepTimes>) {
     }
 }
 
-fn percentile(sorted: &[f64], q: f64) -> f64 {
-    sorted[((sorted.len() - 1) as f64 * q).round() as usize]
-}
-
 struct Run {
     overlap: bool,
     idle_us: Vec<f64>,
@@ -147,32 +144,11 @@ struct Run {
 
 fn run(overlap: bool) -> Run {
     eprintln!("overlap {overlap}: prefilling {REQUESTS} requests");
-    let dir = tempfile::tempdir().unwrap();
-    let endpoints = Endpoints::Ipc {
-        dir: dir.path().display().to_string(),
-    };
-    let mut startup = Startup::bind(&endpoints, 1).unwrap();
     let (tx, rx) = mpsc::channel();
-    let worker_endpoints = endpoints.clone();
-    let worker = std::thread::spawn(move || fake_worker(worker_endpoints, tx));
-    let workers = loop {
-        if let Some(w) = startup.poll_ready(Duration::from_secs(5)).unwrap() {
-            break w;
-        }
-    };
-    let limits = EngineLimits {
-        served_model_name: "fake".into(),
-        max_running_requests: REQUESTS,
-        max_prefill_tokens: 65_536,
-        chunked_prefill_size: Some(65_536),
-        disable_radix_cache: false,
-        max_waiting: 4 * REQUESTS,
-        heartbeat_timeout: Duration::from_secs(60),
-        disable_overlap_schedule: !overlap,
-        dp_size: 1,
-    };
-    let engine: Arc<EngineHandle> =
-        EngineHandle::start(startup, &workers, &limits, Arc::new(Metrics::new()));
+    let fake = fake_engine::start(overlap, REQUESTS, move |endpoints| {
+        fake_worker(endpoints, tx)
+    });
+    let engine = &fake.engine;
     // Streams are kept: dropping one aborts its request.
     let streams: Vec<_> = (0..REQUESTS as i32)
         .map(|id| {
@@ -207,7 +183,7 @@ fn run(overlap: bool) -> Run {
     engine.shutdown();
     drop(rx);
     drop(streams);
-    let _ = worker.join();
+    let _ = fake.worker.join();
     Run {
         overlap,
         idle_us,
@@ -215,19 +191,9 @@ fn run(overlap: bool) -> Run {
     }
 }
 
-/// Steps per second of the fake worker alone: the same sleep-until-10-ms, back to back.
-fn ceiling() -> f64 {
-    let start = Instant::now();
-    for _ in 0..MEASURED_STEPS {
-        let done = Instant::now() + STEP;
-        std::thread::sleep(done.saturating_duration_since(Instant::now()));
-    }
-    MEASURED_STEPS as f64 / start.elapsed().as_secs_f64()
-}
-
 fn main() {
     let json_path = std::env::args().skip(1).find(|a| !a.starts_with("--"));
-    let ceiling_steps_per_s = ceiling();
+    let ceiling_steps_per_s = fake_engine::ceiling(MEASURED_STEPS, STEP);
     let mut out = vec![];
     for overlap in [false, true] {
         let mut r = run(overlap);

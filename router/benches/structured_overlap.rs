@@ -12,15 +12,17 @@
 //!
 //! Run: `cargo bench --bench structured_overlap [-- results.json]`.
 
+mod fake_engine;
+
 use std::collections::HashMap;
 use std::path::Path;
 use std::sync::mpsc;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use nsaserve_router::engine::{Engine, EngineHandle, EngineLimits, GenerateRequest, Startup};
+use fake_engine::percentile;
+use nsaserve_router::engine::{Engine, GenerateRequest};
 use nsaserve_router::grammar::{GrammarCompiler, OutputConstraint};
-use nsaserve_router::metrics::Metrics;
 use nsaserve_router::protocol::{
     decode_router_message, encode_worker_message, BatchPlan, Heartbeat, Hello, RouterMessage,
     SamplingParams, StepResult, WorkerMessage, PROTOCOL_VERSION,
@@ -169,35 +171,14 @@ fn run(
     tok: &Arc<TokenizerBundle>,
     compiler: &GrammarCompiler,
 ) -> Run {
-    let dir = tempfile::tempdir().unwrap();
-    let endpoints = Endpoints::Ipc {
-        dir: dir.path().display().to_string(),
-    };
-    let mut startup = Startup::bind(&endpoints, 1).unwrap();
     let (tx, rx) = mpsc::channel();
     let vocab = (tok.vocab_size() as u32).div_ceil(64) * 64;
     let stops = tok.eos_token_ids().to_vec();
-    let worker_endpoints = endpoints.clone();
     let worker_stops = stops.clone();
-    let worker = std::thread::spawn(move || fake_worker(worker_endpoints, vocab, worker_stops, tx));
-    let workers = loop {
-        if let Some(w) = startup.poll_ready(Duration::from_secs(5)).unwrap() {
-            break w;
-        }
-    };
-    let limits = EngineLimits {
-        served_model_name: "fake".into(),
-        max_running_requests: REQUESTS,
-        max_prefill_tokens: 65_536,
-        chunked_prefill_size: Some(65_536),
-        disable_radix_cache: false,
-        max_waiting: 4 * REQUESTS,
-        heartbeat_timeout: Duration::from_secs(60),
-        disable_overlap_schedule: !overlap,
-        dp_size: 1,
-    };
-    let engine: Arc<EngineHandle> =
-        EngineHandle::start(startup, &workers, &limits, Arc::new(Metrics::new()));
+    let fake = fake_engine::start(overlap, REQUESTS, move |endpoints| {
+        fake_worker(endpoints, vocab, worker_stops, tx)
+    });
+    let engine = &fake.engine;
     let spec = OutputConstraint::Regex(pattern.into());
     // Streams are kept: dropping one aborts its request.
     let streams: Vec<_> = (0..REQUESTS as i32)
@@ -236,28 +217,14 @@ fn run(
     engine.shutdown();
     drop(rx);
     drop(streams);
-    let _ = worker.join();
+    let _ = fake.worker.join();
     r
 }
 
-fn median(v: &mut [f64]) -> f64 {
+/// (p50, p99) of the values.
+fn p50_p99(v: &mut [f64]) -> (f64, f64) {
     v.sort_by(|a, b| a.total_cmp(b));
-    v[v.len() / 2]
-}
-
-fn p99(v: &mut [f64]) -> f64 {
-    v.sort_by(|a, b| a.total_cmp(b));
-    v[((v.len() - 1) as f64 * 0.99).round() as usize]
-}
-
-/// Steps per second of the fake worker alone.
-fn ceiling() -> f64 {
-    let start = Instant::now();
-    for _ in 0..MEASURED_STEPS {
-        let done = Instant::now() + STEP;
-        std::thread::sleep(done.saturating_duration_since(Instant::now()));
-    }
-    MEASURED_STEPS as f64 / start.elapsed().as_secs_f64()
+    (percentile(v, 0.5), percentile(v, 0.99))
 }
 
 fn main() {
@@ -265,7 +232,7 @@ fn main() {
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../pyworker/nsaserve/embedded_model");
     let tok = Arc::new(TokenizerBundle::from_model_dir(&dir).expect("the embedded tokenizer"));
     let compiler = GrammarCompiler::new(Arc::clone(&tok));
-    let ceiling_steps_per_s = ceiling();
+    let ceiling_steps_per_s = fake_engine::ceiling(MEASURED_STEPS, STEP);
     let mut out = vec![];
     for pattern in PATTERNS {
         for overlap in [false, true] {
@@ -280,9 +247,9 @@ fn main() {
                 "fraction_of_ceiling": steps_per_s / ceiling_steps_per_s,
                 "tokens_per_request_per_step": tokens,
                 "tokens_per_request_per_s": tokens * steps_per_s,
-                "step_period_p50_us": median(&mut r.period_us),
-                "mask_wait_p50_us": median(&mut r.mask_wait_us),
-                "mask_wait_p99_us": p99(&mut r.mask_wait_us),
+                "step_period_p50_us": p50_p99(&mut r.period_us).0,
+                "mask_wait_p50_us": p50_p99(&mut r.mask_wait_us).0,
+                "mask_wait_p99_us": p50_p99(&mut r.mask_wait_us).1,
             });
             println!(
                 "{pattern:<16} overlap {overlap:<5}  {steps_per_s:>6.2} steps/s ({:.4} of {ceiling_steps_per_s:.2})  {tokens:.3} tokens/request/step  late-mask wait p50 {:>6.1} us p99 {:>6.1} us",
