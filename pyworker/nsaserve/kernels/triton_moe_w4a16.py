@@ -1080,14 +1080,18 @@ DEFAULT_CONFIG = {
     "down_sum": {"BLOCK_N": 32, "num_warps": 4, "num_stages": 4},
 }
 
-# The down config's MASK_H (see _down_tile) is off until timed: at 256 tokens a block's h rows are
-# about a fifth of what each down program reads from L2, and ncu put L2 at 80-88% of its peak there.
+# The down config's MASK_H (see _down_tile) is off: at 256 tokens a block's h rows are about a
+# fifth of what each down program reads from L2, and ncu put L2 at 80-88% of its peak there, but
+# one H200 run measured only -2.5% at 64 tokens and -0.5% at 256 (bench/results/
+# 2026-12-05-triton-moe-slot-blocks-and-mask-h.md).
 
 # Slot blocks up to this many tokens (0: never, unless a call asks): each (token, k) slot is its own
 # block, in slot order, so no align launch (its 4.5 us at one token: bench/results/
 # 2026-12-04-triton-moe-block8.json), and one launch for the down projection and the sum (3.1 us
 # of it). Exact for one token, whose k experts are distinct; with more tokens an expert that two
-# of them share is read twice. Not yet timed on a GPU: off until it is.
+# of them share is read twice. Off: on the H200 the whole path took 141 us against the aligned
+# path's 65 at one token (the fused down+sum runs a token's slots one after another in each
+# program: bench/results/2026-12-05-triton-moe-slot-blocks-and-mask-h.md).
 SLOT_BLOCKS_UP_TO = 0
 
 

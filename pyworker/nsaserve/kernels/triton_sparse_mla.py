@@ -401,9 +401,11 @@ if WS_MODE not in ("auto", "none", "all"):
 
 # The step's work plan (mla_work) for decode-sized steps whose lists are whole contexts: every
 # row cut into parts of one length, the parts longest first, so that the programs' work evens out
-# across the multiprocessors whatever the mix of context lengths. Not yet timed on a GPU:
-# NSASERVE_MLA_WORK=on turns it on (the model then plans once a step and every layer's call reads
-# the plan); off by default.
+# across the multiprocessors whatever the mix of context lengths. NSASERVE_MLA_WORK=on turns it
+# on (the model then plans once a step and every layer's call reads the plan). Off by default: on
+# the H200 its kernels took 1.3-2.4x the trimmed ones' time on contexts spread over 819-2048 and
+# the model's decode step gained nothing (bench/results/2026-12-05-sparse-mla-spread.md,
+# 2026-12-05-step-profile-mla-work-plan.md).
 MLA_WORK = os.environ.get("NSASERVE_MLA_WORK", "off")
 if MLA_WORK not in ("on", "off"):
     raise ValueError(f"NSASERVE_MLA_WORK={MLA_WORK!r}: expected on or off")

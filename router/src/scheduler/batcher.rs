@@ -170,10 +170,7 @@ impl Scheduler {
     /// when the result is back.
     fn fill_masks(&mut self, plan: &mut BatchPlan, masked: &[(usize, usize)]) {
         for (row, mask) in self.masks_of(masked) {
-            match mask {
-                Some(words) => plan.requests[row].allowed_tokens = Some(Arc::new(words)),
-                None => plan.requests[row].allowed_tokens = None,
-            }
+            plan.requests[row].allowed_tokens = mask.map(Arc::new);
         }
     }
 
