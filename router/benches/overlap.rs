@@ -18,10 +18,7 @@ use std::time::{Duration, Instant};
 
 use fake_engine::percentile;
 use nsaserve_router::engine::{Engine, GenerateRequest};
-use nsaserve_router::protocol::{
-    encode_worker_message, BatchPlan, Heartbeat, Hello, SamplingParams, StepResult, WorkerMessage,
-    PROTOCOL_VERSION,
-};
+use nsaserve_router::protocol::{BatchPlan, Heartbeat, SamplingParams, StepResult, WorkerMessage};
 use nsaserve_router::transport::Endpoints;
 
 const REQUESTS: usize = 1024;
@@ -41,28 +38,10 @@ struct StepTimes {
 /// A rank-0 worker that answers every plan after exactly `STEP`, resolving references from
 /// the tokens it sampled in the previous step. Sends the decode-step timings on `report`.
 fn fake_worker(endpoints: Endpoints, report: mpsc::Sender<StepTimes>) {
-    let ctx = zmq::Context::new();
-    let plans = ctx.socket(zmq::PULL).unwrap();
-    plans.connect(&endpoints.plans(0)).unwrap();
-    let events = ctx.socket(zmq::PUSH).unwrap();
-    events.connect(&endpoints.events()).unwrap();
-    // The engine goes away first: leave nothing unsent behind.
-    plans.set_linger(0).unwrap();
-    events.set_linger(0).unwrap();
-    let hello = Hello {
-        rank: 0,
-        tp_size: 1,
-        pid: std::process::id(),
-        model_id: "fake-10ms".into(),
-        // Room to decode through warm-up and measured steps without preempting anyone.
-        num_pages: (REQUESTS * (PROMPT + 2 * MEASURED_STEPS)).div_ceil(64) as u32,
-        page_size: 64,
-        max_context: 16_384,
-        vocab_size: 50_000,
-        version: PROTOCOL_VERSION,
-    };
-    let send = |m: WorkerMessage| events.send(encode_worker_message(&m).unwrap(), 0).unwrap();
-    send(WorkerMessage::Hello(hello));
+    // Room to decode through warm-up and measured steps without preempting anyone.
+    let num_pages = (REQUESTS * (PROMPT + 2 * MEASURED_STEPS)).div_ceil(64) as u32;
+    let worker = fake_engine::WorkerSockets::connect(&endpoints, num_pages, 50_000);
+    let (plans, send) = (&worker.plans, |m| worker.send(m));
     let mut prev: Vec<(u64, i32)> = vec![];
     let (mut last_sent, mut last_recv): (Option<Instant>, Option<Instant>) = (None, None);
     let mut decode_steps = 0usize;

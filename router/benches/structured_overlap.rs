@@ -24,8 +24,8 @@ use fake_engine::percentile;
 use nsaserve_router::engine::{Engine, GenerateRequest};
 use nsaserve_router::grammar::{GrammarCompiler, OutputConstraint};
 use nsaserve_router::protocol::{
-    decode_router_message, encode_worker_message, BatchPlan, Heartbeat, Hello, RouterMessage,
-    SamplingParams, StepResult, WorkerMessage, PROTOCOL_VERSION,
+    decode_router_message, BatchPlan, Heartbeat, RouterMessage, SamplingParams, StepResult,
+    WorkerMessage,
 };
 use nsaserve_router::tokenizer::TokenizerBundle;
 use nsaserve_router::transport::Endpoints;
@@ -62,25 +62,8 @@ fn obey(mask: Option<&[u32]>, token: i32, stops: &[i32]) -> i32 {
 }
 
 fn fake_worker(endpoints: Endpoints, vocab: u32, stops: Vec<i32>, report: mpsc::Sender<StepTimes>) {
-    let ctx = zmq::Context::new();
-    let plans = ctx.socket(zmq::PULL).unwrap();
-    plans.connect(&endpoints.plans(0)).unwrap();
-    let events = ctx.socket(zmq::PUSH).unwrap();
-    events.connect(&endpoints.events()).unwrap();
-    plans.set_linger(0).unwrap();
-    events.set_linger(0).unwrap();
-    let send = |m: WorkerMessage| events.send(encode_worker_message(&m).unwrap(), 0).unwrap();
-    send(WorkerMessage::Hello(Hello {
-        rank: 0,
-        tp_size: 1,
-        pid: std::process::id(),
-        model_id: "fake-10ms".into(),
-        num_pages: 4096,
-        page_size: 64,
-        max_context: 16_384,
-        vocab_size: vocab,
-        version: PROTOCOL_VERSION,
-    }));
+    let worker = fake_engine::WorkerSockets::connect(&endpoints, 4096, vocab);
+    let (plans, send) = (&worker.plans, |m| worker.send(m));
     let mut prev: Vec<(u64, i32)> = vec![];
     let mut last_recv: Option<Instant> = None;
     let mut decode_steps = 0usize;

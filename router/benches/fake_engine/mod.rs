@@ -1,5 +1,6 @@
 //! What the engine benches share: the real engine started against a fake rank-0 worker thread
-//! on private ipc sockets, and the worker's step rate alone (the ceiling).
+//! on private ipc sockets, that worker's sockets and hello, and its step rate alone (the
+//! ceiling).
 
 use std::sync::Arc;
 use std::thread::JoinHandle;
@@ -7,7 +8,53 @@ use std::time::{Duration, Instant};
 
 use nsaserve_router::engine::{EngineHandle, EngineLimits, Startup};
 use nsaserve_router::metrics::Metrics;
+use nsaserve_router::protocol::{encode_worker_message, Hello, WorkerMessage, PROTOCOL_VERSION};
 use nsaserve_router::transport::Endpoints;
+
+/// A fake rank-0 worker's sockets, connected and its hello sent.
+pub struct WorkerSockets {
+    pub plans: zmq::Socket,
+    events: zmq::Socket,
+    _ctx: zmq::Context,
+}
+
+impl WorkerSockets {
+    /// Connects to the router and says hello: one GPU of `num_pages` 64-token pages and a
+    /// vocabulary of `vocab_size`.
+    pub fn connect(endpoints: &Endpoints, num_pages: u32, vocab_size: u32) -> WorkerSockets {
+        let ctx = zmq::Context::new();
+        let plans = ctx.socket(zmq::PULL).unwrap();
+        plans.connect(&endpoints.plans(0)).unwrap();
+        let events = ctx.socket(zmq::PUSH).unwrap();
+        events.connect(&endpoints.events()).unwrap();
+        // The engine goes away first: leave nothing unsent behind.
+        plans.set_linger(0).unwrap();
+        events.set_linger(0).unwrap();
+        let sockets = WorkerSockets {
+            plans,
+            events,
+            _ctx: ctx,
+        };
+        sockets.send(WorkerMessage::Hello(Hello {
+            rank: 0,
+            tp_size: 1,
+            pid: std::process::id(),
+            model_id: "fake-10ms".into(),
+            num_pages,
+            page_size: 64,
+            max_context: 16_384,
+            vocab_size,
+            version: PROTOCOL_VERSION,
+        }));
+        sockets
+    }
+
+    pub fn send(&self, m: WorkerMessage) {
+        self.events
+            .send(encode_worker_message(&m).unwrap(), 0)
+            .unwrap();
+    }
+}
 
 /// A running engine and its fake worker; the sockets' directory lives as long as it does.
 pub struct FakeEngine {
