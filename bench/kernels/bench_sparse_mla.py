@@ -24,6 +24,7 @@ from bench_common import bf16_matmul_rate, copy_bandwidth, graph_time_us, print_
 from nsaserve.kernels import kv_cache_format as fmt
 from nsaserve.kernels.gluon_sparse_mla import sparse_mla_decode_gluon
 from nsaserve.kernels.gluon_sparse_mla_ws import sparse_mla_decode_ws
+from nsaserve.kernels.mla_rows import plan_row_order
 from nsaserve.kernels.mla_work import plan_mla_work
 from nsaserve.kernels.triton_sparse_mla import sparse_mla_decode, sparse_mla_prefill
 
@@ -92,6 +93,12 @@ CONFIGS = {
     # where the model builds it once a step for all its layers).
     "gluon-ws-plan": {"kernel": "ws", "plan": True},
     "gluon-plan": {"kernel": "gluon", "plan": True},
+    # The step's row order (kernels/mla_rows.py: rows launched longest first, each loop ending at
+    # its row's count; built once per input set outside the timed call, as the model builds it once
+    # a step for all its layers).
+    "gluon-ws-order": {"kernel": "ws", "order": True},
+    "gluon-order": {"kernel": "gluon", "order": True},
+    "order": {"order": True},
 }
 PREFILL_TOKENS = 2048  # a prompt chunk after CTX cached positions: every row selects a full top-k
 
@@ -104,6 +111,8 @@ def attend(q_lat, q_pe, cache, slots, opts, prefill=False):
     if opts.pop("plan", False):  # each row's valid entries lead its list (whole contexts)
         lens = (slots >= 0).sum(1)
         opts["work"] = plan_mla_work(lens, slots.shape[1], torch.cuda.get_device_properties(0).multi_processor_count)
+    if opts.pop("order", False):  # unless the caller built it (measure_all does, once per input set)
+        opts["rows"] = row_order(slots)
     if kernel == "ws":
         if prefill:
             opts = {"num_splits": 1, "trim": True, **opts}
@@ -115,6 +124,11 @@ def attend(q_lat, q_pe, cache, slots, opts, prefill=False):
     if prefill:
         return sparse_mla_prefill(q_lat, q_pe, cache, slots, SCALE, **opts)
     return sparse_mla_decode(q_lat, q_pe, cache, slots, SCALE, **opts)
+
+
+def row_order(slots):
+    """The row order of lists whose valid entries lead them (a row's count: its valid entries)."""
+    return plan_row_order((slots >= 0).sum(1) - 1, slots.shape[1])
 
 
 def build(batch: int, heads: int, fp8: bool, copies: int):
@@ -184,6 +198,8 @@ def measure_all(
         opts = dict(CONFIGS[name])
 
         def call(q_lat, q_pe, slots, pos, base, opts=opts):
+            if opts.get("order"):
+                opts = {**opts, "order": False, "rows": row_order(slots)}
             return lambda: attend(q_lat, q_pe, cache, slots, opts, prefill)
 
         try:
@@ -252,7 +268,7 @@ def main() -> None:
         "--spread", default="", help="batches of rows of mixed lengths (819-2048), e.g. 64,128,256 ('' for none)"
     )
     ap.add_argument(
-        "--spread-configs", default="gluon-trim,gluon-plan,gluon-ws-trim,gluon-ws-plan", help="configs of --spread"
+        "--spread-configs", default="gluon-trim,gluon-order,gluon-ws-trim,gluon-ws-order", help="configs of --spread"
     )
     args = ap.parse_args()
     names = [n for n in args.configs.split(",") if n]
@@ -283,7 +299,7 @@ def main() -> None:
         if deadline is None or time.monotonic() < deadline:
             half = ["default", "mask", "mask-trim"] + (["gluon", "gluon-trim"] if "gluon" in names else [])
             rows += measure_all(64, 64, fp8, half, ceil, half=True, deadline=deadline)
-    # Rows of serving's mixed lengths: the trimmed loops against the step's work plan.
+    # Rows of serving's mixed lengths: the trimmed loops against the step's row order (or work plan).
     for batch in [int(b) for b in args.spread.split(",") if b]:
         for fp8 in (True, False):
             if deadline is None or time.monotonic() < deadline:

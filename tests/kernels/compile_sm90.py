@@ -50,7 +50,7 @@ def indexer_cases():
             "q_ptr": F32, "w_ptr": F32, "kv_slots_ptr": "*i64", "row_kv_off_ptr": "*i32",
             "row_pos_ptr": "*i32", "blk_row0_ptr": "*i32", "blk_rows_ptr": "*i32", "k_ptr": k_ty,
             "k_scale_ptr": F32 if fp8 else k_ty, "out_ptr": F32, "out_stride": "i32", "heads": "i32",
-            "scale": "fp32",
+            "scale": "fp32", "fit": "i32",
         }  # fmt: skip
         consts = dict(
             D=128, PS=64, BLOCK_H=32, BLOCK_N=64, SPAN_BLOCKS=4, ROWS=rows, FP8=fp8, MODE=mode,
@@ -117,6 +117,9 @@ def sparse_mla_cases():
             if not logical and prefetch:  # the step's work plan (mla_work): parts of rows, longest first
                 work = {**consts, "WORK": True, "TRIM": False}
                 yield name + " work plan", tm._sparse_mla_kernel, sig, work, 8, {"num_stages": stages, "attrs": attrs}
+                # the step's row order (mla_rows): rows longest first, loops ending at their counts
+                order = {**consts, "ORDER": True, "TRIM": False}
+                yield name + " row order", tm._sparse_mla_kernel, sig, order, 8, {"num_stages": stages, "attrs": attrs}
     sig = {"o_part_ptr": F32, "lse_ptr": F32, "out_ptr": F32, "counts_ptr": "*i32", "heads": "i32", "num_splits": "i32"}
     yield "sparse mla combine", tm._combine_kernel, sig, dict(R=512, BLOCK_S=8, INTERPRET=False), 4
     yield "sparse mla combine, bf16 out", tm._combine_kernel, {**sig, "out_ptr": "*bf16"}, dict(R=512, BLOCK_S=8, INTERPRET=False), 4
@@ -236,6 +239,9 @@ def gluon_sparse_mla_cases():
             yield name + " early", gm._sparse_mla_gluon_kernel, sig, early, 8, {"gluon": True}
             if split:  # the step's work plan (mla_work): parts of rows, longest first
                 yield name + " work plan", gm._sparse_mla_gluon_kernel, sig, {**consts, "WORK": True}, 8, {"gluon": True}
+            # the step's row order (mla_rows): rows longest first, loops ending at their counts
+            order = {**consts, "ORDER": True, "TRIM": False}
+            yield name + " row order", gm._sparse_mla_gluon_kernel, sig, order, 8, {"gluon": True}
 
 
 def gluon_sparse_mla_ws_cases():
@@ -250,6 +256,8 @@ def gluon_sparse_mla_ws_cases():
             yield f"gluon sparse mla ws fp8={fp8} split={split} trim={trim}", gmw._sparse_mla_ws_kernel, sig, consts, 4, opts
             work = {**consts, "WORK": True, "TRIM": False}
             yield f"gluon sparse mla ws fp8={fp8} split={split} work plan", gmw._sparse_mla_ws_kernel, sig, work, 4, opts
+            order = {**consts, "ORDER": True, "TRIM": False}
+            yield f"gluon sparse mla ws fp8={fp8} split={split} row order", gmw._sparse_mla_ws_kernel, sig, order, 4, opts
 
 
 def ptxas_notes(ptx: str) -> str:

@@ -94,29 +94,24 @@ def test_work_plans(fp8, tokens):
         assert rel_err(got.float().cpu(), want) < 1e-2, run.__name__
 
 
-@hopper
-def test_work_plan_in_a_cuda_graph():
-    """The plan (torch ops on the device) and the kernel captured once, replayed on other context
-    lengths: the reference's results each time."""
-    from nsaserve.kernels.mla_work import plan_mla_work
-
-    tokens = 64
-    (q_lat, q_pe, cache, full), _ = case(tokens, 64, True, seed=5)
-    programs = torch.cuda.get_device_properties(0).multi_processor_count
+def replayed_on_new_lengths(tokens: int, plan, seed: int):
+    """plan(lens) -> the kernel's keyword arguments (a work plan or a row order, torch ops on the
+    device), captured once with the kernel in a CUDA graph and replayed on other context lengths
+    (each row's first lens[t] entries valid): the reference's results each time."""
+    (q_lat, q_pe, cache, full), _ = case(tokens, 64, True, seed=seed)
     lens = torch.full((tokens,), TOPK, dtype=torch.int32, device="cuda")
     slots = full.clone()
     cols = torch.arange(TOPK, device="cuda")
 
     def step():
-        work = plan_mla_work(lens, TOPK, programs)
-        return sparse_mla_decode_ws(q_lat, q_pe, cache, slots, SCALE, work=work, out_dtype=torch.bfloat16)
+        return sparse_mla_decode_ws(q_lat, q_pe, cache, slots, SCALE, out_dtype=torch.bfloat16, **plan(lens))
 
     step()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = step()
-    g = torch.Generator().manual_seed(9)
+    g = torch.Generator().manual_seed(seed + 4)
     for _ in range(2):
         new = torch.randint(1, TOPK + 1, (tokens,), generator=g, dtype=torch.int32).cuda()
         lens.copy_(new)
@@ -125,6 +120,50 @@ def test_work_plan_in_a_cuda_graph():
         graph.replay()
         want = sparse_mla_torch(q_lat.cpu(), q_pe.cpu(), cache.cpu(), slots.cpu(), SCALE)
         assert rel_err(out.float().cpu(), want) < 1e-2
+
+
+@hopper
+def test_work_plan_in_a_cuda_graph():
+    from nsaserve.kernels.mla_work import plan_mla_work
+
+    programs = torch.cuda.get_device_properties(0).multi_processor_count
+    replayed_on_new_lengths(64, lambda lens: {"work": plan_mla_work(lens, TOPK, programs)}, seed=5)
+
+
+@hopper
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("tokens", [3, 64, 200, 300])
+@pytest.mark.parametrize("whole", [True, False])
+def test_row_order(fp8, tokens, whole):
+    """Rows of mixed lengths in a shuffled order run longest first with their counts
+    (kernels/mla_rows.py; 3 and 64 rows with splits, 200 and 300 without), whole contexts and
+    top-k lists of longer contexts, in both Gluon kernels: the reference's results, and the
+    same as the trimmed kernels'."""
+    from nsaserve.kernels.mla_rows import plan_row_order
+
+    (q_lat, q_pe, cache, slots), _ = case(tokens, 64, fp8, seed=21 + tokens + whole)
+    g = torch.Generator().manual_seed(tokens + 2 * fp8)
+    row_pos = torch.randint(0, TOPK if whole else 3 * TOPK, (tokens,), generator=g)
+    row_pos[0] = TOPK - 1
+    n = (row_pos + 1).clamp(max=TOPK)
+    cols = torch.arange(TOPK)
+    slots = torch.where(cols[None, :] < n[:, None], slots.cpu(), -1).to(slots.device)
+    want = sparse_mla_torch(q_lat.cpu(), q_pe.cpu(), cache.cpu(), slots.cpu(), SCALE)
+    rows = plan_row_order(row_pos.cuda(), TOPK)
+    for run in (sparse_mla_decode_ws, sparse_mla_decode_gluon):
+        got = run(q_lat, q_pe, cache, slots, SCALE, rows=rows, out_dtype=torch.bfloat16)
+        trimmed = run(q_lat, q_pe, cache, slots, SCALE, trim=True, out_dtype=torch.bfloat16)
+        assert rel_err(got.float().cpu(), want) < 1e-2, run.__name__
+        # The same programs' sums, for other rows: the same bits as the trimmed kernel.
+        assert torch.equal(got, trimmed), run.__name__
+
+
+@hopper
+def test_row_order_in_a_cuda_graph():
+    """The order (a sort on the device: row t's position is lens[t] - 1) in the graph."""
+    from nsaserve.kernels.mla_rows import plan_row_order
+
+    replayed_on_new_lengths(256, lambda lens: {"rows": plan_row_order(lens - 1, TOPK)}, seed=6)
 
 
 @hopper

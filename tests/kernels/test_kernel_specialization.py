@@ -48,7 +48,10 @@ ALLOWED = {
         "heads": MODEL_CONSTANT,
         "num_splits": "a split count > 1 by batch: both classes met by the warm-up's decode batches",
     },
-    "triton_indexer._logits_kernel": {"out_stride": PADDED, "heads": MODEL_CONSTANT, "scale": FLOAT},
+    "triton_indexer._logits_kernel": {
+        "out_stride": PADDED, "heads": MODEL_CONSTANT, "scale": FLOAT,
+        "fit": "the model's top-k (0 outside indexer_topk_rows): a model constant",
+    },  # fmt: skip
     "triton_kv_store._index_k_store_kernel": {"k_stride": MODEL_CONSTANT, "page_size": MODEL_CONSTANT},
     "triton_kv_store._index_k_prep_store_kernel": {
         "k_stride": MODEL_CONSTANT, "page_size": MODEL_CONSTANT, "cs_stride": MODEL_CONSTANT, "eps": FLOAT,

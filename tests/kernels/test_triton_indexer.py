@@ -339,3 +339,40 @@ def test_quantize_query_fp8():
     assert float(((dq - q).abs() / q.abs())[big].max()) <= 2**-4
     assert torch.equal(quantize_query_fp8(dq), dq)  # already on the grid: unchanged
     assert torch.equal(quantize_query_fp8(torch.zeros(2, 2, 128)), torch.zeros(2, 2, 128))
+
+
+@pytest.mark.parametrize("rows_per", [1, 4])
+def test_rows_that_fit_the_topk_get_no_logits(rows_per):
+    """skip_fit: rows that see at most that many keys (for row blocks: every row of the block) are
+    left unwritten, the others computed as without it; indexer_topk_rows still picks the reference's
+    sets (those rows' top-k is their whole context)."""
+    if GPU:
+        seq_lens, new, heads, dim, page_size, topk = [3000, 700, 2048, 2049], [1, 1, 1, 1], 32, 128, 64, 2048
+    else:
+        seq_lens, new, heads, dim, page_size, topk = [70, 20, 32, 33], [1, 1, 1, 1], 4, 32, 8, 32
+    if rows_per > 1:  # prompt chunks: rows of one request in blocks, early blocks fitting the top-k
+        new = [min(s, 8) for s in seq_lens] if not GPU else [16, 16, 16, 16]
+    case = make_case(seq_lens, new, heads, dim, page_size, True, seed=31 + rows_per)
+    q, w, cache, kv_slots, qs, cached = case
+    d = lambda t: t.to(DEV)  # noqa: E731
+    plan = triton_indexer.plan_from_host(qs, cached, seq_lens, DEV, rows_per=rows_per)
+    blocks = plan.blocks if rows_per > 1 else None
+    args = (d(q), d(w), d(cache), d(kv_slots), plan.row_kv_off, plan.row_pos, plan.max_len, dim**-0.5, page_size)
+    opts = {} if GPU else {"block_n": 8}
+    full = triton_indexer.indexer_logits(*args, row_blocks=blocks, **opts).cpu()
+    skipped = triton_indexer.indexer_logits(*args, row_blocks=blocks, skip_fit=topk, **opts).cpu()
+    row_pos = plan.row_pos.cpu().long()
+    if blocks is None:
+        fits = row_pos + 1 <= topk
+    else:  # a row is skipped when every row of its block fits
+        first, count = (b.cpu().long() for b in blocks[:2])
+        block_fits = torch.tensor([int(row_pos[f : f + c].max()) + 1 <= topk for f, c in zip(first, count)])
+        fits = torch.repeat_interleave(block_fits, count)
+    assert bool(fits.any()) and not bool(fits.all())
+    for t in range(full.shape[0]):
+        n = int(row_pos[t]) + 1
+        if fits[t]:
+            assert bool((skipped[t, :n] == 7).all()), t  # the poisoned buffer, untouched
+        else:
+            assert torch.equal(skipped[t, :n], full[t, :n]), t
+    assert_same_sets(*run_both(case, topk, page_size))

@@ -40,7 +40,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from .triton_sparse_mla import TRIM_SCAN, cache_views, combine_splits, plan_launch
+from .triton_sparse_mla import TRIM_SCAN, cache_views, combine_splits, plan_launch, plan_pointer
 
 BLOCK_H = gl.constexpr(64)  # heads per program: the MMA's M, one warpgroup's 4 x 16 rows
 NUM_WARPS = gl.constexpr(8)  # two warpgroups
@@ -356,6 +356,18 @@ def work_part(work_ptr, BLOCK_N: gl.constexpr):
     return gl.load(wp), gl.load(wp + 1), j0, j1, gl.cdiv(j1 - j0, BLOCK_N)
 
 
+@gluon.jit
+def ordered_part(order_ptr, split_len, topk, BLOCK_N: gl.constexpr):
+    """This program's row of the step's row order (mla_rows.RowOrder.rows: (row, valid entries),
+    longest first) and its split: (row, split, j0, j1, blocks), the blocks ending at the row's
+    last valid entry (none for a split past it)."""
+    op = order_ptr + gl.program_id(0) * 2
+    sp = gl.program_id(1)
+    j0 = sp * split_len
+    j1 = gl.minimum(gl.minimum(j0 + split_len, topk), gl.load(op + 1))
+    return gl.load(op), sp, j0, j1, gl.cdiv(gl.maximum(j1 - j0, 0), BLOCK_N)
+
+
 # The list length and its split are runtime values (not specialised), as in the Triton kernel.
 @gluon.jit(do_not_specialize=["topk", "split_len"])
 def _sparse_mla_gluon_kernel(
@@ -364,11 +376,14 @@ def _sparse_mla_gluon_kernel(
     R: gl.constexpr, P: gl.constexpr, G: gl.constexpr, ROW_BYTES: gl.constexpr, BLOCK_N: gl.constexpr,
     FP8: gl.constexpr, SPLIT: gl.constexpr, TRIM: gl.constexpr, TRIM_LEN: gl.constexpr, STAGE: gl.constexpr = False,
     EARLY: gl.constexpr = False, BITS: gl.constexpr = False, WORK: gl.constexpr = False,
+    ORDER: gl.constexpr = False,
 ):  # fmt: skip
     if WORK:  # the step's plan: program p runs entries [j0, j1) of row t
         t, sp, j0, j1, n_blocks = work_part(work_ptr, BLOCK_N)
         if t < 0:  # a spare program
             return
+    elif ORDER:  # the step's row order: program p runs a split of the row the order puts p-th
+        t, sp, j0, j1, n_blocks = ordered_part(work_ptr, split_len, topk, BLOCK_N)
     else:
         t = gl.program_id(0)
         sp = gl.program_id(1)
@@ -407,7 +422,7 @@ def _sparse_mla_gluon_kernel(
         plain3: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[2, 1, 0])
         sc_smem = gl.allocate_shared_memory(gl.float32, [2, BLOCK_N, R // G], gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
 
-    if not WORK:
+    if not (WORK or ORDER):
         j0, j1, n_blocks = list_part(idx_ptr, t, idx_stride, sp, split_len, topk, BLOCK_N, TRIM, TRIM_LEN, NUM_WARPS)
 
     # Block 0 into buffer 0.
@@ -571,9 +586,10 @@ def sparse_mla_decode_gluon(
     early: bool | None = None,
     bits: bool | None = None,
     work=None,
+    rows=None,
 ) -> torch.Tensor:
     """-> o_lat [T, H, R] in out_dtype; the arguments as triton_sparse_mla.sparse_mla_decode's
-    (physical slots only; work, the step's plan of parts, as there). Device-only (no host sync): CUDA-graph capturable. stage (FP8 cache;
+    (physical slots only; work, the step's plan of parts, and rows, its row order, as there). Device-only (no host sync): CUDA-graph capturable. stage (FP8 cache;
     default FP8_STAGE): the next block's rows come in by cp.async and are dequantised from shared
     memory (_stage_fp8) instead of loaded into registers after the PV issue. early (default
     EARLY_GATHER; with an FP8 cache only when staged): the next block's copies are issued before
@@ -591,18 +607,19 @@ def sparse_mla_decode_gluon(
     # two of them per split (batch 1: 16.4 against 18.3 us with 64 rows).
     block_n = block_n or (32 if tokens * head_blocks == 1 else 64)
     num_splits, split_len, o_part, lse, grid = plan_launch(out, head_blocks, topk, block_n, num_splits, work)
-    split, trim = num_splits > 1, trim and work is None
+    rows = None if work is not None else rows
+    split, trim = num_splits > 1, trim and work is None and rows is None
     trim_len = max(TRIM_SCAN, triton.next_power_of_2(split_len))
     stage = fp8 and (FP8_STAGE if stage is None else stage)
     early = (EARLY_GATHER if early is None else early) and (stage or not fp8) and latent_cache.shape[0] < 2**31
     idx = indices.contiguous()
     _sparse_mla_gluon_kernel[grid](
         q_lat.contiguous(), q_pe.contiguous(), cache, f32_view, bf16_view, idx, o_part, lse,
-        idx if work is None else work.parts,
+        plan_pointer(idx, work, rows),
         heads, topk, topk, num_splits, softmax_scale * 1.4426950408889634, split_len,
         R=rank, P=rope, G=min(128, rank), ROW_BYTES=row_bytes, BLOCK_N=block_n, FP8=fp8, SPLIT=split,
         TRIM=trim, TRIM_LEN=trim_len, STAGE=stage, EARLY=early, BITS=FP8_DEQUANT_BITS if bits is None else bits,
-        WORK=work is not None, num_warps=NUM_WARPS,
+        WORK=work is not None, ORDER=rows is not None, num_warps=NUM_WARPS,
     )  # fmt: skip
     if split:
         combine_splits(o_part, lse, out, None if work is None else work.counts)

@@ -45,8 +45,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from .gluon_sparse_mla import _load_slots, _store_fp8_rows, list_part, work_part
-from .triton_sparse_mla import TRIM_SCAN, cache_views, combine_splits, plan_launch
+from .gluon_sparse_mla import _load_slots, _store_fp8_rows, list_part, ordered_part, work_part
+from .triton_sparse_mla import TRIM_SCAN, cache_views, combine_splits, plan_launch, plan_pointer
 
 BLOCK_H = gl.constexpr(64)  # heads per program: one warpgroup's MMA M
 BLOCK_N = gl.constexpr(64)  # keys per block
@@ -299,12 +299,14 @@ def _sparse_mla_ws_kernel(
     heads, topk, idx_stride, num_splits, scale_log2, split_len,
     R: gl.constexpr, P: gl.constexpr, G: gl.constexpr, ROW_BYTES: gl.constexpr,
     FP8: gl.constexpr, SPLIT: gl.constexpr, TRIM: gl.constexpr, TRIM_LEN: gl.constexpr, BITS: gl.constexpr = True,
-    Q_HERE: gl.constexpr = True, WORK: gl.constexpr = False,
+    Q_HERE: gl.constexpr = True, WORK: gl.constexpr = False, ORDER: gl.constexpr = False,
 ):  # fmt: skip
     if WORK:  # the step's plan: program p runs entries [j0, j1) of row t
         t, sp, j0, j1, n_blocks = work_part(work_ptr, BLOCK_N)
         if t < 0:  # a spare program
             return
+    elif ORDER:  # the step's row order: program p runs a split of the row the order puts p-th
+        t, sp, j0, j1, n_blocks = ordered_part(work_ptr, split_len, topk, BLOCK_N)
     else:
         t = gl.program_id(0)
         sp = gl.program_id(1)
@@ -336,7 +338,7 @@ def _sparse_mla_ws_kernel(
     mbarrier.init(l_full, count=1)
     fence_async_shared()  # q for the MMAs; the barriers' initialisation for every partition
 
-    if not WORK:
+    if not (WORK or ORDER):
         j0, j1, n_blocks = list_part(idx_ptr, t, idx_stride, sp, split_len, topk, BLOCK_N, TRIM, TRIM_LEN, WG)
 
     gl.warp_specialize(
@@ -386,6 +388,7 @@ def sparse_mla_decode_ws(
     bits: bool | None = None,
     q_here: bool | None = None,
     work=None,
+    rows=None,
 ) -> torch.Tensor:
     """-> o_lat [T, H, R] in out_dtype; the arguments as gluon_sparse_mla.sparse_mla_decode_gluon's.
     Device-only (no host sync): CUDA-graph capturable. q_here (default Q_IN_PARTITION): where q
@@ -399,16 +402,17 @@ def sparse_mla_decode_ws(
     fp8, row_bytes, cache, f32_view, bf16_view = cache_views(latent_cache)
     head_blocks = triton.cdiv(heads, BLOCK_H.value)
     num_splits, split_len, o_part, lse, grid = plan_launch(out, head_blocks, topk, BLOCK_N.value, num_splits, work)
-    split, trim = num_splits > 1, trim and work is None
+    rows = None if work is not None else rows
+    split, trim = num_splits > 1, trim and work is None and rows is None
     idx = indices.contiguous()
     _sparse_mla_ws_kernel[grid](
         q_lat.contiguous(), q_pe.contiguous(), cache, f32_view, bf16_view, idx, o_part, lse,
-        idx if work is None else work.parts,
+        plan_pointer(idx, work, rows),
         heads, topk, topk, num_splits, softmax_scale * 1.4426950408889634, split_len,
         R=rank, P=rope, G=min(128, rank), ROW_BYTES=row_bytes, FP8=fp8, SPLIT=split,
         TRIM=trim, TRIM_LEN=max(TRIM_SCAN, triton.next_power_of_2(split_len)),
         BITS=FP8_DEQUANT_BITS if bits is None else bits, Q_HERE=Q_IN_PARTITION if q_here is None else q_here,
-        WORK=work is not None, num_warps=WG.value,
+        WORK=work is not None, ORDER=rows is not None, num_warps=WG.value,
     )  # fmt: skip
     if split:
         combine_splits(o_part, lse, out, None if work is None else work.counts)

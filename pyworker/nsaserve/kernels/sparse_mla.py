@@ -10,10 +10,11 @@ Every "attention" backend also takes whole_contexts= (keyword): the caller's hin
 its query's whole causal context followed by -1 padding (no context of the step exceeds the
 top-k), so a backend may stop each row at its last valid entry. Results must not depend on it.
 
-A backend may also plan a whole-context step once for all its layers: given a `plan_work(row_pos,
-width)` attribute (row_pos: each row's position, so its list holds row_pos + 1 valid entries), the
-model calls it once a step and passes what it returns (unless None) to every layer's call as
-work= (triton_sparse_mla, mla_work.py).
+A backend may also plan a step once for all its layers: given a `plan_work(row_pos, width,
+whole_contexts)` attribute (row_pos: each row's position, so its list holds min(row_pos + 1,
+width) valid entries first, then -1), the model calls it once a step for the calls over all of
+the step's rows and passes what it returns (unless None) to every layer's call as work=
+(triton_sparse_mla: a work plan, mla_work.py, or a row order, mla_rows.py).
 """
 
 from __future__ import annotations

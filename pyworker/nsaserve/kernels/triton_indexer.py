@@ -114,7 +114,7 @@ def _round_e4m3(x):
 def _logits_kernel(
     q_ptr, w_ptr, kv_slots_ptr, row_kv_off_ptr, row_pos_ptr, blk_row0_ptr, blk_rows_ptr,
     k_ptr, k_scale_ptr, out_ptr,
-    out_stride, heads, scale,
+    out_stride, heads, scale, fit,
     D: tl.constexpr, PS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, SPAN_BLOCKS: tl.constexpr,
     ROWS: tl.constexpr, FP8: tl.constexpr, MODE: tl.constexpr, ONE_PAGE: tl.constexpr, PRECISION: tl.constexpr,
     INTERPRET: tl.constexpr, FOLD: tl.constexpr = False, PRELOAD: tl.constexpr = False,
@@ -130,7 +130,10 @@ def _logits_kernel(
 
     FOLD: the positive factors (softmax scale, query scales; the key's fp8 scale after the head
     sum) move out of the ReLU: logit = k_scale * sum_h relu(q_h . k) * (w_h * scale * qscale_h),
-    two operations per product instead of five. Mode 4 always folds."""
+    two operations per product instead of five. Mode 4 always folds.
+
+    fit: rows that see at most this many keys (all of the program's rows) get no logits: the top-k
+    chooses their whole context without reading any (0: every row gets its logits)."""
     n_start = tl.program_id(1) * (SPAN_BLOCKS * BLOCK_N)
     offs_d = tl.arange(0, D)
     offs_c = tl.arange(0, ROWS * BLOCK_H)  # MMA columns: (row j, head h) = (c // BLOCK_H, c % BLOCK_H)
@@ -143,7 +146,7 @@ def _logits_kernel(
         nrows = tl.load(blk_rows_ptr + tl.program_id(0))
     pos_j = tl.load(row_pos_ptr + row0 + offs_j, mask=offs_j < nrows, other=-1)  # last key each row sees
     pos = tl.max(pos_j, axis=0)
-    if n_start > pos:
+    if (n_start > pos) | (pos < fit):
         return
     kv_off = tl.load(row_kv_off_ptr + row0)
     cmask = ((offs_c % BLOCK_H) < heads) & ((offs_c // BLOCK_H) < nrows)
@@ -266,8 +269,12 @@ def indexer_logits(
     fold: bool = False,
     direct: bool = False,
     max_span: int = 16,
+    skip_fit: int = 0,
 ) -> torch.Tensor:
-    """float32 [T, max_len] logits; entries after a row's position are left unwritten.
+    """float32 [T, max_len] logits; entries after a row's position are left unwritten, and so are
+    the rows that see at most skip_fit keys (0: none), whose top-k is their whole context whatever
+    the logits (indexer_topk_rows passes the top-k: in a decode step where one request's context
+    passes it, the others' rows cost nothing).
 
     paged: kv_slots are page-aligned (position p of a request at page * page_size + p % page_size,
     as the worker builds them), so a block of keys within one page is one contiguous load.
@@ -312,7 +319,7 @@ def indexer_logits(
         mode = 1 if fp8 or cache.dtype == torch.bfloat16 else 0
     _logits_kernel[(n_row_blocks, triton.cdiv(blocks, span))](
         q.contiguous().float(), weights.contiguous().float(), kv_slots, row_kv_off, row_pos, blk_row0, blk_rows,
-        cache, k_scale, logits, logits.stride(0), heads, softmax_scale,
+        cache, k_scale, logits, logits.stride(0), heads, softmax_scale, skip_fit,
         D=dim, PS=page_size, BLOCK_H=max(16, triton.next_power_of_2(heads)), BLOCK_N=block_n, SPAN_BLOCKS=span,
         ROWS=rows_per, FP8=fp8, MODE=mode, ONE_PAGE=one_page, PRECISION="ieee" if interp else "tf32x3",
         INTERPRET=interp, FOLD=fold, PRELOAD=direct and one_page, num_warps=num_warps, num_stages=num_stages,
@@ -336,7 +343,7 @@ def indexer_topk_rows(
         opts["split"] = "fp8"
     logits = indexer_logits(
         q, weights, index_k_cache, kv_slots, row_kv_off, row_pos, max_len, softmax_scale, page_size,
-        row_blocks=blocks, **opts,
+        row_blocks=blocks, skip_fit=topk, **opts,
     )  # fmt: skip
     warps = PREFILL_TOPK_WARPS if blocks is not None else None
     stream = PREFILL_TOPK_STREAM if blocks is not None else None

@@ -109,16 +109,22 @@ def _sparse_mla_kernel(
     ROW_BYTES: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     FP8: tl.constexpr, LOGICAL: tl.constexpr, SPLIT: tl.constexpr, SKIP_EMPTY: tl.constexpr,
     PREFETCH: tl.constexpr, TRIM: tl.constexpr, TRIM_LEN: tl.constexpr, MASK_ALL: tl.constexpr,
-    INTERPRET: tl.constexpr, WORK: tl.constexpr = False,
+    INTERPRET: tl.constexpr, WORK: tl.constexpr = False, ORDER: tl.constexpr = False,
 ):  # fmt: skip
     """Grid (tokens, splits, head blocks), or with WORK (the step's plan, mla_work.MlaWork.parts)
-    (parts, 1, head blocks): program p runs entries [j0, j1) of row t as its part sp."""
+    (parts, 1, head blocks): program p runs entries [j0, j1) of row t as its part sp. ORDER
+    (work_ptr: the step's row order, mla_rows.RowOrder.rows): program p runs split sp of the row
+    the order puts p-th, its loop ending at the row's count of valid entries."""
     if WORK:
         wp = work_ptr + tl.program_id(0) * 4
         t = tl.load(wp)
         live = t >= 0  # the plan's spare programs (row -1) loop over nothing and store nothing
         t = tl.maximum(t, 0)
         sp = tl.load(wp + 1)
+    elif ORDER:
+        t = tl.load(work_ptr + tl.program_id(0) * 2)
+        sp = tl.program_id(1)
+        live = True
     else:
         t = tl.program_id(0)
         sp = tl.program_id(1)
@@ -151,7 +157,12 @@ def _sparse_mla_kernel(
         span = SPLIT_LEN if INTERPRET else split_len
         j0 = sp * span
         j1 = tl.minimum(j0 + span, topk)
-    if TRIM:
+        if ORDER:
+            j1 = tl.minimum(j1, tl.load(work_ptr + tl.program_id(0) * 2 + 1))
+    if ORDER:
+        # The row's valid entries end at its count: the loop ends there (masked in the interpreter).
+        n_end = tl.cdiv(tl.maximum(j1 - j0, 0), BLOCK_N) * BLOCK_N
+    elif TRIM:
         # Loop only up to the last valid entry of this part of the list (prefill rows early in a
         # prompt select fewer than top-k keys and are -1 padded): a loop bound, not a branch around
         # the loads, so the loads stay pipelined. Compiled only (the interpreter needs a constexpr
@@ -166,7 +177,7 @@ def _sparse_mla_kernel(
         valid_nx, slot_nx = _block_slots(
             idx_ptr, kv_slots_ptr, kv_base, t, idx_stride, j0 + tl.arange(0, BLOCK_N), j1, LOGICAL
         )
-        for n in range(0, n_end if TRIM else (SPLIT_LEN if INTERPRET else span), BLOCK_N):
+        for n in range(0, n_end if (TRIM or ORDER) and not INTERPRET else (SPLIT_LEN if INTERPRET else span), BLOCK_N):
             valid, slot = valid_nx, slot_nx
             valid_nx, slot_nx = _block_slots(
                 idx_ptr, kv_slots_ptr, kv_base, t, idx_stride, j0 + n + BLOCK_N + tl.arange(0, BLOCK_N), j1, LOGICAL
@@ -176,7 +187,7 @@ def _sparse_mla_kernel(
                 offs_r, offs_p, pmask, R, P, G, ROW_BYTES, BLOCK_N, FP8, MASK_ALL, INTERPRET,
             )  # fmt: skip
     else:
-        for n in range(0, n_end if TRIM else (SPLIT_LEN if INTERPRET else span), BLOCK_N):
+        for n in range(0, n_end if (TRIM or ORDER) and not INTERPRET else (SPLIT_LEN if INTERPRET else span), BLOCK_N):
             valid, slot = _block_slots(
                 idx_ptr, kv_slots_ptr, kv_base, t, idx_stride, j0 + n + tl.arange(0, BLOCK_N), j1, LOGICAL
             )
@@ -253,12 +264,15 @@ def sparse_mla_decode(
     mask_all: bool = False,
     out_dtype: torch.dtype = torch.float32,
     work=None,
+    rows=None,
 ) -> torch.Tensor:
     """-> o_lat [T, H, R] in out_dtype (float32 by default). Device-only (no host sync): CUDA-graph
     capturable.
 
     work (mla_work.MlaWork, for lists that are whole contexts): the step's plan of parts, one
     program each, in place of num_splits and trim.
+    rows (mla_rows.RowOrder): the step's row order: rows launched longest first, each program's
+    loop ending at its row's count of valid entries (in place of trim).
 
     out_dtype: the model's dtype saves a pass over the output (the model rounds o_lat to it before
     the W_UV product anyway; the kernel's rounding is the same round-to-nearest-even).
@@ -290,7 +304,8 @@ def sparse_mla_decode(
     block_n = block_n or (32 if single else 64)
     num_stages = num_stages or (3 if single else 2)
     num_splits, split_len, o_part, lse, grid = plan_launch(out, head_blocks, topk, block_n, num_splits, work)
-    split, trim = num_splits > 1, trim and work is None
+    rows = None if work is not None else rows
+    split, trim = num_splits > 1, trim and work is None and rows is None
     idx = indices.contiguous()
     interp = q_lat.device.type != "cuda"
     # The trim's scan of a list covers at least 2048 entries (DeepSeek-V3.2's and GLM-5's top-k), so
@@ -299,18 +314,25 @@ def sparse_mla_decode(
     _sparse_mla_kernel[grid](
         q_lat.contiguous(), q_pe.contiguous(), cache, f32_view, bf16_view,
         idx, token_kv_base if logical else idx, kv_slots if logical else idx, o_part, lse,
-        idx if work is None else work.parts,
+        plan_pointer(idx, work, rows),
         heads, topk, topk, num_splits, softmax_scale * 1.4426950408889634, split_len,
         SPLIT_LEN=split_len if interp else 0, R=rank, P=rope, P_PAD=max(16, triton.next_power_of_2(rope)), G=group,
         ROW_BYTES=row_bytes, BLOCK_H=block_h, BLOCK_N=block_n, FP8=fp8, LOGICAL=logical, SPLIT=split,
         SKIP_EMPTY=skip_empty and not prefetch, PREFETCH=prefetch,
         TRIM=trim and not interp, TRIM_LEN=trim_len if trim else 16, MASK_ALL=mask_all,
-        INTERPRET=interp, WORK=work is not None,
+        INTERPRET=interp, WORK=work is not None, ORDER=rows is not None,
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     if split:
         combine_splits(o_part, lse, out, None if work is None else work.counts)
     return out
+
+
+def plan_pointer(idx: torch.Tensor, work, rows) -> torch.Tensor:
+    """The kernels' work_ptr: a work plan's parts, a row order's rows, or (unused) the indices."""
+    if work is not None:
+        return work.parts
+    return idx if rows is None else rows.rows
 
 
 def cache_views(latent_cache: torch.Tensor):
@@ -411,15 +433,30 @@ if MLA_WORK not in ("on", "off"):
     raise ValueError(f"NSASERVE_MLA_WORK={MLA_WORK!r}: expected on or off")
 
 
-def plan_attention_work(row_pos: torch.Tensor, width: int):
-    """The registry backend's plan for a step (sparse_mla_triton's work=), or None where it plans
-    nothing: MLA_WORK off, or a prompt-sized step. row_pos: each row's position (whole contexts:
-    its list holds row_pos + 1 valid entries); width: the lists' width."""
-    if MLA_WORK != "on" or not 0 < row_pos.numel() < PREFILL_TOKENS:
-        return None
-    from .mla_work import plan_mla_work
+# The step's row order (mla_rows): rows launched longest first, each program's loop ending at its
+# row's count of valid entries, for every call over all of a step's rows. NSASERVE_MLA_ROW_ORDER=on
+# turns it on (the model then orders once a step and every layer's call reads the order). Off by
+# default until it is timed on the device.
+ROW_ORDER = os.environ.get("NSASERVE_MLA_ROW_ORDER", "off")
+if ROW_ORDER not in ("on", "off"):
+    raise ValueError(f"NSASERVE_MLA_ROW_ORDER={ROW_ORDER!r}: expected on or off")
 
-    return plan_mla_work(row_pos + 1, width, _num_sms(row_pos.device))
+
+def plan_attention_work(row_pos: torch.Tensor, width: int, whole_contexts: bool = True):
+    """The registry backend's plan for a step (sparse_mla_triton's work=), or None where it plans
+    nothing. row_pos: each row's position (its list holds min(row_pos + 1, width) valid entries
+    first); width: the lists' width; whole_contexts: the lists are whole contexts. A work plan
+    (MLA_WORK on, whole contexts, a decode-sized step), else the row order (ROW_ORDER on)."""
+    rows = row_pos.numel()
+    if MLA_WORK == "on" and whole_contexts and 0 < rows < PREFILL_TOKENS:
+        from .mla_work import plan_mla_work
+
+        return plan_mla_work(row_pos + 1, width, _num_sms(row_pos.device))
+    if ROW_ORDER == "on" and rows > 0:
+        from .mla_rows import plan_row_order
+
+        return plan_row_order(row_pos, width)
+    return None
 
 
 def _takes_ws(q_lat, q_pe, latent_cache) -> bool:
@@ -460,9 +497,14 @@ def sparse_mla_triton(
     does). A decode CUDA graph's lists are as wide as its context bucket, so rows shorter than the
     bucket end in -1 padding: at contexts of ~1400 in the 2048 bucket, about a third of each row.
     work: the step's plan from plan_attention_work (this function's plan_work attribute, which
-    the model calls once a step for whole-context lists): decode calls run its parts."""
+    the model calls once a step for calls over all of its rows): decode calls run a work plan's
+    parts; every call runs a row order's rows in its order."""
+    from .mla_rows import RowOrder
+
     kw = {"out_dtype": q_lat.dtype}
-    if work is not None and q_lat.shape[0] < PREFILL_TOKENS:
+    if isinstance(work, RowOrder):
+        kw["rows"] = work
+    elif work is not None and q_lat.shape[0] < PREFILL_TOKENS:
         kw["work"] = work
     if KERNEL == "gluon":
         from . import gluon_sparse_mla  # Triton's experimental dialect: imported only when chosen

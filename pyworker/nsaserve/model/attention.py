@@ -188,7 +188,7 @@ class MLAttention(nn.Module):
         """Sparse attention in the absorbed form over each token's selected latent rows -> o [t, H, v]."""
         num_tokens = q_nope.shape[0]
         whole = meta.whole_contexts  # every list a whole causal context, -1 padded
-        work = self._work_plan(topk_slots, meta, kernels) if whole else None
+        work = self._work_plan(topk_slots, meta, kernels)
         extra = {} if work is None else {"work": work}
         if kernels.resolved:
             # The two absorbed products as batched matmuls over heads, written through [H, T, .]
@@ -210,14 +210,15 @@ class MLAttention(nn.Module):
 
     @staticmethod
     def _work_plan(topk_slots, meta, kernels):
-        """The attention backend's plan for this step's whole-context lists (its plan_work, where it
-        has one), built once a step for every layer; None where there is none. Only for calls over
-        every row of the step (a split step's sparse rows are a subset the plan does not know):
-        plan_work takes the rows' positions (row t's list holds position + 1 entries, then -1)."""
+        """The attention backend's plan for this step (its plan_work, where it has one), built once a
+        step for every layer; None where there is none. Only for calls over every row of the step
+        (a split step's sparse rows are a subset the plan does not know): plan_work takes the rows'
+        positions (row t's list holds min(position + 1, width) entries, then -1), the lists' width
+        and whether they are whole contexts."""
         if meta.attention_work is None:
             plan = getattr(kernels.attention, "plan_work", None)
             rows = meta.indexer.row_pos
             every = meta.sparse_rows is None and rows.numel() == topk_slots.shape[0]
-            work = plan(rows, topk_slots.shape[1]) if plan is not None and every else None
+            work = plan(rows, topk_slots.shape[1], meta.whole_contexts) if plan is not None and every else None
             meta.attention_work = False if work is None else work
         return meta.attention_work or None

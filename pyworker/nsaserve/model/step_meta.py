@@ -35,9 +35,9 @@ class StepMeta:
     # layer that needs them and read by the others (each layer built the same [T, top-k] tensor:
     # ~8 small kernels a layer, 4 MB each at 256 rows).
     whole_slots: torch.Tensor | None = None
-    # Under whole_contexts: the attention backend's work plan for the step (its plan_work, e.g.
-    # kernels/mla_work.py), built by the first layer and read by the others; False once the
-    # backend has said it plans nothing for this step.
+    # The attention backend's plan for the step (its plan_work: kernels/mla_work.py's parts of
+    # whole contexts, or kernels/mla_rows.py's row order), built by the first layer and read by the
+    # others; False once the backend has said it plans nothing for this step.
     attention_work: object = None
 
 
