@@ -2668,6 +2668,309 @@ async fn chat_deepseek_v32_dsml_calls() {
     );
 }
 
+// ---------------------------------------------------------------- responses
+
+/// A Responses API stream's events: (name, data) pairs, checked to carry their name as `type`
+/// and consecutive sequence numbers, and to end without `[DONE]`.
+fn response_events(reply: &Reply_) -> Vec<(String, Value)> {
+    assert_eq!(reply.status, StatusCode::OK, "{}", reply.body);
+    let mut events = Vec::new();
+    let mut name = None;
+    for line in reply.body.lines() {
+        if let Some(n) = line.strip_prefix("event: ") {
+            name = Some(n.to_owned());
+        } else if let Some(data) = line.strip_prefix("data: ") {
+            assert_ne!(
+                data, "[DONE]",
+                "a Responses stream ends with its last event"
+            );
+            let v: Value = serde_json::from_str(data).unwrap();
+            let name = name.take().expect("every event is named");
+            assert_eq!(v["type"], name.as_str());
+            assert_eq!(v["sequence_number"], events.len() as u64);
+            events.push((name, v));
+        }
+    }
+    events
+}
+
+/// Output items without their generated ids.
+fn without_ids(items: &Value) -> Value {
+    let mut items = items.clone();
+    for item in items.as_array_mut().unwrap() {
+        let id = item["id"].as_str().unwrap();
+        let prefix = match item["type"].as_str().unwrap() {
+            "reasoning" => "rs_",
+            "message" => "msg_",
+            _ => "fc_",
+        };
+        assert!(id.starts_with(prefix), "{item}");
+        item.as_object_mut().unwrap().remove("id");
+        if let Some(call_id) = item.get("call_id") {
+            assert_call_id(call_id);
+            item["call_id"] = json!("call_x");
+        }
+    }
+    items
+}
+
+#[tokio::test]
+async fn responses_reasoning_answer_and_call_as_output_items() {
+    let h = glm_harness();
+    h.engine.set_reply(Reply::Text(GLM_CALL_REPLY.into()));
+    let tools = json!([{"type": "function", "name": "get_weather", "description": "Weather by city",
+                        "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+                                       "required": ["city"]}},
+                       {"type": "function", "name": "get_time", "parameters": {"type": "object", "properties": {}}}]);
+    let body = json!({"input": "Weather in Paris?", "tools": tools, "metadata": {"k": "v"}});
+    let r = h.post("/v1/responses", body.clone()).await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.body);
+    let v = r.json();
+    // The prompt is the chat template's, as chat completions renders it.
+    let chat_prompt = {
+        let chat = json!({"messages": [{"role": "user", "content": "Weather in Paris?"}], "tools": weather_tools()});
+        h.post("/v1/chat/completions", chat).await;
+        rendered_prompt(&h)
+    };
+    h.post("/v1/responses", body.clone()).await;
+    assert_eq!(rendered_prompt(&h), chat_prompt);
+    assert!(v["id"].as_str().unwrap().starts_with("resp_"));
+    assert_eq!(v["object"], "response");
+    assert_eq!(
+        (&v["status"], &v["store"], &v["error"]),
+        (&json!("completed"), &json!(false), &Value::Null)
+    );
+    assert_eq!(v["tools"], tools);
+    assert_eq!(v["metadata"], json!({"k": "v"}));
+    assert_eq!(v["tool_choice"], "auto");
+    assert_eq!(
+        without_ids(&v["output"]),
+        json!([
+            {"type": "reasoning", "summary": [], "status": "completed",
+             "content": [{"type": "reasoning_text", "text": "The user wants the weather."}]},
+            {"type": "message", "status": "completed", "role": "assistant",
+             "content": [{"type": "output_text", "text": "Let me check.", "annotations": [], "logprobs": []}]},
+            {"type": "function_call", "call_id": "call_x", "name": "get_weather",
+             "arguments": "{\"city\":\"Paris\",\"days\":2}", "status": "completed"}
+        ])
+    );
+    let usage = &v["usage"];
+    let generated = h.tokenizer.encode(GLM_CALL_REPLY, false).unwrap().len() as u64 + 1; // and EOS
+    assert_eq!(usage["output_tokens"], generated);
+    let reasoning = h
+        .tokenizer
+        .encode("The user wants the weather.", false)
+        .unwrap()
+        .len();
+    assert_eq!(
+        usage["output_tokens_details"]["reasoning_tokens"],
+        reasoning as u64
+    );
+    assert_eq!(
+        usage["total_tokens"].as_u64().unwrap(),
+        usage["input_tokens"].as_u64().unwrap() + generated
+    );
+}
+
+#[tokio::test]
+async fn responses_stream_events_build_the_same_output() {
+    let h = glm_harness();
+    h.engine.set_reply(Reply::Text(GLM_CALL_REPLY.into()));
+    let body = json!({"input": [{"role": "user", "content": [{"type": "input_text", "text": "Weather in Paris?"}]}],
+                      "tools": [{"type": "function", "name": "get_weather", "parameters": {"type": "object"}}]});
+    let whole = h.post("/v1/responses", body.clone()).await.json();
+    let mut stream = body;
+    stream["stream"] = json!(true);
+    let events = response_events(&h.post("/v1/responses", stream).await);
+    // Consecutive deltas of one kind are squeezed into one name.
+    let mut names: Vec<&str> = Vec::new();
+    for (name, _) in &events {
+        if !(name.ends_with(".delta") && names.last() == Some(&name.as_str())) {
+            names.push(name);
+        }
+    }
+    assert_eq!(
+        names,
+        [
+            "response.created",
+            "response.in_progress",
+            "response.output_item.added",
+            "response.reasoning_text.delta",
+            "response.reasoning_text.done",
+            "response.output_item.done",
+            "response.output_item.added",
+            "response.content_part.added",
+            "response.output_text.delta",
+            "response.output_text.done",
+            "response.content_part.done",
+            "response.output_item.done",
+            "response.output_item.added",
+            "response.function_call_arguments.delta",
+            "response.function_call_arguments.done",
+            "response.output_item.done",
+            "response.completed",
+        ]
+    );
+    assert_eq!(events[0].1["response"]["status"], "in_progress");
+    // Deltas add up to the items' texts; every event names its item's output index.
+    let text = |kind: &str| -> String {
+        events
+            .iter()
+            .filter(|(n, _)| n == kind)
+            .map(|(_, v)| v["delta"].as_str().unwrap())
+            .collect()
+    };
+    assert_eq!(
+        text("response.reasoning_text.delta"),
+        "The user wants the weather."
+    );
+    assert_eq!(text("response.output_text.delta"), "Let me check.");
+    assert_eq!(
+        text("response.function_call_arguments.delta"),
+        "{\"city\":\"Paris\",\"days\":2}"
+    );
+    let done: Vec<&Value> = events
+        .iter()
+        .filter(|(n, _)| n == "response.output_item.done")
+        .map(|(_, v)| v)
+        .collect();
+    for (i, d) in done.iter().enumerate() {
+        assert_eq!(d["output_index"], i as u64);
+    }
+    let last = &events.last().unwrap().1["response"];
+    assert_eq!(last["status"], "completed");
+    assert_eq!(without_ids(&last["output"]), without_ids(&whole["output"]));
+    let done_items: Vec<Value> = done.iter().map(|d| d["item"].clone()).collect();
+    assert_eq!(Value::Array(done_items), last["output"]);
+    assert_eq!(last["usage"], whole["usage"]);
+}
+
+#[tokio::test]
+async fn responses_tool_round_trip_renders_like_chat() {
+    let h = glm_harness();
+    h.engine
+        .set_reply(Reply::Text("Done.</think>It is sunny.".into()));
+    let input = json!([
+        {"role": "user", "content": "Weather in Paris?"},
+        {"type": "reasoning", "id": "rs_1", "summary": [], "content": [{"type": "reasoning_text", "text": "Need the tool."}]},
+        {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": "{\"city\": \"Paris\", \"days\": 2}"},
+        {"type": "function_call_output", "call_id": "call_1", "output": "sunny"}
+    ]);
+    let tools = json!([{"type": "function", "name": "get_weather", "parameters": {"type": "object"}},
+                       {"type": "function", "name": "get_time", "parameters": {"type": "object"}}]);
+    let v = h
+        .post("/v1/responses", json!({"input": input, "tools": tools}))
+        .await
+        .json();
+    assert_eq!(
+        rendered_prompt(&h),
+        "[gMASK]<sop><|system|>\n# Tools\nget_weather\nget_time\n<|user|>Weather in Paris?<|assistant|><think>Need the tool.</think><tool_call>get_weather<arg_key>city</arg_key><arg_value>Paris</arg_value><arg_key>days</arg_key><arg_value>2</arg_value></tool_call><|observation|><tool_response>sunny</tool_response><|assistant|><think>"
+    );
+    let output = without_ids(&v["output"]);
+    assert_eq!(output[0]["content"][0]["text"], "Done.");
+    assert_eq!(output[1]["content"][0]["text"], "It is sunny.");
+}
+
+#[tokio::test]
+async fn responses_cut_at_max_output_tokens_are_incomplete() {
+    let h = glm_harness();
+    h.engine.set_reply(Reply::Text(
+        "Thinking for a long while.</think>Answer.".into(),
+    ));
+    let body = json!({"input": "hi", "max_output_tokens": 3});
+    let v = h.post("/v1/responses", body.clone()).await.json();
+    assert_eq!(v["status"], "incomplete");
+    assert_eq!(
+        v["incomplete_details"],
+        json!({"reason": "max_output_tokens"})
+    );
+    assert_eq!(v["max_output_tokens"], 3);
+    assert_eq!(v["usage"]["output_tokens"], 3);
+    let output = v["output"].as_array().unwrap();
+    assert_eq!(output.len(), 1, "{v}");
+    assert_eq!(
+        (&output[0]["type"], &output[0]["status"]),
+        (&json!("reasoning"), &json!("incomplete"))
+    );
+    let mut stream = body;
+    stream["stream"] = json!(true);
+    let events = response_events(&h.post("/v1/responses", stream).await);
+    let (name, last) = events.last().unwrap();
+    assert_eq!(name, "response.incomplete");
+    assert_eq!(
+        last["response"]["incomplete_details"],
+        json!({"reason": "max_output_tokens"})
+    );
+}
+
+#[tokio::test]
+async fn responses_structured_output_and_sampling_reach_the_engine() {
+    let h = glm_harness();
+    h.engine.set_reply(Reply::Text("x</think>{}".into()));
+    let body = json!({"input": "hi", "temperature": 0.5, "top_p": 0.9, "top_k": 7,
+                      "text": {"format": {"type": "json_schema", "name": "obj", "schema": {"type": "object"}}}});
+    let v = h.post("/v1/responses", body).await.json();
+    assert_eq!((&v["temperature"], &v["top_p"]), (&json!(0.5), &json!(0.9)));
+    assert_eq!(v["text"]["format"]["type"], "json_schema");
+    let submitted = h.engine.submitted.lock().last().unwrap().clone();
+    assert!(submitted.constraint.is_some());
+    assert_eq!(submitted.sampling.top_k, 7);
+}
+
+#[tokio::test]
+async fn responses_refuse_what_they_cannot_do() {
+    let h = glm_harness();
+    let cases = [
+        (
+            json!({"input": "x", "previous_response_id": "resp_1"}),
+            "stores no responses",
+        ),
+        (
+            json!({"input": [{"type": "item_reference", "id": "msg_1"}]}),
+            "stores none",
+        ),
+        (json!({"input": "x", "background": true}), "Background"),
+        (
+            json!({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "u"}]}]}),
+            "reads text",
+        ),
+        (json!({"input": "x", "n": 2}), "`n` must be 1"),
+        (
+            json!({"input": "x", "response_format": {"type": "json_object"}}),
+            "text.format",
+        ),
+        (
+            json!({"input": "x", "include": ["message.output_text.logprobs"]}),
+            "not supported",
+        ),
+        (
+            json!({"input": "x", "tools": [{"type": "web_search"}]}),
+            "function tools",
+        ),
+        (json!({"input": "x", "truncation": "auto"}), "disabled"),
+        (json!({"input": "x", "max_output_tokens": 0}), "at least 1"),
+        (
+            json!({"input": "x", "tool_choice": {"type": "function", "name": "nope"}, "tools": [{"type": "function", "name": "f"}]}),
+            "not in `tools`",
+        ),
+        (json!({"model": "other", "input": "x"}), "other"),
+        (json!({}), "`input` is required"),
+    ];
+    for (body, fragment) in cases {
+        let r = h.post("/v1/responses", body.clone()).await;
+        let status = if fragment == "other" {
+            StatusCode::NOT_FOUND
+        } else {
+            StatusCode::BAD_REQUEST
+        };
+        assert_error(&r, status, fragment);
+    }
+    assert!(
+        h.engine.submitted.lock().is_empty(),
+        "nothing refused reaches the engine"
+    );
+}
+
 // ---------------------------------------------------------------- model directory
 
 #[test]

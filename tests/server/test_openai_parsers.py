@@ -16,10 +16,12 @@ import json
 import re
 
 import pytest
-from glm_model_dir import write_glm_model_dir
 from scripted_replies import Script, start_scripted_server
 
 openai = pytest.importorskip("openai")
+
+# The GLM-5 server and its client: the fixtures glm_dir, script, server and client.
+pytest_plugins = ["glm_parser_server"]
 from openai.lib.streaming.chat import ChatCompletionStreamState  # noqa: E402
 
 WEATHER = {
@@ -53,31 +55,6 @@ WEATHER_CALL = (
     '<arg_key>options</arg_key><arg_value>{"hourly": [1, 2], "units": "C"}</arg_value></tool_call>'
 )
 WEATHER_ARGS = {"city": "Paris", "days": 3, "metric": True, "zip": "007", "options": {"hourly": [1, 2], "units": "C"}}
-
-
-@pytest.fixture(scope="module")
-def glm_dir(tmp_path_factory):
-    return write_glm_model_dir(tmp_path_factory.mktemp("glm5-shaped"))
-
-
-@pytest.fixture(scope="module")
-def script(tmp_path_factory):
-    return Script(tmp_path_factory.mktemp("script"))
-
-
-@pytest.fixture(scope="module")
-def server(script, glm_dir):
-    s = start_scripted_server(
-        script, glm_dir, "--served-model-name=glm", "--reasoning-parser=glm45", "--tool-call-parser=glm47"
-    )
-    yield s
-    assert s.stop() == 0
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=60)
-
 
 def user(text: str) -> list[dict]:
     return [{"role": "user", "content": text}]

@@ -7,6 +7,7 @@ use std::time::Instant;
 use axum::extract::{Request, State};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
+use futures::stream::BoxStream;
 use serde_json::{Map, Value};
 
 use crate::tokenizer::TokenizerBundle;
@@ -19,7 +20,8 @@ use super::generation::{
 use super::json_body::read_json;
 use super::logprobs;
 use super::openai_types::{
-    ChatChoice, ChatChunk, ChatChunkChoice, ChatDelta, ChatRequest, ChatResponse, Usage,
+    ChatChoice, ChatChunk, ChatChunkChoice, ChatDelta, ChatRequest, ChatResponse, SamplingFields,
+    Usage,
 };
 use super::prompt::blocking;
 use super::sse::{sse_response, to_json, ChunkWriter};
@@ -27,6 +29,7 @@ use super::structured_output;
 use super::tool_choice::ToolChoice;
 use super::validation::{
     check_logprobs, check_model, fit_context, generate_requests, unsupported, validate_sampling,
+    Validated,
 };
 use super::{unix_now, AppState};
 use crate::parsers::ToolSet;
@@ -173,18 +176,97 @@ struct Shape {
     include_usage: bool,
 }
 
+/// What a chat-shaped request asks (chat completions, and the Responses API in chat terms).
+pub(super) struct ChatInputs {
+    pub messages: Option<Vec<Value>>,
+    pub tools: Option<Vec<Value>>,
+    pub tool_choice: Option<Value>,
+    pub parallel_tool_calls: Option<bool>,
+    pub sampling: SamplingFields,
+    /// `max_completion_tokens` (or `max_output_tokens`), else `max_tokens`.
+    pub max_tokens: Option<i64>,
+    pub logprobs: Option<bool>,
+    pub top_logprobs: Option<i64>,
+    pub chat_template_kwargs: Option<Map<String, Value>>,
+    pub add_generation_prompt: Option<bool>,
+}
+
+/// A chat-shaped request checked, rendered and submitted: its generation's events, and what
+/// turns them into an answer.
+pub(super) struct ChatRun {
+    pub v: Validated,
+    pub top_n: Option<u32>,
+    pub output: OutputSetup,
+    pub events: BoxStream<'static, ChoiceEvent>,
+}
+
 async fn handle(app: AppState, request: Request) -> Result<Response, ApiError> {
     let arrived = Instant::now();
     let body: ChatRequest =
         read_json(request, app.cfg.max_body_bytes, app.cfg.body_timeout).await?;
-    let info = app.model_info();
     check_model(body.model.as_deref(), &app.cfg.served_model_name)?;
+    let inputs = ChatInputs {
+        messages: body.messages,
+        tools: body.tools,
+        tool_choice: body.tool_choice,
+        parallel_tool_calls: body.parallel_tool_calls,
+        max_tokens: body.max_completion_tokens.or(body.sampling.max_tokens),
+        sampling: body.sampling,
+        logprobs: body.logprobs,
+        top_logprobs: body.top_logprobs,
+        chat_template_kwargs: body.chat_template_kwargs,
+        add_generation_prompt: body.add_generation_prompt,
+    };
+    let ChatRun {
+        v,
+        top_n,
+        output,
+        events,
+    } = start(&app, inputs, arrived).await?;
+    let shape = Shape {
+        id: format!("chatcmpl-{}", uuid::Uuid::new_v4().simple()),
+        created: unix_now(),
+        model: app.cfg.served_model_name.clone(),
+        n: v.n,
+        top_n,
+        include_usage: v.include_usage,
+    };
+    if v.stream {
+        let tally = UsageTally::new(1, v.n);
+        let choices = (0..v.n)
+            .map(|_| StreamedChoice {
+                parser: output.streaming(),
+                held_tokens: Vec::new(),
+            })
+            .collect();
+        return Ok(sse_response(
+            events,
+            StreamWriter {
+                shape,
+                tokenizer: Arc::clone(&app.tokenizer),
+                tally,
+                choices,
+            },
+        ));
+    }
+    let outputs = generation::collect(events, v.n as usize).await?;
+    Ok(Json(full_response(&shape, &app.tokenizer, &output, outputs)).into_response())
+}
+
+/// Checks a chat-shaped request, renders its conversation through the chat template and submits
+/// its samples to the engine.
+pub(super) async fn start(
+    app: &AppState,
+    inputs: ChatInputs,
+    arrived: Instant,
+) -> Result<ChatRun, ApiError> {
+    let info = app.model_info();
     let tool_choice = ToolChoice::from_request(
-        body.tool_choice.as_ref(),
-        body.tools.as_deref(),
+        inputs.tool_choice.as_ref(),
+        inputs.tools.as_deref(),
         app.cfg.tool_call_parser.is_some(),
     )?;
-    let top_n = match (body.logprobs, body.top_logprobs) {
+    let top_n = match (inputs.logprobs, inputs.top_logprobs) {
         (Some(true), top) => Some(check_logprobs("top_logprobs", top.unwrap_or(0))?),
         // `top_logprobs: 0` without logprobs asks for nothing; more needs `logprobs: true`.
         (_, Some(top)) if top != 0 => {
@@ -195,23 +277,22 @@ async fn handle(app: AppState, request: Request) -> Result<Response, ApiError> {
         }
         _ => None,
     };
-    let max_tokens = body.max_completion_tokens.or(body.sampling.max_tokens);
     let v = validate_sampling(
-        &body.sampling,
-        max_tokens,
+        &inputs.sampling,
+        inputs.max_tokens,
         top_n,
         app.limits(),
         &app.cfg.sampling_defaults,
         &info,
     )?;
-    let messages = body
+    let messages = inputs
         .messages
         .ok_or_else(|| ApiError::invalid_param("messages", "`messages` is required."))?;
     let messages = normalize_messages(messages)?;
-    let parallel_calls = body.parallel_tool_calls.unwrap_or(true);
+    let parallel_calls = inputs.parallel_tool_calls.unwrap_or(true);
     let forced = tool_choice.forced_constraint(
         app.cfg.tool_call_parser,
-        body.tools.as_deref(),
+        inputs.tools.as_deref(),
         parallel_calls,
     )?;
     if let Some(forced) = &forced {
@@ -232,7 +313,7 @@ async fn handle(app: AppState, request: Request) -> Result<Response, ApiError> {
             ));
         }
     }
-    let tool_set = match (app.cfg.tool_call_parser, &body.tools, &tool_choice) {
+    let tool_set = match (app.cfg.tool_call_parser, &inputs.tools, &tool_choice) {
         (Some(kind), Some(tools), choice) if *choice != ToolChoice::None => {
             Some((kind, ToolSet::from_request(tools, choice.only())))
         }
@@ -241,9 +322,9 @@ async fn handle(app: AppState, request: Request) -> Result<Response, ApiError> {
     let (prompt_ids, rendered) = chat_prompt(
         &app.tokenizer,
         messages,
-        tool_choice.rendered_tools(body.tools),
-        body.add_generation_prompt.unwrap_or(true),
-        body.chat_template_kwargs.unwrap_or_default(),
+        tool_choice.rendered_tools(inputs.tools),
+        inputs.add_generation_prompt.unwrap_or(true),
+        inputs.chat_template_kwargs.unwrap_or_default(),
         false,
     )
     .await?;
@@ -278,35 +359,12 @@ async fn handle(app: AppState, request: Request) -> Result<Response, ApiError> {
         .enumerate()
         .map(|(i, s)| generation::choice_events(Arc::clone(&ctx), i as u32, &prompt_ids, s))
         .collect();
-    let events = generation::merge(choices);
-    let shape = Shape {
-        id: format!("chatcmpl-{}", uuid::Uuid::new_v4().simple()),
-        created: unix_now(),
-        model: app.cfg.served_model_name.clone(),
-        n: v.n,
+    Ok(ChatRun {
+        v,
         top_n,
-        include_usage: v.include_usage,
-    };
-    if v.stream {
-        let tally = UsageTally::new(1, v.n);
-        let choices = (0..v.n)
-            .map(|_| StreamedChoice {
-                parser: output.streaming(),
-                held_tokens: Vec::new(),
-            })
-            .collect();
-        return Ok(sse_response(
-            events,
-            StreamWriter {
-                shape,
-                tokenizer: Arc::clone(&app.tokenizer),
-                tally,
-                choices,
-            },
-        ));
-    }
-    let outputs = generation::collect(events, v.n as usize).await?;
-    Ok(Json(full_response(&shape, &app.tokenizer, &output, outputs)).into_response())
+        output,
+        events: generation::merge(choices),
+    })
 }
 
 fn full_response(
@@ -415,6 +473,8 @@ impl StreamWriter {
 }
 
 impl ChunkWriter for StreamWriter {
+    type Chunk = String;
+
     /// Every choice opens with the assistant role, as OpenAI streams do.
     fn start(&mut self) -> Vec<String> {
         (0..self.shape.n)

@@ -280,6 +280,8 @@ impl StreamWriter {
 }
 
 impl ChunkWriter for StreamWriter {
+    type Chunk = String;
+
     fn start(&mut self) -> Vec<String> {
         Vec::new()
     }

@@ -42,13 +42,19 @@ pub fn document(limits: &ServerLimits) -> Value {
     schemas["CompletionRequest"]["properties"]["max_tokens"]["maximum"] = max_new.clone();
     let chat = &mut schemas["ChatCompletionRequest"]["properties"];
     chat["max_tokens"]["maximum"] = max_new.clone();
-    chat["max_completion_tokens"]["maximum"] = max_new;
+    chat["max_completion_tokens"]["maximum"] = max_new.clone();
     if !limits.forced_tool_choice {
         chat["tool_choice"] = json!({"type": "string", "enum": ["auto", "none"]});
+    }
+    let responses = &mut schemas["ResponsesRequest"]["properties"];
+    responses["max_output_tokens"]["maximum"] = max_new;
+    if !limits.forced_tool_choice {
+        responses["tool_choice"] = json!({"type": "string", "enum": ["auto", "none"]});
     }
     for request in [
         "CompletionRequest",
         "ChatCompletionRequest",
+        "ResponsesRequest",
         "TokenizeRequest",
         "DetokenizeRequest",
     ] {
@@ -118,9 +124,15 @@ mod tests {
         assert_eq!(chat["model"]["enum"], json!(["served"]));
         assert_eq!(chat["max_completion_tokens"]["maximum"], 47);
         assert_eq!(chat["tool_choice"]["enum"], json!(["auto", "none"]));
+        let responses = &schemas["ResponsesRequest"]["properties"];
+        assert_eq!(responses["model"]["enum"], json!(["served"]));
+        assert_eq!(responses["max_output_tokens"]["maximum"], 47);
+        assert_eq!(responses["tool_choice"]["enum"], json!(["auto", "none"]));
         let forced = document(&limits(true));
-        let chat = &forced["components"]["schemas"]["ChatCompletionRequest"]["properties"];
-        assert_eq!(chat["tool_choice"]["oneOf"].as_array().unwrap().len(), 2);
+        for request in ["ChatCompletionRequest", "ResponsesRequest"] {
+            let props = &forced["components"]["schemas"][request]["properties"];
+            assert_eq!(props["tool_choice"]["oneOf"].as_array().unwrap().len(), 2);
+        }
         // Every reference resolves.
         let text = doc.to_string();
         for reference in text.split("\"$ref\":\"#/").skip(1) {
