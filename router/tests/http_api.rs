@@ -2670,9 +2670,9 @@ async fn chat_deepseek_v32_dsml_calls() {
 
 // ---------------------------------------------------------------- responses
 
-/// A Responses API stream's events: (name, data) pairs, checked to carry their name as `type`
-/// and consecutive sequence numbers, and to end without `[DONE]`.
-fn response_events(reply: &Reply_) -> Vec<(String, Value)> {
+/// A stream of named events (the Responses and the Messages APIs): (name, data) pairs, checked
+/// to carry their name as `type` and to end without `[DONE]`.
+fn named_events(reply: &Reply_) -> Vec<(String, Value)> {
     assert_eq!(reply.status, StatusCode::OK, "{}", reply.body);
     let mut events = Vec::new();
     let mut name = None;
@@ -2682,14 +2682,22 @@ fn response_events(reply: &Reply_) -> Vec<(String, Value)> {
         } else if let Some(data) = line.strip_prefix("data: ") {
             assert_ne!(
                 data, "[DONE]",
-                "a Responses stream ends with its last event"
+                "a stream of named events ends with its last event"
             );
             let v: Value = serde_json::from_str(data).unwrap();
             let name = name.take().expect("every event is named");
             assert_eq!(v["type"], name.as_str());
-            assert_eq!(v["sequence_number"], events.len() as u64);
             events.push((name, v));
         }
+    }
+    events
+}
+
+/// A Responses API stream's events, numbered consecutively from 0.
+fn response_events(reply: &Reply_) -> Vec<(String, Value)> {
+    let events = named_events(reply);
+    for (i, (_, v)) in events.iter().enumerate() {
+        assert_eq!(v["sequence_number"], i as u64);
     }
     events
 }
@@ -2969,6 +2977,284 @@ async fn responses_refuse_what_they_cannot_do() {
         h.engine.submitted.lock().is_empty(),
         "nothing refused reaches the engine"
     );
+}
+
+// ---------------------------------------------------------------- anthropic messages
+
+fn anthropic_tools() -> Value {
+    json!([{"name": "get_weather", "description": "Weather by city",
+            "input_schema": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+                             "required": ["city"]}},
+           {"name": "get_time", "input_schema": {"type": "object", "properties": {}}}])
+}
+
+fn assert_tool_use_id(block: &Value) -> Value {
+    let id = block["id"].as_str().unwrap();
+    assert!(id.starts_with("toolu_") && id.len() == 30, "{id}");
+    let mut block = block.clone();
+    block["id"] = json!("toolu_x");
+    block
+}
+
+#[tokio::test]
+async fn messages_thinking_text_and_tool_use_blocks() {
+    let h = glm_harness();
+    h.engine.set_reply(Reply::Text(GLM_CALL_REPLY.into()));
+    let body = json!({"max_tokens": 200, "tools": anthropic_tools(),
+                      "messages": [{"role": "user", "content": "Weather in Paris?"}]});
+    let r = h.post("/v1/messages", body).await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.body);
+    let v = r.json();
+    let prompt = rendered_prompt(&h);
+    let chat = json!({"messages": [{"role": "user", "content": "Weather in Paris?"}], "tools": weather_tools()});
+    h.post("/v1/chat/completions", chat).await;
+    assert_eq!(
+        prompt,
+        rendered_prompt(&h),
+        "rendered as chat completions renders it"
+    );
+    assert!(v["id"].as_str().unwrap().starts_with("msg_"));
+    assert_eq!(
+        (&v["type"], &v["role"], &v["stop_reason"]),
+        (&json!("message"), &json!("assistant"), &json!("tool_use"))
+    );
+    assert_eq!(v["stop_sequence"], Value::Null);
+    let content = v["content"].as_array().unwrap();
+    assert_eq!(
+        content[0],
+        json!({"type": "thinking", "thinking": "The user wants the weather.", "signature": ""})
+    );
+    assert_eq!(content[1], json!({"type": "text", "text": "Let me check."}));
+    assert_eq!(
+        assert_tool_use_id(&content[2]),
+        json!({"type": "tool_use", "id": "toolu_x", "name": "get_weather", "input": {"city": "Paris", "days": 2}})
+    );
+    let generated = h.tokenizer.encode(GLM_CALL_REPLY, false).unwrap().len() as u64 + 1; // and EOS
+    assert_eq!(v["usage"]["output_tokens"], generated);
+    // Prompt tokens split into those read from the prefix cache and the rest.
+    let prompt = h.engine.submitted.lock()[0].prompt_ids.len() as u64;
+    let usage = &v["usage"];
+    let (fresh, cached) = (
+        usage["input_tokens"].as_u64().unwrap(),
+        usage["cache_read_input_tokens"].as_u64().unwrap(),
+    );
+    assert_eq!(fresh + cached, prompt);
+}
+
+#[tokio::test]
+async fn messages_stream_blocks_as_anthropic_streams_them() {
+    let h = glm_harness();
+    h.engine.set_reply(Reply::Text(GLM_CALL_REPLY.into()));
+    let body = json!({"max_tokens": 200, "tools": anthropic_tools(), "stream": true,
+                      "messages": [{"role": "user", "content": [{"type": "text", "text": "Weather in Paris?"}]}]});
+    let events = named_events(&h.post("/v1/messages", body).await);
+    let mut names: Vec<String> = Vec::new();
+    for (name, v) in &events {
+        let name = match name.as_str() {
+            "content_block_start" => {
+                format!("start {}", v["content_block"]["type"].as_str().unwrap())
+            }
+            "content_block_delta" => v["delta"]["type"].as_str().unwrap().to_owned(),
+            other => other.to_owned(),
+        };
+        if !(name.ends_with("_delta") && names.last() == Some(&name)) {
+            names.push(name);
+        }
+    }
+    assert_eq!(
+        names,
+        [
+            "message_start",
+            "ping",
+            "start thinking",
+            "thinking_delta",
+            "content_block_stop",
+            "start text",
+            "text_delta",
+            "content_block_stop",
+            "start tool_use",
+            "input_json_delta",
+            "content_block_stop",
+            "message_delta",
+            "message_stop",
+        ]
+    );
+    let start = &events[0].1["message"];
+    assert_eq!(
+        (&start["content"], &start["stop_reason"]),
+        (&json!([]), &Value::Null)
+    );
+    let collect = |kind: &str, field: &str| -> String {
+        events
+            .iter()
+            .filter(|(_, v)| v["delta"]["type"] == kind)
+            .map(|(_, v)| v["delta"][field].as_str().unwrap())
+            .collect()
+    };
+    assert_eq!(
+        collect("thinking_delta", "thinking"),
+        "The user wants the weather."
+    );
+    assert_eq!(collect("text_delta", "text"), "Let me check.");
+    let input: Value = serde_json::from_str(&collect("input_json_delta", "partial_json")).unwrap();
+    assert_eq!(input, json!({"city": "Paris", "days": 2}));
+    // Blocks are numbered 0, 1, 2 by their start, deltas and stop.
+    for (name, v) in &events {
+        if name.starts_with("content_block") {
+            assert!(v["index"].as_u64().unwrap() <= 2);
+        }
+    }
+    let delta = &events[events.len() - 2].1;
+    assert_eq!(
+        delta["delta"],
+        json!({"stop_reason": "tool_use", "stop_sequence": null})
+    );
+    let generated = h.tokenizer.encode(GLM_CALL_REPLY, false).unwrap().len() as u64 + 1;
+    assert_eq!(delta["usage"]["output_tokens"], generated);
+}
+
+#[tokio::test]
+async fn messages_tool_round_trip_renders_like_chat() {
+    let h = glm_harness();
+    h.engine
+        .set_reply(Reply::Text("Done.</think>It is sunny.".into()));
+    let body = json!({"max_tokens": 50, "tools": anthropic_tools(), "messages": [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": [
+            {"type": "thinking", "thinking": "Need the tool.", "signature": "s"},
+            {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Paris", "days": 2}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "sunny"}]}
+    ]});
+    let v = h.post("/v1/messages", body).await.json();
+    assert_eq!(
+        rendered_prompt(&h),
+        "[gMASK]<sop><|system|>\n# Tools\nget_weather\nget_time\n<|user|>Weather in Paris?<|assistant|><think>Need the tool.</think><tool_call>get_weather<arg_key>city</arg_key><arg_value>Paris</arg_value><arg_key>days</arg_key><arg_value>2</arg_value></tool_call><|observation|><tool_response>sunny</tool_response><|assistant|><think>"
+    );
+    assert_eq!(
+        v["content"][1],
+        json!({"type": "text", "text": "It is sunny."})
+    );
+    assert_eq!(v["stop_reason"], "end_turn");
+}
+
+#[tokio::test]
+async fn messages_stop_sequences_and_max_tokens() {
+    let h = glm_harness();
+    h.engine
+        .set_reply(Reply::Text("x</think>hello END world".into()));
+    let body = json!({"max_tokens": 50, "stop_sequences": ["END"], "messages": [{"role": "user", "content": "hi"}],
+                      "thinking": {"type": "disabled"}});
+    let v = h.post("/v1/messages", body.clone()).await.json();
+    assert!(
+        rendered_prompt(&h).ends_with("<|assistant|></think>"),
+        "thinking disabled"
+    );
+    assert_eq!(
+        v["content"],
+        json!([{"type": "text", "text": "x</think>hello "}])
+    );
+    assert_eq!(
+        (&v["stop_reason"], &v["stop_sequence"]),
+        (&json!("stop_sequence"), &json!("END"))
+    );
+    let mut stream = body.clone();
+    stream["stream"] = json!(true);
+    let events = named_events(&h.post("/v1/messages", stream).await);
+    let delta = &events[events.len() - 2].1["delta"];
+    assert_eq!(
+        *delta,
+        json!({"stop_reason": "stop_sequence", "stop_sequence": "END"})
+    );
+    let mut short = body;
+    short["max_tokens"] = json!(2);
+    short["stop_sequences"] = json!([]);
+    let v = h.post("/v1/messages", short).await.json();
+    assert_eq!(
+        (&v["stop_reason"], &v["usage"]["output_tokens"]),
+        (&json!("max_tokens"), &json!(2))
+    );
+}
+
+#[tokio::test]
+async fn messages_errors_take_anthropics_shape() {
+    let h = glm_harness();
+    let user = json!([{"role": "user", "content": "x"}]);
+    let cases = [
+        (
+            json!({"messages": user}),
+            StatusCode::BAD_REQUEST,
+            "invalid_request_error",
+            "max_tokens",
+        ),
+        (
+            json!({"max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}),
+            StatusCode::BAD_REQUEST,
+            "invalid_request_error",
+            "image",
+        ),
+        (
+            json!({"max_tokens": 5, "messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "Sure"}]}),
+            StatusCode::BAD_REQUEST,
+            "invalid_request_error",
+            "prefill",
+        ),
+        (
+            json!({"max_tokens": 5, "messages": user, "tools": [{"type": "bash_20250124", "name": "bash"}]}),
+            StatusCode::BAD_REQUEST,
+            "invalid_request_error",
+            "custom tools",
+        ),
+        (
+            json!({"max_tokens": 5, "messages": user, "model": "claude-x"}),
+            StatusCode::NOT_FOUND,
+            "not_found_error",
+            "claude-x",
+        ),
+        (
+            json!({"max_tokens": 0, "messages": user}),
+            StatusCode::BAD_REQUEST,
+            "invalid_request_error",
+            "max_tokens",
+        ),
+    ];
+    for (body, status, kind, fragment) in cases {
+        let r = h.post("/v1/messages", body.clone()).await;
+        assert_eq!(r.status, status, "{body}: {}", r.body);
+        let v = r.json();
+        assert_eq!(
+            (&v["type"], &v["error"]["type"]),
+            (&json!("error"), &json!(kind)),
+            "{v}"
+        );
+        let message = v["error"]["message"].as_str().unwrap();
+        assert!(
+            message.contains(fragment),
+            "{message:?} does not mention {fragment:?}"
+        );
+    }
+    assert!(h.engine.submitted.lock().is_empty());
+}
+
+#[tokio::test]
+async fn messages_take_the_api_key_as_x_api_key() {
+    let h = harness_with(|c| c.api_key = Some("sesame".into()));
+    let body = || {
+        Body::from(
+            json!({"max_tokens": 1, "messages": [{"role": "user", "content": "x"}]}).to_string(),
+        )
+    };
+    let send = |key: Option<&'static str>| {
+        let mut request =
+            Request::post("/v1/messages").header(header::CONTENT_TYPE, "application/json");
+        if let Some(key) = key {
+            request = request.header("x-api-key", key);
+        }
+        h.send(request.body(body()).unwrap())
+    };
+    assert_eq!(send(None).await.status, StatusCode::UNAUTHORIZED);
+    assert_eq!(send(Some("sesame!")).await.status, StatusCode::UNAUTHORIZED);
+    let r = send(Some("sesame")).await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.body);
 }
 
 // ---------------------------------------------------------------- model directory

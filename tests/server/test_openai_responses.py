@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from glm_model_dir import WEATHER_CALL, WEATHER_PARAMETERS
 from scripted_replies import Script
 
 openai = pytest.importorskip("openai")
@@ -25,16 +26,9 @@ WEATHER = {
     "type": "function",
     "name": "get_weather",
     "description": "Weather forecast for a city.",
-    "parameters": {
-        "type": "object",
-        "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
-        "required": ["city"],
-    },
+    "parameters": WEATHER_PARAMETERS,
 }
-WEATHER_CALL = (
-    "<tool_call>get_weather<arg_key>city</arg_key><arg_value>Paris</arg_value>"
-    "<arg_key>days</arg_key><arg_value>3</arg_value></tool_call>"
-)
+
 
 def only_prompt(script: Script, marker: str) -> str:
     records = script.prompts(marker)

@@ -1,4 +1,5 @@
-//! Optional API key: `Authorization: Bearer <key>` on the /v1 routes.
+//! Optional API key: `Authorization: Bearer <key>` on the /v1 routes, or `x-api-key: <key>` as
+//! Anthropic's clients send it.
 
 use axum::extract::{Request, State};
 use axum::http::header;
@@ -24,11 +25,12 @@ pub async fn require_api_key(
     next: Next,
 ) -> Response {
     if let Some(key) = &app.cfg.api_key {
-        let given = request
-            .headers()
+        let headers = request.headers();
+        let given = headers
             .get(header::AUTHORIZATION)
             .and_then(|v| v.to_str().ok())
             .and_then(|v| v.strip_prefix("Bearer "))
+            .or_else(|| headers.get("x-api-key").and_then(|v| v.to_str().ok()))
             .map(str::trim);
         if !given.is_some_and(|g| constant_time_eq(g.as_bytes(), key.as_bytes())) {
             return ApiError::unauthorized().into_response();

@@ -20,8 +20,8 @@ use super::generation::{
 use super::json_body::read_json;
 use super::logprobs;
 use super::openai_types::{
-    ChatChoice, ChatChunk, ChatChunkChoice, ChatDelta, ChatRequest, ChatResponse, SamplingFields,
-    Usage,
+    ChatChoice, ChatChunk, ChatChunkChoice, ChatDelta, ChatMessage, ChatRequest, ChatResponse,
+    SamplingFields, Usage,
 };
 use super::prompt::blocking;
 use super::sse::{sse_response, to_json, ChunkWriter};
@@ -196,6 +196,8 @@ pub(super) struct ChatInputs {
 pub(super) struct ChatRun {
     pub v: Validated,
     pub top_n: Option<u32>,
+    /// The rendered conversation's length in tokens.
+    pub prompt_tokens: u32,
     pub output: OutputSetup,
     pub events: BoxStream<'static, ChoiceEvent>,
 }
@@ -222,6 +224,7 @@ async fn handle(app: AppState, request: Request) -> Result<Response, ApiError> {
         top_n,
         output,
         events,
+        ..
     } = start(&app, inputs, arrived).await?;
     let shape = Shape {
         id: format!("chatcmpl-{}", uuid::Uuid::new_v4().simple()),
@@ -362,9 +365,24 @@ pub(super) async fn start(
     Ok(ChatRun {
         v,
         top_n,
+        prompt_tokens: prompt_ids.len() as u32,
         output,
         events: generation::merge(choices),
     })
+}
+
+/// A one-sample generation run to its end: its whole output, and the message and finish reason
+/// the output parsers read from it.
+pub(super) async fn whole_answer(
+    events: BoxStream<'static, ChoiceEvent>,
+    output: &OutputSetup,
+) -> Result<(ChoiceOutput, ChatMessage, Option<&'static str>), ApiError> {
+    let out = generation::collect(events, 1)
+        .await?
+        .pop()
+        .expect("one choice was collected");
+    let (message, finish_reason) = output.message(&out.text, out.finish_reason);
+    Ok((out, message, finish_reason))
 }
 
 fn full_response(
@@ -513,6 +531,7 @@ impl ChunkWriter for StreamWriter {
                 index,
                 reason,
                 usage,
+                ..
             } => {
                 self.tally.add(index, &usage);
                 let choice = &mut self.choices[index as usize];

@@ -309,6 +309,7 @@ impl ChunkWriter for StreamWriter {
                 index,
                 reason,
                 usage,
+                ..
             } => {
                 self.tally.add(index, &usage);
                 let mut chunks: Vec<String> = self.echo_chunk(index).into_iter().collect();

@@ -85,6 +85,8 @@ pub enum ChoiceEvent {
         index: u32,
         reason: &'static str,
         usage: Usage,
+        /// The stop string that ended the text, if one did.
+        stop: Option<String>,
     },
     /// The response's error: a generation that failed, or a refusal that reached the engine.
     Failed(ApiError),
@@ -157,6 +159,7 @@ impl ChoiceState {
             index: self.index,
             reason,
             usage,
+            stop: self.stop.matched().map(str::to_owned),
         });
     }
 
@@ -296,6 +299,8 @@ pub struct ChoiceOutput {
     pub prompt_logprobs: Vec<PromptLogprobs>,
     pub finish_reason: Option<&'static str>,
     pub usage: Option<Usage>,
+    /// The stop string that ended the text, if one did.
+    pub stop: Option<String>,
 }
 
 /// Runs every choice to the end. The first failure fails the whole response (and drops, so
@@ -323,10 +328,12 @@ pub async fn collect(
                 index,
                 reason,
                 usage,
+                stop,
             } => {
                 let o = &mut out[index as usize];
                 o.finish_reason = Some(reason);
                 o.usage = Some(usage);
+                o.stop = stop;
             }
             ChoiceEvent::Failed(error) => return Err(error),
         }

@@ -47,14 +47,20 @@ pub fn document(limits: &ServerLimits) -> Value {
         chat["tool_choice"] = json!({"type": "string", "enum": ["auto", "none"]});
     }
     let responses = &mut schemas["ResponsesRequest"]["properties"];
-    responses["max_output_tokens"]["maximum"] = max_new;
+    responses["max_output_tokens"]["maximum"] = max_new.clone();
     if !limits.forced_tool_choice {
         responses["tool_choice"] = json!({"type": "string", "enum": ["auto", "none"]});
+    }
+    let messages = &mut schemas["MessagesRequest"]["properties"];
+    messages["max_tokens"]["maximum"] = max_new;
+    if !limits.forced_tool_choice {
+        messages["tool_choice"]["properties"]["type"]["enum"] = json!(["auto", "none"]);
     }
     for request in [
         "CompletionRequest",
         "ChatCompletionRequest",
         "ResponsesRequest",
+        "MessagesRequest",
         "TokenizeRequest",
         "DetokenizeRequest",
     ] {
@@ -133,6 +139,21 @@ mod tests {
             let props = &forced["components"]["schemas"][request]["properties"];
             assert_eq!(props["tool_choice"]["oneOf"].as_array().unwrap().len(), 2);
         }
+        let messages = &schemas["MessagesRequest"]["properties"];
+        assert_eq!(messages["model"]["enum"], json!(["served"]));
+        assert_eq!(messages["max_tokens"]["maximum"], 47);
+        assert_eq!(
+            messages["tool_choice"]["properties"]["type"]["enum"],
+            json!(["auto", "none"])
+        );
+        let forced_messages = &forced["components"]["schemas"]["MessagesRequest"]["properties"];
+        assert_eq!(
+            forced_messages["tool_choice"]["properties"]["type"]["enum"]
+                .as_array()
+                .unwrap()
+                .len(),
+            4
+        );
         // Every reference resolves.
         let text = doc.to_string();
         for reference in text.split("\"$ref\":\"#/").skip(1) {

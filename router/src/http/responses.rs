@@ -19,7 +19,6 @@ use serde_json::{json, Map, Value};
 
 use super::chat::{self, ChatInputs, ChatRun};
 use super::errors::ApiError;
-use super::generation;
 use super::json_body::read_json;
 use super::openai_types::SamplingFields;
 use super::responses_input::{chat_messages, chat_tool_choice, chat_tools, response_format};
@@ -202,11 +201,7 @@ async fn handle(app: AppState, request: Request) -> Result<Response, ApiError> {
         let writer = ResponsesStream::new(shape, output.streaming(), Arc::clone(&app.tokenizer));
         return Ok(sse_response(events, writer));
     }
-    let out = generation::collect(events, 1)
-        .await?
-        .pop()
-        .expect("one choice was collected");
-    let (message, finish_reason) = output.message(&out.text, out.finish_reason);
+    let (out, message, finish_reason) = chat::whole_answer(events, &output).await?;
     let outcome = Outcome::of(finish_reason);
     let mut items = Vec::new();
     let reasoning = message.reasoning_content.unwrap_or_default();

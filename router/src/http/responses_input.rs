@@ -11,7 +11,7 @@
 use serde_json::{json, Map, Value};
 
 use super::errors::ApiError;
-use super::validation::unsupported;
+use super::validation::{required_string, unsupported};
 
 const INPUT_ROLES: &[&str] = &["user", "assistant", "system", "developer"];
 
@@ -84,9 +84,9 @@ impl Turns {
         };
         match kind {
             "message" => self.message(&param, fields),
-            "function_call" => self.function_call(&param, fields),
+            "function_call" => self.function_call(&param, item),
             "function_call_output" => {
-                let call_id = string_field(&param, fields, "call_id")?;
+                let call_id = required_string(&param, item, "call_id")?;
                 let output = match fields.get("output") {
                     Some(Value::String(text)) => text.clone(),
                     Some(Value::Array(parts)) => text_of_parts(&format!("{param}.output"), parts)?,
@@ -154,13 +154,13 @@ impl Turns {
         Ok(())
     }
 
-    fn function_call(&mut self, param: &str, fields: &Map<String, Value>) -> Result<(), ApiError> {
+    fn function_call(&mut self, param: &str, item: &Value) -> Result<(), ApiError> {
         let call = json!({
-            "id": string_field(param, fields, "call_id")?,
+            "id": required_string(param, item, "call_id")?,
             "type": "function",
             "function": {
-                "name": string_field(param, fields, "name")?,
-                "arguments": string_field(param, fields, "arguments")?,
+                "name": required_string(param, item, "name")?,
+                "arguments": required_string(param, item, "arguments")?,
             },
         });
         if !self.assistant_open || self.reasoning.is_some() {
@@ -182,19 +182,6 @@ impl Turns {
         self.messages.push(message);
         self.assistant_open = assistant_open;
     }
-}
-
-fn string_field(param: &str, fields: &Map<String, Value>, name: &str) -> Result<String, ApiError> {
-    fields
-        .get(name)
-        .and_then(Value::as_str)
-        .map(str::to_owned)
-        .ok_or_else(|| {
-            ApiError::invalid_param(
-                param,
-                format!("`{param}.{name}` is required and must be a string."),
-            )
-        })
 }
 
 /// The texts of a content list, joined by newlines (as chat's text parts are): `input_text`,

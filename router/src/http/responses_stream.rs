@@ -16,6 +16,7 @@ use serde_json::{json, Value};
 use crate::tokenizer::TokenizerBundle;
 
 use super::chat_output::StreamingChoice;
+use super::errors::ApiError;
 use super::generation::ChoiceEvent;
 use super::openai_types::{ChatDelta, ToolCallDelta, Usage};
 use super::responses_object::{
@@ -237,6 +238,14 @@ impl ChunkWriter for ResponsesStream {
             ChoiceEvent::PromptLogprobs { .. } | ChoiceEvent::Failed(_) => {}
         }
         out
+    }
+
+    /// OpenAI's error object as an `error` event.
+    fn failed(&mut self, error: &ApiError) -> Vec<SseChunk> {
+        vec![SseChunk {
+            event: Some("error"),
+            data: serde_json::to_string(&error.body()).expect("error bodies serialize"),
+        }]
     }
 
     fn finish(&mut self) -> Vec<SseChunk> {

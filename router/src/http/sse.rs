@@ -11,6 +11,7 @@ use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use futures::stream::{self, BoxStream, StreamExt};
 
+use super::errors::ApiError;
 use super::generation::ChoiceEvent;
 
 /// One server-sent event: its JSON, and its name where the endpoint names events.
@@ -28,7 +29,7 @@ impl From<String> for SseChunk {
 /// Turns choice events into the JSON chunks of one endpoint.
 pub trait ChunkWriter: Send + 'static {
     /// A chunk: a JSON string (an unnamed event), or an [`SseChunk`].
-    type Chunk: Into<SseChunk> + Send + 'static;
+    type Chunk: Into<SseChunk> + From<String> + Send + 'static;
     /// Whether the stream ends with `data: [DONE]` (the Responses API's streams end with their
     /// `response.completed` event instead).
     const ENDS_WITH_DONE: bool = true;
@@ -38,6 +39,13 @@ pub trait ChunkWriter: Send + 'static {
     fn on_event(&mut self, event: ChoiceEvent) -> Vec<Self::Chunk>;
     /// Chunks after every choice finished (the usage chunk).
     fn finish(&mut self) -> Vec<Self::Chunk>;
+    /// The chunks that end a stream whose generation failed: the endpoint's error object
+    /// (by default OpenAI's, as an unnamed event).
+    fn failed(&mut self, error: &ApiError) -> Vec<Self::Chunk> {
+        vec![serde_json::to_string(&error.body())
+            .expect("error bodies serialize")
+            .into()]
+    }
 }
 
 const DONE: &str = "[DONE]";
@@ -64,12 +72,7 @@ async fn next_chunks<W: ChunkWriter>(
         match d.events.next().await {
             Some(ChoiceEvent::Failed(error)) => {
                 // Dropping `d` here aborts the other choices of this response.
-                let body = serde_json::to_string(&error.body()).expect("error bodies serialize");
-                let error = SseChunk {
-                    event: (!W::ENDS_WITH_DONE).then_some("error"),
-                    data: body,
-                };
-                let mut out = vec![error];
+                let mut out = chunks(d.writer.failed(&error));
                 if W::ENDS_WITH_DONE {
                     out.push(DONE.to_owned().into());
                 }

@@ -3,6 +3,8 @@
 
 use std::sync::Arc;
 
+use serde_json::Value;
+
 use crate::engine::{GenerateRequest, ModelInfo};
 use crate::grammar::TokenConstraint;
 use crate::protocol::SamplingParams;
@@ -377,6 +379,20 @@ fn refuse_unimplemented_extras(x: &UnimplementedExtras) -> Result<(), ApiError> 
 }
 
 /// 400 for a feature this server does not implement: refusing beats silently ignoring it.
+/// `object[name]` as a string, or a 400 naming `param.name`.
+pub fn required_string(param: &str, object: &Value, name: &str) -> Result<String, ApiError> {
+    object
+        .get(name)
+        .and_then(Value::as_str)
+        .map(str::to_owned)
+        .ok_or_else(|| {
+            ApiError::invalid_param(
+                param,
+                format!("`{param}.{name}` is required and must be a string."),
+            )
+        })
+}
+
 pub fn unsupported(param: &str, message: &str) -> ApiError {
     ApiError {
         code: Some("unsupported_parameter"),

@@ -12,6 +12,8 @@ pub struct StopMatcher {
     /// The text ends after the stop string instead of before it (vLLM's
     /// `include_stop_str_in_output`).
     include_stop: bool,
+    /// The stop string that ended the text, once one has.
+    matched: Option<String>,
 }
 
 #[derive(Debug, PartialEq, Eq)]
@@ -30,7 +32,13 @@ impl StopMatcher {
             held: String::new(),
             floor: 0,
             include_stop: false,
+            matched: None,
         }
+    }
+
+    /// The stop string that ended the text (Anthropic's `stop_sequence`), if one did.
+    pub fn matched(&self) -> Option<&str> {
+        self.matched.as_deref()
     }
 
     /// The text a stop string ends keeps the stop string itself.
@@ -63,6 +71,7 @@ impl StopMatcher {
             })
             .min();
         if let Some((end, start)) = first_match {
+            self.matched = Some(self.held[start..end].to_owned());
             let out = self.held[..if self.include_stop { end } else { start }].to_owned();
             self.held.clear();
             self.floor = 0;
@@ -235,5 +244,16 @@ mod tests {
         assert_eq!(m.push("NDyy"), StopOutcome::Stopped("END".into()));
         let mut m = StopMatcher::new(vec!["abcd".into(), "bc".into()]).including_stops(true);
         assert_eq!(m.push("zabcd"), StopOutcome::Stopped("zabc".into()));
+        assert_eq!(m.matched(), Some("bc"));
+    }
+
+    #[test]
+    fn the_matched_stop_string_is_kept() {
+        let mut m = StopMatcher::new(vec!["END".into(), "ab".into()]);
+        assert_eq!(m.matched(), None);
+        m.push("xx E");
+        assert_eq!(m.matched(), None);
+        m.push("NDyy");
+        assert_eq!(m.matched(), Some("END"));
     }
 }
