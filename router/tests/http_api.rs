@@ -2926,6 +2926,28 @@ async fn responses_structured_output_and_sampling_reach_the_engine() {
 }
 
 #[tokio::test]
+async fn responses_reasoning_effort_none_turns_thinking_off() {
+    let h = glm_harness();
+    h.engine.set_reply(Reply::Text("Plain answer.".into()));
+    let v = h
+        .post(
+            "/v1/responses",
+            json!({"input": "hi", "reasoning": {"effort": "none"}}),
+        )
+        .await
+        .json();
+    assert!(rendered_prompt(&h).ends_with("<|assistant|></think>"));
+    assert_eq!(v["output"][0]["content"][0]["text"], "Plain answer.");
+    assert_eq!(v["reasoning"]["effort"], "none");
+    h.post(
+        "/v1/responses",
+        json!({"input": "hi", "reasoning": {"effort": "high"}}),
+    )
+    .await;
+    assert!(rendered_prompt(&h).ends_with("<|assistant|><think>"));
+}
+
+#[tokio::test]
 async fn responses_refuse_what_they_cannot_do() {
     let h = glm_harness();
     let cases = [

@@ -248,9 +248,8 @@ pub fn chat_tool_choice(choice: Option<&Value>) -> Result<(Option<Value>, Option
     Ok((Some(chat), parallel))
 }
 
-/// `thinking` as chat template keyword arguments: `{"type": "enabled"}` / `"disabled"` sets
-/// GLM's `enable_thinking` and DeepSeek-V3.2's `thinking` (a template reads the one it knows),
-/// unless the request's own `chat_template_kwargs` set them. `budget_tokens` is not enforced.
+/// `thinking` as chat template keyword arguments (`template_thinking`): `{"type": "enabled"}`
+/// (or "adaptive") turns thinking on, "disabled" off. `budget_tokens` is not enforced.
 pub fn thinking_kwargs(
     thinking: Option<&Value>,
     kwargs: &mut Map<String, Value>,
@@ -268,10 +267,17 @@ pub fn thinking_kwargs(
             ))
         }
     };
+    template_thinking(kwargs, on);
+    Ok(())
+}
+
+/// Turns the chat template's thinking on or off: GLM's `enable_thinking` and DeepSeek-V3.2's
+/// `thinking` (a template reads the one it knows), unless the request's own
+/// `chat_template_kwargs` set them.
+pub fn template_thinking(kwargs: &mut Map<String, Value>, on: bool) {
     for key in ["enable_thinking", "thinking"] {
         kwargs.entry(key).or_insert(Value::Bool(on));
     }
-    Ok(())
 }
 
 #[cfg(test)]

@@ -5,8 +5,8 @@
 //!
 //! Stateless: nothing is stored, so `store` is answered false, and `previous_response_id` and
 //! item references (which need stored responses) are refused with 400, as are background
-//! runs, built-in tools and non-text inputs. `reasoning` is echoed but not acted on (thinking is
-//! the chat template's: `chat_template_kwargs`, as in chat completions).
+//! runs, built-in tools and non-text inputs. `reasoning.effort` "none" turns the chat template's
+//! thinking off (any other effort on); `chat_template_kwargs` work as in chat completions.
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -17,6 +17,7 @@ use axum::Json;
 use serde::Deserialize;
 use serde_json::{json, Map, Value};
 
+use super::anthropic_input::template_thinking;
 use super::chat::{self, ChatInputs, ChatRun};
 use super::errors::ApiError;
 use super::json_body::read_json;
@@ -45,7 +46,8 @@ pub struct ResponsesRequest {
     pub parallel_tool_calls: Option<bool>,
     /// `{"format": {"type": "text" | "json_object" | "json_schema", ...}}`.
     pub text: Option<Value>,
-    /// `{"effort": ..., "summary": ...}`: echoed, not acted on.
+    /// `{"effort": ..., "summary": ...}`: effort "none" turns the chat template's thinking off,
+    /// any other effort on (`anthropic_input::template_thinking`); echoed back.
     pub reasoning: Option<Value>,
     /// Accepted; nothing is stored whatever it says.
     #[allow(dead_code)]
@@ -142,6 +144,25 @@ fn refuse_unsupported(body: &ResponsesRequest) -> Result<(), ApiError> {
     Ok(())
 }
 
+/// The chat template's keyword arguments with `reasoning.effort`'s thinking switch.
+fn thinking_kwargs(
+    reasoning: Option<&Value>,
+    kwargs: Option<Map<String, Value>>,
+) -> Result<Map<String, Value>, ApiError> {
+    let mut kwargs = kwargs.unwrap_or_default();
+    match reasoning.and_then(|r| r.get("effort")) {
+        None | Some(Value::Null) => {}
+        Some(Value::String(effort)) => template_thinking(&mut kwargs, effort != "none"),
+        Some(_) => {
+            return Err(ApiError::invalid_param(
+                "reasoning.effort",
+                "`reasoning.effort` must be a string.",
+            ))
+        }
+    }
+    Ok(kwargs)
+}
+
 async fn handle(app: AppState, request: Request) -> Result<Response, ApiError> {
     let arrived = Instant::now();
     let mut body: ResponsesRequest =
@@ -162,7 +183,10 @@ async fn handle(app: AppState, request: Request) -> Result<Response, ApiError> {
         sampling: std::mem::take(&mut body.sampling),
         logprobs: None,
         top_logprobs: None,
-        chat_template_kwargs: body.chat_template_kwargs.take(),
+        chat_template_kwargs: Some(thinking_kwargs(
+            body.reasoning.as_ref(),
+            body.chat_template_kwargs.take(),
+        )?),
         add_generation_prompt: None,
     };
     let ChatRun {
