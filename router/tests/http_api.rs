@@ -3258,6 +3258,38 @@ async fn messages_errors_take_anthropics_shape() {
 }
 
 #[tokio::test]
+async fn messages_count_tokens_counts_the_prompt_a_request_renders() {
+    let h = glm_harness();
+    h.engine.set_reply(Reply::Text("Hi.".into()));
+    let request = json!({"max_tokens": 5, "tools": anthropic_tools(), "system": "Be brief.",
+                         "messages": [{"role": "user", "content": "Weather in Paris?"}]});
+    h.post("/v1/messages", request.clone()).await;
+    let prompt = h.engine.submitted.lock()[0].prompt_ids.len() as u64;
+    let r = h.post("/v1/messages/count_tokens", request.clone()).await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.body);
+    assert_eq!(r.json(), json!({"input_tokens": prompt}));
+    // A named tool_choice renders only that tool: a shorter prompt.
+    let mut named = request;
+    named["tool_choice"] = json!({"type": "tool", "name": "get_time"});
+    let n = h.post("/v1/messages/count_tokens", named).await.json()["input_tokens"]
+        .as_u64()
+        .unwrap();
+    assert!(n < prompt, "{n} >= {prompt}");
+    let r = h
+        .post("/v1/messages/count_tokens", json!({"messages": []}))
+        .await;
+    assert_eq!(
+        (r.status, &r.json()["error"]["type"]),
+        (StatusCode::BAD_REQUEST, &json!("invalid_request_error"))
+    );
+    assert_eq!(
+        h.engine.submitted.lock().len(),
+        1,
+        "counting generates nothing"
+    );
+}
+
+#[tokio::test]
 async fn messages_take_the_api_key_as_x_api_key() {
     let h = harness_with(|c| c.api_key = Some("sesame".into()));
     let body = || {

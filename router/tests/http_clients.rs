@@ -330,5 +330,5 @@ async fn every_documented_operation_is_routed() {
             operations += 1;
         }
     }
-    assert_eq!(operations, 12);
+    assert_eq!(operations, 13);
 }

@@ -109,6 +109,14 @@ def test_max_tokens_cut(claude, script):
     assert [block.type for block in out.content] == ["thinking"]
 
 
+def test_count_tokens(claude, script):
+    marker = script.reply("Counted.</think>Yes.")
+    messages = user(f"count {marker}")
+    counted = claude.messages.count_tokens(model="glm", system="Be brief.", messages=messages, tools=[WEATHER])
+    out = claude.messages.create(model="glm", max_tokens=20, system="Be brief.", messages=messages, tools=[WEATHER])
+    assert counted.input_tokens == out.usage.input_tokens + out.usage.cache_read_input_tokens > 0
+
+
 def test_errors_are_anthropics(claude):
     with pytest.raises(anthropic.BadRequestError) as e:
         claude.messages.create(

@@ -5,6 +5,7 @@
 //! `text` and `tool_use` content blocks, whole or streamed (`anthropic_stream`). Errors take
 //! Anthropic's shape, `{"type": "error", "error": {"type", "message"}}`, with the same statuses
 //! as the other endpoints; the API key may come as `x-api-key` (see `auth`).
+//! POST /v1/messages/count_tokens counts the prompt such a request renders.
 
 use std::time::Instant;
 
@@ -23,6 +24,7 @@ use super::json_body::read_json;
 use super::openai_types::{SamplingFields, StopInput, ToolCall, Usage};
 use super::responses_object::new_id;
 use super::sse::sse_response;
+use super::tool_choice::ToolChoice;
 use super::validation::{check_model, unsupported};
 use super::AppState;
 
@@ -90,8 +92,9 @@ pub fn error_body(e: &ApiError) -> String {
     serde_json::to_string(&body).expect("error bodies serialize")
 }
 
-pub async fn handler(State(app): State<AppState>, request: Request) -> Response {
-    match handle(app, request).await {
+/// A handler's result, errors in Anthropic's shape.
+fn respond(result: Result<Response, ApiError>) -> Response {
+    match result {
         Ok(response) => response,
         Err(e) => {
             // The status and headers (Retry-After) of the OpenAI-shaped error, Anthropic's body.
@@ -101,6 +104,44 @@ pub async fn handler(State(app): State<AppState>, request: Request) -> Response 
             response
         }
     }
+}
+
+pub async fn handler(State(app): State<AppState>, request: Request) -> Response {
+    respond(handle(app, request).await)
+}
+
+/// POST /v1/messages/count_tokens: `{"input_tokens": n}`, the length of the prompt a
+/// /v1/messages request with the same system, messages, tools and thinking would render.
+pub async fn count_tokens(State(app): State<AppState>, request: Request) -> Response {
+    respond(handle_count(app, request).await)
+}
+
+async fn handle_count(app: AppState, request: Request) -> Result<Response, ApiError> {
+    let body: MessagesRequest =
+        read_json(request, app.cfg.max_body_bytes, app.cfg.body_timeout).await?;
+    check_model(body.model.as_deref(), &app.cfg.served_model_name)?;
+    let messages = chat_messages(body.system.as_ref(), body.messages.as_deref())?;
+    let messages = chat::normalize_messages(messages)?;
+    let tools = body.tools.as_deref().map(chat_tools).transpose()?;
+    let (choice, _) = chat_tool_choice(body.tool_choice.as_ref())?;
+    let choice = ToolChoice::from_request(
+        choice.as_ref(),
+        tools.as_deref(),
+        app.cfg.tool_call_parser.is_some(),
+    )?;
+    let mut kwargs = body.chat_template_kwargs.unwrap_or_default();
+    thinking_kwargs(body.thinking.as_ref(), &mut kwargs)?;
+    let rendered_tools = choice.rendered_tools(tools);
+    let (ids, _) = chat::chat_prompt(
+        &app.tokenizer,
+        messages,
+        rendered_tools,
+        true,
+        kwargs,
+        false,
+    )
+    .await?;
+    Ok(Json(json!({"input_tokens": ids.len()})).into_response())
 }
 
 #[derive(Debug, Serialize)]

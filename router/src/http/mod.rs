@@ -202,6 +202,7 @@ pub fn router(
         .route("/v1/chat/completions", post(chat::handler))
         .route("/v1/responses", post(responses::handler))
         .route("/v1/messages", post(anthropic::handler))
+        .route("/v1/messages/count_tokens", post(anthropic::count_tokens))
         .route("/v1/models", get(routes::models))
         .route("/v1/models/{*model}", get(routes::model))
         .route("/tokenize", post(tokenize::tokenize))

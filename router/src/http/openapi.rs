@@ -53,14 +53,18 @@ pub fn document(limits: &ServerLimits) -> Value {
     }
     let messages = &mut schemas["MessagesRequest"]["properties"];
     messages["max_tokens"]["maximum"] = max_new;
-    if !limits.forced_tool_choice {
-        messages["tool_choice"]["properties"]["type"]["enum"] = json!(["auto", "none"]);
+    for request in ["MessagesRequest", "MessagesCountRequest"] {
+        if !limits.forced_tool_choice {
+            let choice = &mut schemas[request]["properties"]["tool_choice"];
+            choice["properties"]["type"]["enum"] = json!(["auto", "none"]);
+        }
     }
     for request in [
         "CompletionRequest",
         "ChatCompletionRequest",
         "ResponsesRequest",
         "MessagesRequest",
+        "MessagesCountRequest",
         "TokenizeRequest",
         "DetokenizeRequest",
     ] {
