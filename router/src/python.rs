@@ -11,9 +11,17 @@ use pyo3::prelude::*;
 use crate::engine::Startup;
 use crate::server::{RouterConfig, RunningServer};
 
+/// What `start` needs, gathered before the workers say hello.
+struct Prepared {
+    startup: Box<Startup>,
+    config: RouterConfig,
+    /// The HTTP port, bound in `new`: held from before the first worker starts.
+    listener: std::net::TcpListener,
+}
+
 enum State {
-    Starting(Box<Startup>, RouterConfig),
-    Ready(Box<Startup>, RouterConfig, crate::engine::WorkersInfo),
+    Starting(Prepared),
+    Ready(Prepared, crate::engine::WorkersInfo),
     Running(RunningServer),
     Stopped,
 }
@@ -34,7 +42,7 @@ fn err(e: impl std::fmt::Display) -> PyErr {
 
 #[pymethods]
 impl Router {
-    /// Parses the JSON configuration and binds the worker sockets.
+    /// Parses the JSON configuration and binds the worker sockets and the HTTP port.
     #[new]
     fn new(config_json: &str) -> PyResult<Self> {
         let config: RouterConfig = serde_json::from_str(config_json).map_err(err)?;
@@ -44,10 +52,17 @@ impl Router {
         config
             .sampling_defaults()
             .map_err(|e| err(format!("{e:#}")))?;
+        let listener =
+            crate::http::bind_port(&config.host, config.port).map_err(|e| err(format!("{e:#}")))?;
         let (endpoints, tp) = (config.endpoints(), config.tp);
-        let startup = Startup::bind(&endpoints, tp).map_err(err)?;
+        let startup = Box::new(Startup::bind(&endpoints, tp).map_err(err)?);
+        let prepared = Prepared {
+            startup,
+            config,
+            listener,
+        };
         Ok(Self {
-            state: Arc::new(Mutex::new(State::Starting(Box::new(startup), config))),
+            state: Arc::new(Mutex::new(State::Starting(prepared))),
             endpoints,
             tp,
             restarting: Arc::new(Mutex::new(None)),
@@ -62,23 +77,26 @@ impl Router {
             let mut guard = state.lock();
             let taken = std::mem::replace(&mut *guard, State::Stopped);
             match taken {
-                State::Starting(mut startup, config) => {
-                    match startup.poll_ready(Duration::from_secs_f64(timeout_s)) {
+                State::Starting(mut prepared) => {
+                    match prepared
+                        .startup
+                        .poll_ready(Duration::from_secs_f64(timeout_s))
+                    {
                         Ok(Some(info)) => {
                             let json = crate::server::workers_json(&info);
-                            *guard = State::Ready(startup, config, info);
+                            *guard = State::Ready(prepared, info);
                             Ok(Some(json))
                         }
                         Ok(None) => {
-                            *guard = State::Starting(startup, config);
+                            *guard = State::Starting(prepared);
                             Ok(None)
                         }
                         Err(e) => Err(err(format!("{e:#}"))),
                     }
                 }
-                State::Ready(s, c, info) => {
+                State::Ready(prepared, info) => {
                     let json = crate::server::workers_json(&info);
-                    *guard = State::Ready(s, c, info);
+                    *guard = State::Ready(prepared, info);
                     Ok(Some(json))
                 }
                 other => {
@@ -95,8 +113,13 @@ impl Router {
         py.detach(move || {
             let mut guard = state.lock();
             match std::mem::replace(&mut *guard, State::Stopped) {
-                State::Ready(startup, config, info) => {
-                    let server = RunningServer::start(*startup, &config, &info)
+                State::Ready(prepared, info) => {
+                    let Prepared {
+                        startup,
+                        config,
+                        listener,
+                    } = prepared;
+                    let server = RunningServer::start(*startup, &config, &info, listener)
                         .map_err(|e| err(format!("{e:#}")))?;
                     *guard = State::Running(server);
                     Ok(())
@@ -180,8 +203,8 @@ impl Router {
             }
             match std::mem::replace(&mut *state.lock(), State::Stopped) {
                 State::Running(server) => server.shutdown(),
-                State::Starting(startup, _) | State::Ready(startup, _, _) => {
-                    startup.shutdown_workers()
+                State::Starting(prepared) | State::Ready(prepared, _) => {
+                    prepared.startup.shutdown_workers()
                 }
                 State::Stopped => {}
             }

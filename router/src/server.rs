@@ -195,7 +195,13 @@ pub struct RunningServer {
 }
 
 impl RunningServer {
-    pub fn start(startup: Startup, config: &RouterConfig, workers: &WorkersInfo) -> Result<Self> {
+    /// Serves on `listener`, the port `bind_http_port` bound when the router was built.
+    pub fn start(
+        startup: Startup,
+        config: &RouterConfig,
+        workers: &WorkersInfo,
+        listener: std::net::TcpListener,
+    ) -> Result<Self> {
         let tokenizer = Arc::new(
             TokenizerBundle::from_model_dir(&config.model_path).with_context(|| {
                 format!("loading the tokenizer of {}", config.model_path.display())
@@ -212,13 +218,11 @@ impl RunningServer {
             .build()?;
         let (stop_tx, stop_rx) = oneshot::channel::<()>();
         let (done_tx, done_rx) = oneshot::channel();
-        // Bind before returning, so a port in use is a startup error, not a log line.
-        let listener = runtime
-            .block_on(tokio::net::TcpListener::bind((
-                config.host.as_str(),
-                config.port,
-            )))
-            .with_context(|| format!("binding {}:{}", config.host, config.port))?;
+        let listener = {
+            let _in_runtime = runtime.enter();
+            listener.set_nonblocking(true)?;
+            tokio::net::TcpListener::from_std(listener)?
+        };
         let engine_dyn: Arc<dyn crate::engine::Engine> = engine.clone();
         runtime.spawn(async move {
             let shutdown = async move {

@@ -78,17 +78,32 @@ class ServerProcess:
     """`python -m nsaserve serve ...` with its own TMPDIR (so its runtime directory can be
     checked), output captured, stopped with SIGTERM."""
 
+    # Launches when the port picked turned out taken by the time serve bound it.
+    PORT_ATTEMPTS = 3
+
     def __init__(self, *args: str, startup_timeout: float = 240.0):
-        self.port = free_port()
+        self.args = args
         self.tmp = tempfile.TemporaryDirectory()
+        self.startup_timeout = startup_timeout
+        self.has_model_path = any(a.startswith("--model-path") or a.startswith("--model=") for a in args)
+        self.attempts = 0
+        self._launch()
+
+    def _launch(self) -> None:
+        # free_port() only finds a port free now: another process can take it before serve
+        # binds it (serve binds before starting any worker, so that window is its start-up).
+        self.attempts += 1
+        self.port = free_port()
         env = dict(os.environ, TMPDIR=self.tmp.name, PYTHONUNBUFFERED="1")
-        cmd = [sys.executable, "-m", "nsaserve", "serve", f"--port={self.port}", *args]
+        cmd = [sys.executable, "-m", "nsaserve", "serve", f"--port={self.port}", *self.args]
         self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self.lines: list[str] = []
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
-        self.startup_timeout = startup_timeout
-        self.has_model_path = any(a.startswith("--model-path") or a.startswith("--model=") for a in args)
+
+    def _lost_its_port(self) -> bool:
+        """Serve exited because the port picked was taken in the meantime."""
+        return any(f"binding 127.0.0.1:{self.port}" in line and "in use" in line for line in self.lines)
 
     def _read(self) -> None:
         for line in self.proc.stdout:
@@ -106,6 +121,10 @@ class ServerProcess:
         deadline = time.monotonic() + self.startup_timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
+                self._reader.join(timeout=5)
+                if self._lost_its_port() and self.attempts < self.PORT_ATTEMPTS:
+                    self._launch()
+                    continue
                 raise AssertionError(f"serve exited with {self.proc.returncode}:\n{self.output}")
             # Serving the embedded model, serve sends one sample request of its own first.
             if any("nsaserve ready" in line for line in self.lines) and (

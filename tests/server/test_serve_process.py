@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import time
 
 import pytest
@@ -44,6 +45,22 @@ def test_bad_model_path_exits_nonzero_with_the_reason(start_server, tmp_path):
     assert server.wait_exit() == 1
     errors = [line for line in server.lines if line.startswith("nsaserve: error:")]
     assert len(errors) == 1 and str(missing) in errors[0], server.output
+
+
+def test_a_port_in_use_is_refused_in_one_line_before_any_worker_starts(start_server):
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        # The later --port wins over the one the harness picked.
+        server = start_server(f"--port={port}", ready=False)
+        t0 = time.monotonic()
+        assert server.wait_exit() == 1
+    errors = [line for line in server.lines if line.startswith("nsaserve: error:")]
+    assert len(errors) == 1 and f"binding 127.0.0.1:{port}" in errors[0] and "in use" in errors[0], server.output
+    # Refused while the router is built: no worker started, no weights loaded.
+    assert not any("Loading weights" in line for line in server.lines), server.output
+    assert time.monotonic() - t0 < 30
 
 
 def test_a_worker_that_fails_to_load_reports_its_own_error(start_server, tmp_path):

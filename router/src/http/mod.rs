@@ -53,6 +53,7 @@ mod connections;
 mod errors;
 mod generation;
 mod json_body;
+mod listen_port;
 mod logprobs;
 mod openai_types;
 mod openapi;
@@ -85,6 +86,7 @@ use crate::parsers::{ReasoningParserKind, ToolParserKind};
 use crate::tokenizer::TokenizerBundle;
 
 pub use errors::ApiError;
+pub use listen_port::bind_port;
 pub use sampling_defaults::{SamplingDefaults, SamplingDefaultsSource};
 pub use validation::Limits;
 
