@@ -224,15 +224,16 @@ class Supervisor:
     def serve_forever(self) -> int:
         self.router.start()
         a, i = self.args, self.info
+        port = self.router.http_port  # the one bound: `--port 0` picks a free one
         print(
-            f"nsaserve ready: http://{a.host}:{a.port}/v1 serving {i['model_id']} as "
+            f"nsaserve ready: http://{a.host}:{port}/v1 serving {i['model_id']} as "
             f"{router_config(a, self.runtime_dir, self.model_path)['served_model_name']} "
             f"(tp {i['tp_size']}, {self.device}, {self._kv_pages_said()} of {i['page_size']} tokens)",
             flush=True,
         )
         if Path(self.model_path) == EMBEDDED_MODEL:
             # On its own thread: a worker that dies meanwhile is noticed at once, not after it.
-            threading.Thread(target=show_sample_completion, args=(a.host, a.port, a.api_key), daemon=True).start()
+            threading.Thread(target=show_sample_completion, args=(a.host, port, a.api_key), daemon=True).start()
         # Until signalled. A dead or silent worker fails every open request and turns /health
         # red (the router answers 503 from then on); the HTTP server stays up so load balancers
         # see it. Then the worker group is restarted, unless that is off or keeps failing.

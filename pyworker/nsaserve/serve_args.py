@@ -95,7 +95,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
 
     h = p.add_argument_group("HTTP")
     h.add_argument("--host", default="127.0.0.1", help="address to bind (use 0.0.0.0 to listen on all interfaces)")
-    h.add_argument("--port", type=int, default=30000)
+    h.add_argument("--port", type=int, default=30000, help="port to listen on (0: a free one, named in the ready line)")
     h.add_argument("--api-key", default=None, help="require 'Authorization: Bearer <key>' on API requests")
     h.add_argument("--max-request-bytes", type=int, default=32 * 1024 * 1024, help="larger request bodies get 413")
     h.add_argument("--max-connections", type=int, default=4096, help="open connections at most; at the cap the longest-idle one is closed for a new one")

@@ -32,6 +32,9 @@ pub struct Router {
     /// Where restarted workers connect: the same endpoints, bound afresh.
     endpoints: crate::transport::Endpoints,
     tp: u32,
+    /// The HTTP port bound (the one asked for, or the one picked for `--port 0`).
+    #[pyo3(get)]
+    http_port: u16,
     /// A replacement worker group's sockets, between `begin_restart` and its last hello.
     restarting: Arc<Mutex<Option<Box<Startup>>>>,
 }
@@ -54,6 +57,7 @@ impl Router {
             .map_err(|e| err(format!("{e:#}")))?;
         let listener =
             crate::http::bind_port(&config.host, config.port).map_err(|e| err(format!("{e:#}")))?;
+        let http_port = listener.local_addr().map_err(err)?.port();
         let (endpoints, tp) = (config.endpoints(), config.tp);
         let startup = Box::new(Startup::bind(&endpoints, tp).map_err(err)?);
         let prepared = Prepared {
@@ -65,6 +69,7 @@ impl Router {
             state: Arc::new(Mutex::new(State::Starting(prepared))),
             endpoints,
             tp,
+            http_port,
             restarting: Arc::new(Mutex::new(None)),
         })
     }

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -26,12 +25,6 @@ def gpus_short_of(tp: int) -> bool:
     import torch
 
     return torch.cuda.device_count() < tp
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def descendants(pid: int) -> set[int]:
@@ -78,32 +71,19 @@ class ServerProcess:
     """`python -m nsaserve serve ...` with its own TMPDIR (so its runtime directory can be
     checked), output captured, stopped with SIGTERM."""
 
-    # Launches when the port picked turned out taken by the time serve bound it.
-    PORT_ATTEMPTS = 3
-
     def __init__(self, *args: str, startup_timeout: float = 240.0):
-        self.args = args
+        # Port 0: serve binds a free port itself and names it in its ready line. (A port
+        # picked here and passed in could be taken by another process before serve binds it.)
+        self.port: int | None = None
         self.tmp = tempfile.TemporaryDirectory()
-        self.startup_timeout = startup_timeout
-        self.has_model_path = any(a.startswith("--model-path") or a.startswith("--model=") for a in args)
-        self.attempts = 0
-        self._launch()
-
-    def _launch(self) -> None:
-        # free_port() only finds a port free now: another process can take it before serve
-        # binds it (serve binds before starting any worker, so that window is its start-up).
-        self.attempts += 1
-        self.port = free_port()
         env = dict(os.environ, TMPDIR=self.tmp.name, PYTHONUNBUFFERED="1")
-        cmd = [sys.executable, "-m", "nsaserve", "serve", f"--port={self.port}", *self.args]
+        cmd = [sys.executable, "-m", "nsaserve", "serve", "--port=0", *args]
         self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self.lines: list[str] = []
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
-
-    def _lost_its_port(self) -> bool:
-        """Serve exited because the port picked was taken in the meantime."""
-        return any(f"binding 127.0.0.1:{self.port}" in line and "in use" in line for line in self.lines)
+        self.startup_timeout = startup_timeout
+        self.has_model_path = any(a.startswith("--model-path") or a.startswith("--model=") for a in args)
 
     def _read(self) -> None:
         for line in self.proc.stdout:
@@ -121,15 +101,12 @@ class ServerProcess:
         deadline = time.monotonic() + self.startup_timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                self._reader.join(timeout=5)
-                if self._lost_its_port() and self.attempts < self.PORT_ATTEMPTS:
-                    self._launch()
-                    continue
                 raise AssertionError(f"serve exited with {self.proc.returncode}:\n{self.output}")
+            ready = [line for line in self.lines if line.startswith("nsaserve ready: ")]
             # Serving the embedded model, serve sends one sample request of its own first.
-            if any("nsaserve ready" in line for line in self.lines) and (
-                self.has_model_path or any("sample completion" in line for line in self.lines)
-            ):
+            if ready and (self.has_model_path or any("sample completion" in line for line in self.lines)):
+                # "nsaserve ready: http://HOST:PORT/v1 serving ..."
+                self.port = int(ready[0].split()[2].rsplit(":", 1)[1].split("/")[0])
                 return self
             time.sleep(0.1)
         raise AssertionError(f"serve not ready after {self.startup_timeout} s:\n{self.output}")

@@ -52,7 +52,7 @@ def test_a_port_in_use_is_refused_in_one_line_before_any_worker_starts(start_ser
         held.bind(("127.0.0.1", 0))
         held.listen()
         port = held.getsockname()[1]
-        # The later --port wins over the one the harness picked.
+        # The later --port wins over the harness's --port=0.
         server = start_server(f"--port={port}", ready=False)
         t0 = time.monotonic()
         assert server.wait_exit() == 1
