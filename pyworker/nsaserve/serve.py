@@ -131,6 +131,9 @@ def router_config(args, runtime_dir: str | None, model_path: str) -> dict:
         "disable_radix_cache": args.disable_radix_cache,
         "disable_overlap_schedule": args.disable_overlap_schedule,
         "enable_dp_attention": args.enable_dp_attention,
+        "enable_priority_scheduling": args.enable_priority_scheduling,
+        "schedule_low_priority_values_first": args.schedule_low_priority_values_first,
+        "priority_scheduling_preemption_threshold": args.priority_scheduling_preemption_threshold,
         "heartbeat_timeout_s": args.heartbeat_timeout,
         "log_level": args.log_level,
         "reasoning_parser": args.reasoning_parser,
@@ -152,6 +155,10 @@ class Supervisor:
         self.restarts: list[float] = []
 
     def start(self) -> None:
+        if not 0 <= self.args.priority_scheduling_preemption_threshold < 2**32:
+            raise ServeError(
+                f"--priority-scheduling-preemption-threshold must be a non-negative integer, got {self.args.priority_scheduling_preemption_threshold}"
+            )
         if self.args.enable_dp_attention and self.args.tp < 2:
             raise ServeError(f"--enable-dp-attention needs --tp >= 2, got --tp {self.args.tp}")
         from ._router import Router

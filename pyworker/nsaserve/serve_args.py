@@ -78,6 +78,18 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--max-prefill-tokens", type=int, default=16384, help="prompt tokens per step")
     s.add_argument("--chunked-prefill-size", type=int, default=8192, help="split longer prompts into chunks of this size; -1 disables")
     s.add_argument("--disable-radix-cache", action="store_true", help="do not reuse cached prompt prefixes")
+    s.add_argument(
+        "--enable-priority-scheduling",
+        action="store_true",
+        help="order waiting and running requests by their `priority` field (larger first), arrival breaking ties; a waiting request that cannot be admitted preempts running ones less urgent by the threshold (without this flag `priority` is ignored)",
+    )
+    s.add_argument("--schedule-low-priority-values-first", action="store_true", help="with priority scheduling, smaller `priority` values go first")
+    s.add_argument(
+        "--priority-scheduling-preemption-threshold",
+        type=int,
+        default=10,
+        help="how much more urgent a waiting request must be to preempt a running one",
+    )
     s.add_argument("--disable-cuda-graph", action="store_true", help="run decode steps eagerly, without CUDA graphs")
     s.add_argument("--cuda-graph-bs", type=int, nargs="+", default=None, help="the decode batch sizes captured as CUDA graphs, instead of the default buckets up to --cuda-graph-max-bs (each is one capture per context bucket; fewer shorten startup, a batch runs in the next size up; per rank with --enable-dp-attention)")
     s.add_argument("--cuda-graph-max-bs", type=int, default=256, help="largest decode batch captured as a CUDA graph (graphs need graph-safe kernel backends)")

@@ -197,6 +197,7 @@ fn schedule_times(
         disable_radix_cache: true,
         max_context: 16_384,
         max_waiting: batch,
+        priority: None,
     };
     let mut sched = Scheduler::new(cfg);
     for id in 0..batch as u64 {
@@ -211,6 +212,7 @@ fn schedule_times(
             prompt_logprobs: false,
             allowed_tokens: None,
             constraint: constraint.cloned(),
+            priority: 0,
         };
         sched.submit(id, req).unwrap();
     }

@@ -147,6 +147,7 @@ fn run(overlap: bool) -> Run {
                     prompt_logprobs: false,
                     allowed_tokens: None,
                     constraint: None,
+                    priority: 0,
                 })
                 .expect("admitted")
         })

@@ -67,6 +67,7 @@ fn main() {
         disable_radix_cache: false,
         max_context: 16_384,
         max_waiting: REQUESTS,
+        priority: None,
     };
     let mut sched = Scheduler::new(cfg.clone());
     for id in 0..REQUESTS as u64 {
@@ -83,6 +84,7 @@ fn main() {
             prompt_logprobs: false,
             allowed_tokens: None,
             constraint: None,
+            priority: 0,
         };
         sched.submit(id, req).expect("fits");
     }

@@ -180,6 +180,7 @@ fn run(
                     prompt_logprobs: false,
                     allowed_tokens: None,
                     constraint: Some(compiler.compile(&spec, false).unwrap()),
+                    priority: 0,
                 })
                 .expect("admitted")
         })

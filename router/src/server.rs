@@ -13,6 +13,7 @@ use crate::engine::{EngineHandle, EngineLimits, Startup, WorkersInfo};
 use crate::http::{serve_listener, HttpConfig, SamplingDefaults, SamplingDefaultsSource};
 use crate::metrics::Metrics;
 use crate::parsers::{ReasoningParserKind, ToolParserKind};
+use crate::scheduler::PriorityPolicy;
 use crate::tokenizer::TokenizerBundle;
 use crate::transport::Endpoints;
 
@@ -65,6 +66,21 @@ pub struct RouterConfig {
     /// (the model's `generation_config.json`, as vLLM and SGLang do).
     #[serde(default)]
     pub sampling_defaults: SamplingDefaultsSource,
+    /// `--enable-priority-scheduling`: requests' `priority` orders admission and preemption.
+    #[serde(default)]
+    pub enable_priority_scheduling: bool,
+    /// `--schedule-low-priority-values-first`: smaller `priority` values go first.
+    #[serde(default)]
+    pub schedule_low_priority_values_first: bool,
+    /// `--priority-scheduling-preemption-threshold`: how much more urgent a waiting request must
+    /// be to preempt a running one.
+    #[serde(default = "default_preemption_threshold")]
+    pub priority_scheduling_preemption_threshold: u32,
+}
+
+/// SGLang's default for `--priority-scheduling-preemption-threshold`.
+fn default_preemption_threshold() -> u32 {
+    10
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -158,6 +174,10 @@ impl RouterConfig {
             } else {
                 1
             },
+            priority: self.enable_priority_scheduling.then_some(PriorityPolicy {
+                low_values_first: self.schedule_low_priority_values_first,
+                preemption_threshold: self.priority_scheduling_preemption_threshold,
+            }),
         }
     }
 }

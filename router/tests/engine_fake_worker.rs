@@ -229,6 +229,7 @@ fn start_engine_dp(behaviour: Behaviour, overlap: bool, dp_size: usize) -> Start
         heartbeat_timeout: Duration::from_millis(1500),
         disable_overlap_schedule: !overlap,
         dp_size,
+        priority: None,
     };
     let metrics = Arc::new(Metrics::new());
     let engine = EngineHandle::start(startup, &workers, &limits, metrics.clone());
@@ -254,6 +255,7 @@ fn request(prompt: Vec<i32>, max_new_tokens: u32, stop: Vec<i32>) -> GenerateReq
         prompt_logprobs: false,
         allowed_tokens: None,
         constraint: None,
+        priority: 0,
     }
 }
 

@@ -1535,6 +1535,55 @@ async fn min_tokens_reaches_the_engine_and_bad_values_are_refused() {
 }
 
 #[tokio::test]
+async fn priority_reaches_the_engine_on_every_endpoint_and_bad_values_are_refused() {
+    let h = harness();
+    let msgs = json!([{"role": "user", "content": "x"}]);
+    let cases = [
+        (
+            "/v1/completions",
+            json!({"prompt": "x", "max_tokens": 2, "priority": -7}),
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"messages": msgs, "max_tokens": 2, "priority": -7}),
+        ),
+        (
+            "/v1/responses",
+            json!({"input": "x", "max_output_tokens": 2, "priority": -7}),
+        ),
+        (
+            "/v1/messages",
+            json!({"messages": msgs, "max_tokens": 2, "priority": -7}),
+        ),
+    ];
+    for (path, body) in cases {
+        let r = h.post(path, body).await;
+        assert_eq!(r.status, StatusCode::OK, "{path}: {}", r.body);
+        assert_eq!(
+            h.engine.submitted.lock().last().unwrap().priority,
+            -7,
+            "{path}"
+        );
+    }
+    let r = h
+        .post("/v1/completions", json!({"prompt": "x", "max_tokens": 2}))
+        .await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.body);
+    assert_eq!(h.engine.submitted.lock().last().unwrap().priority, 0);
+    for bad in [json!(1_i64 << 40), json!(1.5), json!("high")] {
+        let r = h
+            .post("/v1/completions", json!({"prompt": "x", "priority": bad}))
+            .await;
+        assert_eq!(r.status, StatusCode::BAD_REQUEST, "{bad}: {}", r.body);
+    }
+    assert_eq!(
+        h.engine.submitted.lock().len(),
+        5,
+        "no bad request reached the engine"
+    );
+}
+
+#[tokio::test]
 async fn unsupported_features_are_refused_not_ignored() {
     let h = harness();
     let c = "/v1/completions";

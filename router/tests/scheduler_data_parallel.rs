@@ -12,7 +12,9 @@ use std::collections::{HashMap, HashSet};
 
 use nsaserve_router::engine::{GenerateEvent, GenerateRequest, RequestId, SubmitError};
 use nsaserve_router::protocol::{BatchPlan, SamplingParams};
-use nsaserve_router::scheduler::{DataParallelScheduler, Scheduler, SchedulerConfig};
+use nsaserve_router::scheduler::{
+    DataParallelScheduler, PriorityPolicy, Scheduler, SchedulerConfig,
+};
 use scheduler_common::*;
 
 fn seq(n: usize, base: i32) -> Vec<i32> {
@@ -465,7 +467,17 @@ fn random_case(seed: u64, ranks: usize, overlap: bool) {
         disable_radix_cache: rng.below(4) == 0,
         max_context: 64,
         max_waiting: 24,
+        priority: None,
     };
+    // Priority scheduling in a third of the cases, drawn apart so the other draws stay as
+    // they were: small thresholds, so victims (in flight or not) are chosen often.
+    let mut prio_rng = Rng::new(seed ^ 0x5eed_9e1a);
+    if prio_rng.below(3) == 0 {
+        cfg.priority = Some(PriorityPolicy {
+            low_values_first: prio_rng.below(2) == 0,
+            preemption_threshold: prio_rng.below(4) as u32,
+        });
+    }
     if cfg.max_prefill_tokens < ranks {
         cfg.max_prefill_tokens = ranks;
     }
@@ -490,6 +502,7 @@ fn random_case(seed: u64, ranks: usize, overlap: bool) {
                     req.stop_token_ids.push(rng.below(VOCAB) as i32);
                 }
                 req.prompt_logprobs = rng.below(7) == 0;
+                req.priority = prio_rng.below(8) as i32;
                 if rng.below(5) == 0 {
                     req.sampling = SamplingParams {
                         frequency_penalty: 0.5,

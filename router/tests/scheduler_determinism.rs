@@ -22,6 +22,7 @@ fn cfg(radix: bool, chunk: Option<usize>) -> SchedulerConfig {
         disable_radix_cache: !radix,
         max_context: 1024,
         max_waiting: 10_000,
+        priority: None,
     }
 }
 

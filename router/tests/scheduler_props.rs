@@ -62,6 +62,7 @@ fn cfg() -> impl Strategy<Value = SchedulerConfig> {
                 disable_radix_cache: no_radix,
                 max_context: 64,
                 max_waiting: 16,
+                priority: None,
             },
         )
 }

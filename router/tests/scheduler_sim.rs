@@ -9,10 +9,10 @@ mod scheduler_common;
 use std::collections::{HashMap, HashSet};
 
 use nsaserve_router::engine::GenerateRequest;
-use nsaserve_router::scheduler::{Scheduler, SchedulerConfig};
+use nsaserve_router::scheduler::{PriorityPolicy, Scheduler, SchedulerConfig};
 use scheduler_common::*;
 
-fn simulate(total: usize, seed: u64, overlap: bool) {
+fn simulate(total: usize, seed: u64, overlap: bool, priority: Option<PriorityPolicy>) {
     let cfg = SchedulerConfig {
         page_size: 16,
         num_pages: 120,
@@ -22,6 +22,7 @@ fn simulate(total: usize, seed: u64, overlap: bool) {
         disable_radix_cache: false,
         max_context: 2048,
         max_waiting: 1_000_000,
+        priority,
     };
     let mut rng = Rng::new(seed);
     let systems: Vec<Vec<i32>> = (0..8)
@@ -49,6 +50,9 @@ fn simulate(total: usize, seed: u64, overlap: bool) {
             prompt.extend((0..1 + rng.below(200)).map(|_| rng.below(VOCAB) as i32));
             let mut req = request(prompt, 1 + rng.below(160) as u32, stops.clone());
             req.prompt_logprobs = rng.below(50) == 0;
+            // Under priority scheduling: urgencies 0-39, so some pairs differ by more than
+            // the threshold and preempt, others do not.
+            req.priority = rng.below(40) as i32;
             let id = reqs.len() as u64;
             s.submit(id, req.clone())
                 .expect("every simulated request fits");
@@ -104,16 +108,28 @@ fn simulate(total: usize, seed: u64, overlap: bool) {
 
 #[test]
 fn two_thousand_requests_all_end_and_the_pool_returns() {
-    simulate(2_000, 1, false);
+    simulate(2_000, 1, false, None);
 }
 
 #[test]
 fn two_thousand_requests_with_overlap_all_end_and_the_pool_returns() {
-    simulate(2_000, 1, true);
+    simulate(2_000, 1, true, None);
+}
+
+#[test]
+fn two_thousand_prioritised_requests_all_end_and_the_pool_returns() {
+    let policy = |low_values_first| {
+        Some(PriorityPolicy {
+            low_values_first,
+            preemption_threshold: 10,
+        })
+    };
+    simulate(2_000, 3, false, policy(false));
+    simulate(2_000, 3, true, policy(true));
 }
 
 #[test]
 #[ignore = "long: about ten times the default simulation"]
 fn ten_thousand_requests_all_end_and_the_pool_returns() {
-    simulate(10_000, 2, true);
+    simulate(10_000, 2, true, None);
 }

@@ -92,6 +92,7 @@ pub fn start(
         heartbeat_timeout: Duration::from_secs(60),
         disable_overlap_schedule: !overlap,
         dp_size: 1,
+        priority: None,
     };
     let engine = EngineHandle::start(startup, &workers, &limits, Arc::new(Metrics::new()));
     FakeEngine {

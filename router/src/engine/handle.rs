@@ -34,6 +34,8 @@ pub struct EngineLimits {
     /// Each rank has its own pool of the pages the workers report, so the router plans over
     /// `dp_size` times as many.
     pub dp_size: usize,
+    /// Priority scheduling; `None`: first come, first served.
+    pub priority: Option<crate::scheduler::PriorityPolicy>,
 }
 
 pub struct EngineHandle {
@@ -103,6 +105,7 @@ impl Run {
                 disable_radix_cache: limits.disable_radix_cache,
                 max_context: workers.max_context,
                 max_waiting: limits.max_waiting,
+                priority: limits.priority,
             },
             dp_size,
         );

@@ -28,6 +28,9 @@ pub struct GenerateRequest {
     pub allowed_tokens: Option<Arc<Vec<u32>>>,
     /// Structured output: the grammar the generated tokens must follow, compiled.
     pub constraint: Option<TokenConstraint>,
+    /// The request's `priority` (0 when it sets none). Used only under priority scheduling,
+    /// where the policy says whether larger or smaller values go first.
+    pub priority: i32,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -65,6 +65,9 @@ pub struct SamplingFields {
     pub include_stop_str_in_output: Option<bool>,
     /// vLLM's: false shows special tokens (chat markers, EOS) in the text. Default true.
     pub skip_special_tokens: Option<bool>,
+    /// vLLM's / SGLang's scheduling priority (an integer, default 0); ordered only under
+    /// `--enable-priority-scheduling`, ignored otherwise (as SGLang does).
+    pub priority: Option<i64>,
     /// vLLM / SGLang request extras that would change the output and are not implemented:
     /// refused with a 400 when set to anything but their no-op value, never silently ignored.
     #[serde(flatten)]

@@ -45,6 +45,8 @@ pub struct Validated {
     pub allowed_tokens: Option<Arc<Vec<u32>>>,
     /// The structured output asked for (compiled by the endpoint, which knows the prompt).
     pub constraint: Option<RequestedConstraint>,
+    /// `priority` (0 when not given).
+    pub priority: i32,
     pub stream: bool,
     pub include_usage: bool,
 }
@@ -263,6 +265,15 @@ pub fn validate_sampling(
         }
     };
     let min_tokens = check_min_tokens(f, max_tokens)?;
+    let priority = match f.priority {
+        None => 0,
+        Some(p) => i32::try_from(p).map_err(|_| {
+            ApiError::invalid_param(
+                "priority",
+                format!("`priority` must be a 32-bit integer, got {p}."),
+            )
+        })?,
+    };
     refuse_unimplemented_extras(&f.unimplemented_extras)?;
     let constraint = f.structured.requested()?;
     if let Some(c) = constraint.as_ref().filter(|_| min_tokens > 0) {
@@ -316,6 +327,7 @@ pub fn validate_sampling(
         include_stop: f.include_stop_str_in_output.unwrap_or(false),
         skip_special_tokens: f.skip_special_tokens.unwrap_or(true),
         constraint,
+        priority,
         stream,
         include_usage: f
             .stream_options
@@ -474,6 +486,7 @@ pub fn generate_requests(
                 allowed_tokens: v.allowed_tokens.clone(),
                 // Each sample advances its own copy of the grammar.
                 constraint: constraint.cloned(),
+                priority: v.priority,
             }
         })
         .collect()

@@ -1,5 +1,6 @@
 //! Building one step: continue every running request (decode or next prompt chunk), then admit
-//! waiting requests first come, first served into what is left of the prefill budget.
+//! waiting requests first come, first served (or most urgent first, `priority.rs`) into what is
+//! left of the prefill budget.
 //!
 //! Pages are taken as each request's step is planned. When they run out (after evicting the
 //! radix cache's idle pages), the most recently admitted running requests are preempted until
@@ -46,6 +47,8 @@ impl Scheduler {
         // (row, slot) of every row that samples under a grammar: its mask is computed last.
         let mut masked = Vec::new();
         let mut preempted = false;
+        let victims_max = self.preempt_for_priority();
+        let mut admitted_for_victims = false;
 
         let mut i = 0;
         while i < self.running.len() {
@@ -95,11 +98,16 @@ impl Scheduler {
             let Some(&slot) = self.waiting.front() else {
                 break;
             };
+            let outranks = self.outranks_victims(slot, victims_max);
+            if admitted_for_victims && !outranks {
+                break;
+            }
             let Some(t) = self.admit(slot, budget, prefilled) else {
                 break;
             };
+            admitted_for_victims |= outranks;
             self.waiting.pop_front();
-            self.running.push(slot);
+            self.insert_running(slot);
             if !self.req(slot).is_decoding() {
                 budget = budget.saturating_sub(t.tokens);
                 prefilled = true;
@@ -131,7 +139,7 @@ impl Scheduler {
     /// (the plan's history rule, docs/protocol.md). So are requests under a grammar: their
     /// mask follows in a `masks` message once the pending token is known (`late_masks.rs`).
     fn plannable(&self, r: &Request) -> bool {
-        if r.retiring.is_some() {
+        if r.retiring.is_some() || r.preempt_requested {
             return false;
         }
         match r.in_flight {
@@ -275,13 +283,18 @@ impl Scheduler {
             .find(|&j| self.req(self.running[j]).in_flight == 0)
     }
 
-    /// Moves running request `j` back to the front of the queue. Its committed full pages go
+    /// Moves running request `j` back to the queue: its front (first come, first served), or
+    /// its place by priority. Its committed full pages go
     /// into the radix cache first, so recomputing it is mostly a cache hit. Its tokens (prompt
     /// and everything generated) become the prompt it recomputes.
-    fn preempt(&mut self, j: usize) {
+    pub(super) fn preempt(&mut self, j: usize) {
         let slot = self.running.remove(j);
         self.release_pages(slot, true);
-        self.waiting.push_front(slot);
+        self.slots[slot]
+            .as_mut()
+            .expect("live request slot")
+            .preempt_requested = false;
+        self.enqueue_waiting(slot, true);
         self.preemptions_total += 1;
     }
 

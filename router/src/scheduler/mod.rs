@@ -10,13 +10,14 @@
 //!
 //! Files: `allocator` (reference-counted pages), `radix` (prefix cache), `request` (one
 //! request's state), `batcher` (building a step: decode, chunked prefill, admission,
-//! preemption), `results` (committing a step result into events), `data_parallel` (one
+//! preemption), `priority` (the orders and preemptions of priority scheduling), `results` (committing a step result into events), `data_parallel` (one
 //! scheduler per attention data-parallel rank behind the same interface).
 
 mod allocator;
 mod batcher;
 mod data_parallel;
 mod late_masks;
+mod priority;
 mod radix;
 mod request;
 mod results;
@@ -49,6 +50,30 @@ pub struct SchedulerConfig {
     pub max_context: u32,
     /// Most requests waiting for admission; beyond it `submit` answers `Overloaded`.
     pub max_waiting: usize,
+    /// Priority scheduling (`--enable-priority-scheduling`); `None`: first come, first served.
+    pub priority: Option<PriorityPolicy>,
+}
+
+/// How requests' `priority` values order them (SGLang's priority scheduling).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PriorityPolicy {
+    /// Smaller values go first (`--schedule-low-priority-values-first`); by default larger ones.
+    pub low_values_first: bool,
+    /// A waiting request preempts a running one only when it is at least this much more
+    /// urgent (`--priority-scheduling-preemption-threshold`), so near-equal priorities do not
+    /// preempt each other back and forth.
+    pub preemption_threshold: u32,
+}
+
+impl PriorityPolicy {
+    /// A request's urgency: larger runs first.
+    pub fn urgency(&self, priority: i32) -> i64 {
+        if self.low_values_first {
+            -(priority as i64)
+        } else {
+            priority as i64
+        }
+    }
 }
 
 impl Default for SchedulerConfig {
@@ -62,6 +87,7 @@ impl Default for SchedulerConfig {
             disable_radix_cache: false,
             max_context: 131_072,
             max_waiting: 4096,
+            priority: None,
         }
     }
 }
@@ -118,9 +144,11 @@ pub struct Scheduler {
     slots: Vec<Option<Request>>,
     free_slots: Vec<usize>,
     index: HashMap<RequestId, usize>,
-    /// First come, first served; preempted requests go back to the front.
+    /// First come, first served; preempted requests go back to the front. Under priority
+    /// scheduling, most urgent first (`priority.rs`).
     waiting: VecDeque<usize>,
-    /// In admission order, oldest first; preemption takes from the back.
+    /// In admission order, oldest first; preemption takes from the back. Under priority
+    /// scheduling, most urgent first.
     running: Vec<usize>,
     prefix_hit_tokens_total: u64,
     prompt_tokens_total: u64,
@@ -199,8 +227,8 @@ impl Scheduler {
                 self.waiting.len()
             )));
         }
-        let slot = self.store(Request::new(id, req));
-        self.waiting.push_back(slot);
+        let slot = self.store(Request::new(id, req, self.requests.submitted));
+        self.enqueue_waiting(slot, false);
         self.requests.submitted += 1;
         Ok(())
     }

@@ -68,6 +68,13 @@ pub struct Request {
     /// the mask of the tokens allowed next, so it is never planned before its last token is
     /// known (no overlap for it).
     pub constraint: Option<TokenConstraint>,
+    /// Its `priority` as submitted (priority scheduling orders by it, then by `arrival`).
+    pub priority: i32,
+    /// Its submission number in this scheduler: earlier arrivals go first among equals.
+    pub arrival: u64,
+    /// Priority scheduling chose it as a victim while a step with it was in flight: it is not
+    /// planned again, and is preempted once that step is back (`priority.rs`).
+    pub preempt_requested: bool,
 }
 
 /// How a request left: decides whether its committed pages stay in the radix cache and which
@@ -87,7 +94,7 @@ impl Ending {
 }
 
 impl Request {
-    pub fn new(id: RequestId, req: GenerateRequest) -> Self {
+    pub fn new(id: RequestId, req: GenerateRequest, arrival: u64) -> Self {
         let prompt_len = req.prompt_ids.len();
         let mut tokens = req.prompt_ids;
         tokens.reserve(req.max_new_tokens as usize);
@@ -114,6 +121,9 @@ impl Request {
             history_sent: 0,
             allowed_tokens: req.allowed_tokens,
             constraint: req.constraint,
+            priority: req.priority,
+            arrival,
+            preempt_requested: false,
         }
     }
 

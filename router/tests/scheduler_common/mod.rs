@@ -445,6 +445,7 @@ pub fn request(prompt: Vec<i32>, max_new_tokens: u32, stop: Vec<i32>) -> Generat
         prompt_logprobs: false,
         allowed_tokens: None,
         constraint: None,
+        priority: 0,
     }
 }
 
@@ -458,6 +459,7 @@ pub fn config(page_size: u32, num_pages: u32) -> SchedulerConfig {
         disable_radix_cache: false,
         max_context: 4096,
         max_waiting: 100_000,
+        priority: None,
     }
 }
 
