@@ -213,6 +213,7 @@ fn schedule_times(
             allowed_tokens: None,
             constraint: constraint.cloned(),
             priority: 0,
+            cache_salt: None,
         };
         sched.submit(id, req).unwrap();
     }

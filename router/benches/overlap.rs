@@ -148,6 +148,7 @@ fn run(overlap: bool) -> Run {
                     allowed_tokens: None,
                     constraint: None,
                     priority: 0,
+                    cache_salt: None,
                 })
                 .expect("admitted")
         })

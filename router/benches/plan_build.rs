@@ -85,6 +85,7 @@ fn main() {
             allowed_tokens: None,
             constraint: None,
             priority: 0,
+            cache_salt: None,
         };
         sched.submit(id, req).expect("fits");
     }

@@ -181,6 +181,7 @@ fn run(
                     allowed_tokens: None,
                     constraint: Some(compiler.compile(&spec, false).unwrap()),
                     priority: 0,
+                    cache_salt: None,
                 })
                 .expect("admitted")
         })

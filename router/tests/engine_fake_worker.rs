@@ -256,6 +256,7 @@ fn request(prompt: Vec<i32>, max_new_tokens: u32, stop: Vec<i32>) -> GenerateReq
         allowed_tokens: None,
         constraint: None,
         priority: 0,
+        cache_salt: None,
     }
 }
 

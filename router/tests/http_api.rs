@@ -1584,6 +1584,38 @@ async fn priority_reaches_the_engine_on_every_endpoint_and_bad_values_are_refuse
 }
 
 #[tokio::test]
+async fn cache_salt_reaches_the_engine_and_an_empty_one_is_refused() {
+    let h = harness();
+    let msgs = json!([{"role": "user", "content": "x"}]);
+    for (path, body) in [
+        (
+            "/v1/completions",
+            json!({"prompt": "x", "max_tokens": 2, "cache_salt": "t1"}),
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"messages": msgs, "max_tokens": 2, "cache_salt": "t1"}),
+        ),
+    ] {
+        let r = h.post(path, body).await;
+        assert_eq!(r.status, StatusCode::OK, "{path}: {}", r.body);
+        let salt = h.engine.submitted.lock().last().unwrap().cache_salt.clone();
+        assert_eq!(salt.as_deref(), Some("t1"), "{path}");
+    }
+    let r = h
+        .post("/v1/completions", json!({"prompt": "x", "max_tokens": 2}))
+        .await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.body);
+    let unsalted = h.engine.submitted.lock().last().unwrap().cache_salt.clone();
+    assert_eq!(unsalted, None);
+    let r = h
+        .post("/v1/completions", json!({"prompt": "x", "cache_salt": ""}))
+        .await;
+    assert_error(&r, StatusCode::BAD_REQUEST, "cache_salt");
+    assert_eq!(h.engine.submitted.lock().len(), 3);
+}
+
+#[tokio::test]
 async fn unsupported_features_are_refused_not_ignored() {
     let h = harness();
     let c = "/v1/completions";

@@ -171,6 +171,41 @@ fn a_shared_prefix_is_reused_but_the_last_prompt_token_always_runs() {
 }
 
 #[test]
+fn a_cache_salt_shares_the_prefix_only_with_the_same_salt() {
+    let cfg = config(4, 64);
+    let mut s = Scheduler::new(cfg.clone());
+    let mut exec = FakeExecutor::new(&cfg);
+    let mut out = HashMap::new();
+    let salted = |salt: Option<&str>| {
+        let mut r = request(seq(12, 0), 3, vec![]);
+        r.cache_salt = salt.map(Into::into);
+        r
+    };
+    // Each request runs alone after the ones before it are cached.
+    let order = [None, Some("a"), Some("b"), Some("a"), None, Some("b")];
+    for (id, salt) in order.iter().enumerate() {
+        s.submit(id as u64, salted(*salt)).unwrap();
+        run_to_end(&mut s, &mut exec, &mut out);
+        check_outcome(
+            id as u64,
+            &salted(*salt),
+            &out[&(id as u64)],
+            cfg.max_context,
+        );
+        assert_eq!(
+            s.cached_prefix_pages(&salted(*salt)),
+            2,
+            "{salt:?} cached now (a request reuses at most (12 - 1) / 4 pages)"
+        );
+    }
+    // The first request of each name computes the prompt; later ones reuse 2 pages (8 tokens).
+    let cached: Vec<u32> = (0..6).map(|id| out[&id].finish.unwrap().3).collect();
+    assert_eq!(cached, [0, 0, 0, 8, 8, 8]);
+    assert_eq!(s.cached_prefix_pages(&salted(Some("c"))), 0);
+    s.check_invariants().unwrap();
+}
+
+#[test]
 fn disabling_the_radix_cache_disables_reuse() {
     let mut cfg = config(4, 64);
     cfg.disable_radix_cache = true;

@@ -25,6 +25,7 @@ fn simulate(total: usize, seed: u64, overlap: bool, priority: Option<PriorityPol
         priority,
     };
     let mut rng = Rng::new(seed);
+    let mut salt_rng = Rng::new(seed ^ 0x5a17);
     let systems: Vec<Vec<i32>> = (0..8)
         .map(|s| {
             (0..rng.below(300) as i32)
@@ -53,6 +54,12 @@ fn simulate(total: usize, seed: u64, overlap: bool, priority: Option<PriorityPol
             // Under priority scheduling: urgencies 0-39, so some pairs differ by more than
             // the threshold and preempt, others do not.
             req.priority = rng.below(40) as i32;
+            // A quarter under each of two salts: their pages are shared only within the salt.
+            req.cache_salt = match salt_rng.below(4) {
+                0 => Some("tenant-a".into()),
+                1 => Some("tenant-b".into()),
+                _ => None,
+            };
             let id = reqs.len() as u64;
             s.submit(id, req.clone())
                 .expect("every simulated request fits");

@@ -31,6 +31,9 @@ pub struct GenerateRequest {
     /// The request's `priority` (0 when it sets none). Used only under priority scheduling,
     /// where the policy says whether larger or smaller values go first.
     pub priority: i32,
+    /// vLLM's `cache_salt`: prefix-cache pages are shared only among requests with the same
+    /// salt (`None`: among all unsalted requests).
+    pub cache_salt: Option<Arc<str>>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

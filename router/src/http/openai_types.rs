@@ -68,6 +68,9 @@ pub struct SamplingFields {
     /// vLLM's / SGLang's scheduling priority (an integer, default 0); ordered only under
     /// `--enable-priority-scheduling`, ignored otherwise (as SGLang does).
     pub priority: Option<i64>,
+    /// vLLM's: the prompt's cached KV is shared only with requests carrying the same salt
+    /// (keeps tenants from probing each other's prompts through prefix-cache timing).
+    pub cache_salt: Option<String>,
     /// vLLM / SGLang request extras that would change the output and are not implemented:
     /// refused with a 400 when set to anything but their no-op value, never silently ignored.
     #[serde(flatten)]

@@ -47,6 +47,8 @@ pub struct Validated {
     pub constraint: Option<RequestedConstraint>,
     /// `priority` (0 when not given).
     pub priority: i32,
+    /// `cache_salt` (non-empty when given).
+    pub cache_salt: Option<Arc<str>>,
     pub stream: bool,
     pub include_usage: bool,
 }
@@ -274,6 +276,16 @@ pub fn validate_sampling(
             )
         })?,
     };
+    let cache_salt = match f.cache_salt.as_deref() {
+        None => None,
+        Some("") => {
+            return Err(ApiError::invalid_param(
+                "cache_salt",
+                "`cache_salt` must be a non-empty string.",
+            ))
+        }
+        Some(salt) => Some(Arc::from(salt)),
+    };
     refuse_unimplemented_extras(&f.unimplemented_extras)?;
     let constraint = f.structured.requested()?;
     if let Some(c) = constraint.as_ref().filter(|_| min_tokens > 0) {
@@ -328,6 +340,7 @@ pub fn validate_sampling(
         skip_special_tokens: f.skip_special_tokens.unwrap_or(true),
         constraint,
         priority,
+        cache_salt,
         stream,
         include_usage: f
             .stream_options
@@ -487,6 +500,7 @@ pub fn generate_requests(
                 // Each sample advances its own copy of the grammar.
                 constraint: constraint.cloned(),
                 priority: v.priority,
+                cache_salt: v.cache_salt.clone(),
             }
         })
         .collect()

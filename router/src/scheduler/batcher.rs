@@ -312,8 +312,12 @@ impl Scheduler {
         };
         let matched = if max_pages > 0 {
             let r = self.slots[slot].as_ref().expect("live request slot");
-            self.radix
-                .match_prefix(&r.tokens, max_pages, &mut self.alloc)
+            self.radix.match_prefix(
+                &r.tokens,
+                r.cache_salt.as_deref(),
+                max_pages,
+                &mut self.alloc,
+            )
         } else {
             Vec::new()
         };

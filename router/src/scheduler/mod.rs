@@ -273,8 +273,11 @@ impl Scheduler {
             return 0;
         }
         let ps = self.cfg.page_size as usize;
-        self.radix
-            .peek_prefix(&req.prompt_ids, (req.prompt_ids.len() - 1) / ps)
+        self.radix.peek_prefix(
+            &req.prompt_ids,
+            req.cache_salt.as_deref(),
+            (req.prompt_ids.len() - 1) / ps,
+        )
     }
 
     fn store(&mut self, r: Request) -> usize {
@@ -322,8 +325,12 @@ impl Scheduler {
         let mut pages = std::mem::take(&mut r.pages);
         if cache && !self.cfg.disable_radix_cache {
             let full = (r.kv_len / ps).min(pages.len());
-            self.radix
-                .insert(&r.tokens[..full * ps], &mut pages[..full], &mut self.alloc);
+            self.radix.insert(
+                &r.tokens[..full * ps],
+                r.cache_salt.as_deref(),
+                &mut pages[..full],
+                &mut self.alloc,
+            );
         }
         r.kv_len = 0;
         r.planned_len = 0;

@@ -149,7 +149,11 @@ impl Scheduler {
         let cached = if self.cfg.disable_radix_cache || r.owes_prompt_logprobs() {
             0
         } else {
-            self.radix.peek_prefix(&r.tokens, (r.tokens.len() - 1) / ps)
+            self.radix.peek_prefix(
+                &r.tokens,
+                r.cache_salt.as_deref(),
+                (r.tokens.len() - 1) / ps,
+            )
         };
         let remaining = r.tokens.len() - cached * ps;
         let first = match self.cfg.chunked_prefill_size {

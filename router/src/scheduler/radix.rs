@@ -13,8 +13,14 @@
 //! cached); the first insert wins and the second request keeps its own copy until it finishes.
 //! A node's children are keyed by a hash of their page's tokens; the tokens are compared too,
 //! and a hash collision simply stops matching or inserting (a cache miss, never a wrong hit).
+//!
+//! A request's `cache_salt` (vLLM's field) puts its pages under a root of their own: only
+//! requests with the same salt share them, so one tenant cannot learn from cache timing
+//! whether another sent a prompt. Unsalted requests share the main root. A salt's root exists
+//! while it has children; eviction removes it with its last page.
 
 use std::collections::{BTreeSet, HashMap};
+use std::sync::Arc;
 
 use super::allocator::{PageAllocator, PageId};
 
@@ -32,6 +38,8 @@ struct Node {
     last_access: u64,
     /// The key under which this node sits in the LRU set, if it does.
     lru_key: Option<u64>,
+    /// Set on a salt's root (no page) only.
+    salt: Option<Arc<str>>,
 }
 
 #[derive(Debug)]
@@ -44,6 +52,8 @@ pub struct RadixCache {
     /// Evictable leaves, oldest first.
     lru: BTreeSet<(u64, NodeId)>,
     clock: u64,
+    /// The root of each salt's pages.
+    salt_roots: HashMap<Arc<str>, NodeId>,
 }
 
 /// FNV-1a over the tokens' bytes: cheap, and collisions are harmless (see module docs).
@@ -67,6 +77,7 @@ impl RadixCache {
             children: HashMap::new(),
             last_access: 0,
             lru_key: None,
+            salt: None,
         };
         Self {
             page_size: page_size as usize,
@@ -75,7 +86,20 @@ impl RadixCache {
             node_of_page: vec![NO_NODE; num_pages as usize],
             lru: BTreeSet::new(),
             clock: 0,
+            salt_roots: HashMap::new(),
         }
+    }
+
+    /// The root a salt's pages hang from, if it has any (the main root without a salt).
+    fn root(&self, salt: Option<&str>) -> Option<NodeId> {
+        match salt {
+            None => Some(ROOT),
+            Some(s) => self.salt_roots.get(s).copied(),
+        }
+    }
+
+    fn is_root(&self, node: NodeId) -> bool {
+        node == ROOT || self.nodes[node as usize].salt.is_some()
     }
 
     /// Pages the tree indexes.
@@ -98,7 +122,7 @@ impl RadixCache {
 
     /// Puts a node in the LRU set if it is an evictable leaf, or takes it out if not.
     fn refresh(&mut self, node: NodeId, alloc: &PageAllocator) {
-        if node == ROOT {
+        if self.is_root(node) {
             return;
         }
         let n = &mut self.nodes[node as usize];
@@ -116,12 +140,15 @@ impl RadixCache {
     pub fn match_prefix(
         &mut self,
         tokens: &[i32],
+        salt: Option<&str>,
         max_pages: usize,
         alloc: &mut PageAllocator,
     ) -> Vec<PageId> {
         let now = self.tick();
         let mut pages = Vec::new();
-        let mut node = ROOT;
+        let Some(mut node) = self.root(salt) else {
+            return pages;
+        };
         for chunk in tokens.chunks_exact(self.page_size).take(max_pages) {
             let Some(c) = self.child(node, chunk) else {
                 break;
@@ -138,8 +165,10 @@ impl RadixCache {
 
     /// How many pages of `tokens` (at most `max_pages`) the tree holds, changing nothing: for
     /// choosing where a request goes, not for taking the pages.
-    pub fn peek_prefix(&self, tokens: &[i32], max_pages: usize) -> usize {
-        let mut node = ROOT;
+    pub fn peek_prefix(&self, tokens: &[i32], salt: Option<&str>, max_pages: usize) -> usize {
+        let Some(mut node) = self.root(salt) else {
+            return 0;
+        };
         let mut n = 0;
         for chunk in tokens.chunks_exact(self.page_size).take(max_pages) {
             let Some(c) = self.child(node, chunk) else {
@@ -158,10 +187,44 @@ impl RadixCache {
     /// the tree's page and its own copy released: this frees the duplicate at once, and keeps
     /// the rule that whoever holds a node's page holds its ancestors' pages too, so a cached
     /// ancestor is never pinned by a request that does not hold it.
-    pub fn insert(&mut self, tokens: &[i32], pages: &mut [PageId], alloc: &mut PageAllocator) {
+    pub fn insert(
+        &mut self,
+        tokens: &[i32],
+        salt: Option<&str>,
+        pages: &mut [PageId],
+        alloc: &mut PageAllocator,
+    ) {
         debug_assert_eq!(tokens.len(), pages.len() * self.page_size);
+        if pages.is_empty() {
+            return;
+        }
+        let root = match (salt, self.root(salt)) {
+            (_, Some(root)) => root,
+            (Some(s), None) => {
+                let root = self.new_node(NO_NODE, &[], -1);
+                let salt: Arc<str> = s.into();
+                self.nodes[root as usize].salt = Some(salt.clone());
+                self.salt_roots.insert(salt, root);
+                root
+            }
+            (None, None) => unreachable!("the main root always exists"),
+        };
+        self.insert_below(root, tokens, pages, alloc);
+        if self.nodes[root as usize].children.is_empty() && root != ROOT {
+            // Nothing went in (the pages sit elsewhere already): no empty salt root stays.
+            self.remove_salt_root(root);
+        }
+    }
+
+    fn insert_below(
+        &mut self,
+        root: NodeId,
+        tokens: &[i32],
+        pages: &mut [PageId],
+        alloc: &mut PageAllocator,
+    ) {
         let now = self.tick();
-        let mut node = ROOT;
+        let mut node = root;
         for (chunk, page) in tokens.chunks_exact(self.page_size).zip(pages.iter_mut()) {
             let key = hash_tokens(chunk);
             let next = match self.nodes[node as usize].children.get(&key) {
@@ -195,6 +258,7 @@ impl RadixCache {
         }
     }
 
+    /// A node for `page` below `parent` (no page and no parent: a salt's root).
     fn new_node(&mut self, parent: NodeId, tokens: &[i32], page: PageId) -> NodeId {
         let n = Node {
             parent,
@@ -203,6 +267,7 @@ impl RadixCache {
             children: HashMap::new(),
             last_access: 0,
             lru_key: None,
+            salt: None,
         };
         let id = match self.free_nodes.pop() {
             Some(id) => {
@@ -214,8 +279,18 @@ impl RadixCache {
                 (self.nodes.len() - 1) as NodeId
             }
         };
-        self.node_of_page[page as usize] = id;
+        if page >= 0 {
+            self.node_of_page[page as usize] = id;
+        }
         id
+    }
+
+    fn remove_salt_root(&mut self, root: NodeId) {
+        let n = &mut self.nodes[root as usize];
+        debug_assert!(n.children.is_empty());
+        let salt = n.salt.take().expect("a salt root");
+        self.salt_roots.remove(&salt);
+        self.free_nodes.push(root);
     }
 
     /// A holder other than the tree dropped its reference to `page`: the page's node may have
@@ -255,7 +330,13 @@ impl RadixCache {
         let freed = alloc.unmark_cached(page);
         debug_assert!(freed, "evicted page {page} was still referenced");
         self.free_nodes.push(node);
-        self.refresh(parent, alloc);
+        if parent != ROOT && self.is_root(parent) {
+            if self.nodes[parent as usize].children.is_empty() {
+                self.remove_salt_root(parent);
+            }
+        } else {
+            self.refresh(parent, alloc);
+        }
     }
 
     /// Drops the whole tree (the workers lost their KV). Pages still referenced elsewhere stay
@@ -279,12 +360,22 @@ impl RadixCache {
             v
         };
         let mut cached_pages = 0;
+        let mut live_salt_roots = 0;
         for (i, n) in self.nodes.iter().enumerate().skip(1) {
             if !live[i] {
                 continue;
             }
-            cached_pages += 1;
             let id = i as NodeId;
+            if let Some(salt) = &n.salt {
+                live_salt_roots += 1;
+                if self.salt_roots.get(salt) != Some(&id) || n.children.is_empty() || n.page != -1 {
+                    return Err(format!(
+                        "node {i}: salt root not indexed, empty, or with a page"
+                    ));
+                }
+                continue;
+            }
+            cached_pages += 1;
             if !alloc.is_cached(n.page) || self.node_of_page[n.page as usize] != id {
                 return Err(format!(
                     "node {i}: page {} not indexed consistently",
@@ -311,6 +402,9 @@ impl RadixCache {
                 .count()
         {
             return Err("LRU set has stale entries".into());
+        }
+        if live_salt_roots != self.salt_roots.len() {
+            return Err("salt roots indexed that are not live".into());
         }
         let indexed = self.node_of_page.iter().filter(|&&n| n != NO_NODE).count();
         if indexed != cached_pages {
@@ -340,18 +434,21 @@ mod tests {
         let mut t = RadixCache::new(4, 8);
         let toks = seq(10, 100);
         let pages = take(&mut a, 3);
-        t.insert(&toks[..8], &mut pages[..2].to_vec(), &mut a);
+        t.insert(&toks[..8], None, &mut pages[..2].to_vec(), &mut a);
         for &p in &pages {
             a.release(p);
             t.page_released(p, &a);
         }
         assert_eq!(a.free_count(), 6);
-        let m = t.match_prefix(&toks, 10, &mut a);
+        let m = t.match_prefix(&toks, None, 10, &mut a);
         assert_eq!(m, pages[..2].to_vec());
-        assert_eq!(t.match_prefix(&toks, 1, &mut a), pages[..1].to_vec());
+        assert_eq!(t.match_prefix(&toks, None, 1, &mut a), pages[..1].to_vec());
         let mut other = toks.clone();
         other[5] = -1;
-        assert_eq!(t.match_prefix(&other, 10, &mut a), pages[..1].to_vec());
+        assert_eq!(
+            t.match_prefix(&other, None, 10, &mut a),
+            pages[..1].to_vec()
+        );
         t.check(&a).unwrap();
         a.check().unwrap();
     }
@@ -361,18 +458,18 @@ mod tests {
         let mut a = PageAllocator::new(4);
         let mut t = RadixCache::new(2, 4);
         let x = take(&mut a, 2);
-        t.insert(&[1, 2, 3, 4], &mut x.clone(), &mut a);
+        t.insert(&[1, 2, 3, 4], None, &mut x.clone(), &mut a);
         let y = take(&mut a, 1);
-        t.insert(&[9, 9], &mut y.clone(), &mut a);
+        t.insert(&[9, 9], None, &mut y.clone(), &mut a);
         for &p in x.iter().chain(&y) {
             a.release(p);
             t.page_released(p, &a);
         }
         // [1,2] has a child, so only [3,4] and [9,9] are leaves; [3,4] is older.
         t.check(&a).unwrap();
-        let held = t.match_prefix(&[9, 9, 0], 1, &mut a);
+        let held = t.match_prefix(&[9, 9, 0], None, 1, &mut a);
         assert_eq!(t.evict(1, &mut a), 1);
-        assert_eq!(t.match_prefix(&[1, 2, 3, 4], 2, &mut a).len(), 1);
+        assert_eq!(t.match_prefix(&[1, 2, 3, 4], None, 2, &mut a).len(), 1);
         // Only [1,2]'s page is evictable once released; [9,9] is referenced.
         a.release(x[0]);
         t.page_released(x[0], &a);
@@ -388,9 +485,9 @@ mod tests {
         let mut t = RadixCache::new(2, 4);
         let mut first = take(&mut a, 1);
         let mut second = take(&mut a, 1);
-        t.insert(&[5, 6], &mut first, &mut a);
+        t.insert(&[5, 6], None, &mut first, &mut a);
         let dup = second[0];
-        t.insert(&[5, 6], &mut second, &mut a);
+        t.insert(&[5, 6], None, &mut second, &mut a);
         assert_eq!(t.cached_pages(), 1);
         assert_eq!(second, first);
         assert_eq!((a.refs(dup), a.refs(first[0])), (0, 3));
@@ -401,6 +498,54 @@ mod tests {
         t.check(&a).unwrap();
         t.clear(&mut a);
         assert_eq!(a.free_count(), 4);
+        a.check().unwrap();
+    }
+
+    #[test]
+    fn a_salt_shares_pages_only_with_the_same_salt_and_goes_with_its_last_page() {
+        let mut a = PageAllocator::new(8);
+        let mut t = RadixCache::new(2, 8);
+        let toks = [1, 2, 3, 4];
+        let plain = take(&mut a, 2);
+        let salted = take(&mut a, 2);
+        t.insert(&toks, None, &mut plain.clone(), &mut a);
+        t.insert(&toks, Some("tenant-a"), &mut salted.clone(), &mut a);
+        for &p in plain.iter().chain(&salted) {
+            a.release(p);
+            t.page_released(p, &a);
+        }
+        t.check(&a).unwrap();
+        // The same tokens under three names: each sees only its own pages.
+        assert_eq!(t.peek_prefix(&toks, None, 2), 2);
+        assert_eq!(t.peek_prefix(&toks, Some("tenant-a"), 2), 2);
+        assert_eq!(t.peek_prefix(&toks, Some("tenant-b"), 2), 0);
+        let got = t.match_prefix(&toks, Some("tenant-a"), 2, &mut a);
+        assert_eq!(got, salted);
+        assert!(t
+            .match_prefix(&toks, Some("tenant-b"), 2, &mut a)
+            .is_empty());
+        for &p in &got {
+            a.release(p);
+            t.page_released(p, &a);
+        }
+        // Evicting everything removes the salt's root with its last page; the main root stays.
+        assert_eq!(t.evict(8, &mut a), 4);
+        assert!(t.salt_roots.is_empty());
+        t.check(&a).unwrap();
+        assert_eq!(a.free_count(), 8);
+        // A salt comes back as new, and an insert that adds nothing leaves no empty root.
+        let again = take(&mut a, 1);
+        t.insert(&[7, 7], Some("tenant-a"), &mut again.clone(), &mut a);
+        t.insert(&[7, 7], Some("tenant-c"), &mut again.clone(), &mut a);
+        assert_eq!(
+            t.salt_roots.len(),
+            1,
+            "the page already sits under tenant-a"
+        );
+        t.check(&a).unwrap();
+        t.clear(&mut a);
+        a.release(again[0]);
+        assert_eq!(a.free_count(), 8);
         a.check().unwrap();
     }
 }

@@ -72,6 +72,8 @@ pub struct Request {
     pub priority: i32,
     /// Its submission number in this scheduler: earlier arrivals go first among equals.
     pub arrival: u64,
+    /// Its `cache_salt`: it shares radix-cache pages only with requests of the same salt.
+    pub cache_salt: Option<Arc<str>>,
     /// Priority scheduling chose it as a victim while a step with it was in flight: it is not
     /// planned again, and is preempted once that step is back (`priority.rs`).
     pub preempt_requested: bool,
@@ -123,6 +125,7 @@ impl Request {
             constraint: req.constraint,
             priority: req.priority,
             arrival,
+            cache_salt: req.cache_salt,
             preempt_requested: false,
         }
     }

@@ -193,6 +193,7 @@ impl Scheduler {
                 let full = r.kv_len / ps;
                 self.radix.insert(
                     &r.tokens[..full * ps],
+                    r.cache_salt.as_deref(),
                     &mut r.pages[..full],
                     &mut self.alloc,
                 );

@@ -446,6 +446,7 @@ pub fn request(prompt: Vec<i32>, max_new_tokens: u32, stop: Vec<i32>) -> Generat
         allowed_tokens: None,
         constraint: None,
         priority: 0,
+        cache_salt: None,
     }
 }
 
