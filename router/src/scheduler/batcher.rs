@@ -241,7 +241,7 @@ impl Scheduler {
     /// Prompt tokens a request may run now. Chunking cuts prompts to the budget and chunk size;
     /// without it a prompt runs whole, and the first prompt of a step may exceed the budget so
     /// that a prompt longer than the budget still runs (alone).
-    fn prefill_take(&self, remaining: usize, budget: usize, prefilled: bool) -> usize {
+    pub(super) fn prefill_take(&self, remaining: usize, budget: usize, prefilled: bool) -> usize {
         match self.cfg.chunked_prefill_size {
             Some(chunk) => remaining.min(budget).min(chunk),
             None if remaining <= budget || !prefilled => remaining,
@@ -298,18 +298,23 @@ impl Scheduler {
         self.preemptions_total += 1;
     }
 
+    /// Prompt pages admission may take from the radix cache. At least one token must run so
+    /// the request gets logits; prompt logprobs still owed need the prompt computed, not read
+    /// from the cache.
+    pub(super) fn cacheable_pages(&self, r: &Request) -> usize {
+        if self.cfg.disable_radix_cache || r.owes_prompt_logprobs() {
+            0
+        } else {
+            (r.tokens.len() - 1) / self.cfg.page_size as usize
+        }
+    }
+
     /// Tries to admit the waiting request at the front: reuse its longest cached prefix, then
     /// fit its first step. On failure nothing changes (matched pages are given back).
     fn admit(&mut self, slot: usize, budget: usize, prefilled: bool) -> Option<Take> {
         let ps = self.cfg.page_size as usize;
         let r = self.req(slot);
-        // At least one token must run so the request gets logits; prompt logprobs still owed
-        // need the prompt computed, not read from the cache.
-        let max_pages = if self.cfg.disable_radix_cache || r.owes_prompt_logprobs() {
-            0
-        } else {
-            (r.tokens.len() - 1) / ps
-        };
+        let max_pages = self.cacheable_pages(r);
         let matched = if max_pages > 0 {
             let r = self.slots[slot].as_ref().expect("live request slot");
             self.radix.match_prefix(

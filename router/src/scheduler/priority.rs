@@ -146,20 +146,15 @@ impl Scheduler {
     fn first_step(&self, slot: usize) -> (usize, usize) {
         let ps = self.cfg.page_size as usize;
         let r = self.req(slot);
-        let cached = if self.cfg.disable_radix_cache || r.owes_prompt_logprobs() {
-            0
-        } else {
-            self.radix.peek_prefix(
-                &r.tokens,
-                r.cache_salt.as_deref(),
-                (r.tokens.len() - 1) / ps,
-            )
-        };
-        let remaining = r.tokens.len() - cached * ps;
-        let first = match self.cfg.chunked_prefill_size {
-            Some(chunk) => remaining.min(chunk).min(self.cfg.max_prefill_tokens),
-            None => remaining,
-        };
+        let cached =
+            self.radix
+                .peek_prefix(&r.tokens, r.cache_salt.as_deref(), self.cacheable_pages(r));
+        // As `admit` takes it, with the whole budget and nothing prefilled yet.
+        let first = self.prefill_take(
+            r.tokens.len() - cached * ps,
+            self.cfg.max_prefill_tokens,
+            false,
+        );
         (first, self.pages_for(cached * ps + first) - cached)
     }
 
