@@ -88,7 +88,6 @@ KERNELS = {
     "_moe_gate_up_kernel": "gate_up_us",
     "_moe_down_kernel": "down_us",
     "_moe_down_gluon_kernel": "down_us",
-    "_moe_down_sum_kernel": "down_sum_us",
     "_moe_sum_kernel": "sum_us",
 }
 
@@ -205,20 +204,6 @@ def configs(batch: int, sweep: bool):
     yield "tiled block_m 16 (the default before 2026-12-04)", {}, 16, True, "tiled"
     yield "tiled block_m 8 unpaired", {}, (8, False), True, "tiled"
     yield "tiled block_m 8 paired", {}, (8, True), True, "tiled"
-    if batch <= 8:
-        # Slot blocks (each (token, k) slot its own block: no align launch, and the down projection
-        # and the sum in one launch, _moe_down_sum_kernel), around its tile width and depth.
-        tries = (
-            ("", {}),
-            (", gate_up s4", {"gate_up": {"num_stages": 4}}),
-            (", gate_up 32 rows", {"gate_up": {"BLOCK_N": 32}}),
-            (", down+sum 16 rows s6", {"down_sum": {"BLOCK_N": 16, "num_stages": 6}}),
-            (", down+sum 32 rows s6", {"down_sum": {"num_stages": 6}}),
-            (", down+sum 64 rows s3", {"down_sum": {"BLOCK_N": 64, "num_stages": 3}}),
-            (", down+sum 32 rows 2 warps", {"down_sum": {"num_warps": 2}}),
-        )
-        for name, config in tries:
-            yield f"tiled slot blocks (down+sum 32 rows s4){name}", config, (8, False, True), True, "tiled"
 
 
 def run_batch(batch, stacks, gen, copy_bps, sweep, with_torch, rows, save, only=()):
@@ -237,11 +222,9 @@ def run_batch(batch, stacks, gen, copy_bps, sweep, with_torch, rows, save, only=
             continue
         # An empty config without a block size is the model's own choice (prompt_preset included).
         config = None if not config and block_m is None else config
-        # (rows, paired) or (rows, paired, slot blocks)
-        block_m, paired, slots = (*block_m, None)[:3] if isinstance(block_m, tuple) else (block_m, None, None)
+        block_m, paired = block_m if isinstance(block_m, tuple) else (block_m, None)  # rows, or (rows, paired)
         run = functools.partial(tm.moe_experts_nvfp4_triton, block_m=block_m, config=config, asm=asm,
-                                relayout=bool(relayout), tiled=relayout == "tiled", paired=paired,
-                                slot_blocks=slots)  # fmt: skip
+                                relayout=bool(relayout), tiled=relayout == "tiled", paired=paired)  # fmt: skip
         k13, k2 = stacks[relayout]
         calls = [functools.partial(run, x, ids, w, *k13, *k2, 0) for x, ids, w in sets]
         try:
@@ -256,17 +239,16 @@ def run_batch(batch, stacks, gen, copy_bps, sweep, with_torch, rows, save, only=
             "paired": paired if paired is not None else tm.paired_blocks(
                 block_m or tm.pick_block_m(batch * TOP_K, EXPERTS), batch * TOP_K, EXPERTS),
             "experts": experts, "MB": nbytes / 1e6, "us": us, "TBps": nbytes / us / 1e6,
-            "copy_frac": floor_us / us, "target_us": TARGET_US.get(batch), "slot_blocks": bool(slots),
+            "copy_frac": floor_us / us, "target_us": TARGET_US.get(batch),
         })  # fmt: skip
-        if not sweep or slots:  # where the time goes, and each GEMM's own bandwidth on its weight bytes
+        if not sweep:  # where the time goes, and each GEMM's own bandwidth on its weight bytes
             r = rows[-1]
             r.update(kernel_breakdown(calls[0]))
             w13_bytes, w2_bytes = experts * expert_bytes() * 2 / 3, experts * expert_bytes() / 3
             if r.get("gate_up_us"):
                 r["gate_up_TBps"] = w13_bytes / r["gate_up_us"] / 1e6
-            for col in ("down_us", "down_sum_us"):
-                if r.get(col):
-                    r[col.replace("_us", "_TBps")] = w2_bytes / r[col] / 1e6
+            if r.get("down_us"):
+                r["down_TBps"] = w2_bytes / r["down_us"] / 1e6
         print(rows[-1], flush=True)
         save()
     if with_torch:

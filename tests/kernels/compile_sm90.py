@@ -180,20 +180,6 @@ def moe_cases():
     yield "moe gate/up tiled, 8 tokens", tw._moe_gate_up_kernel, gate_up_sig, {**consts, "BLOCK_M": 8}, 4, {"num_stages": 3}
     paired = {**consts, "BLOCK_M": 8, "PAIRED": True, "PDL": False}
     yield "moe gate/up tiled, 8 tokens paired", tw._moe_gate_up_kernel, gate_up_sig, paired, 4, {"num_stages": 3, "maxnreg": 168}
-    # Slot blocks (one token): the routing's int64 expert ids in place of the align's blocks.
-    slot_sig = {**gate_up_sig, "sorted_slot_ptr": "*i64", "block_expert_ptr": "*i64", "count_ptr": "*i64"}
-    slots = {**consts, "BLOCK_M": 8, "SLOTS": True}
-    yield "moe gate/up tiled, slot blocks", tw._moe_gate_up_kernel, slot_sig, slots, 4, {"num_stages": 3}
-    down_sum_sig = {
-        "h_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*u8", "s2_ptr": F32, "ids_ptr": "*i64", "topk_w_ptr": F32,
-        "add_ptr": "*bf16", "out_ptr": "*bf16", "first_expert": "i32", "num_local": "i32",
-    }  # fmt: skip
-    for bn, stages in ((32, 4), (16, 6), (64, 3)):
-        consts_ds = dict(
-            HIDDEN=6144, INTER=2048, TOP_K=8, BLOCK_M=8, BLOCK_N=bn, BLOCK_K=256, ASM=True, INTERPRET=False, LAYOUT=2,
-            ADD=True, PDL=True,
-        )  # fmt: skip
-        yield f"moe down+sum tiled, slot blocks, {bn} rows, {stages} stages", tw._moe_down_sum_kernel, down_sum_sig, consts_ds, 4, {"num_stages": stages}
     down_sig = {
         "h_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*u8", "s2_ptr": F32, "sorted_slot_ptr": "*i32",
         "block_expert_ptr": "*i32", "topk_w_ptr": F32, "y_ptr": "*bf16", "w_desc": "*i32", "s_desc": "*u8",

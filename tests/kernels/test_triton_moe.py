@@ -436,50 +436,6 @@ def test_tiny_paired_blocks_match_reference(monkeypatch, num_tokens, skew, chunk
     assert rel_err(out, reference(x, ids, weights, w13, w2, 0)) < TOL
 
 
-SLOT_CFG = {  # two K blocks of the down projection, so its flat loop crosses slots mid-pipeline
-    "gate_up": {"BLOCK_N": 32, "BLOCK_K": 128, "num_stages": 2},
-    "down": {"BLOCK_N": 32, "BLOCK_K": 128, "num_stages": 2},
-    "down_sum": {"BLOCK_N": 32, "num_stages": 2},
-}
-
-
-@pytest.mark.parametrize("relayout", [False, True])
-@pytest.mark.parametrize(
-    "num_tokens,first_expert,with_add", [(1, 0, False), (1, 0, True), (2, 6, False), (3, 3, True)]
-)
-def test_tiny_slot_blocks_equal_aligned_path(relayout, num_tokens, first_expert, with_add):
-    """Slot blocks (each (token, k) slot its own block: no align, the down projection and the sum in
-    one launch) give the aligned path's results bit for bit (the same MMAs on the same values, the
-    same roundings and order of the sum), near the reference; with expert parallelism too, where
-    some tokens have no local slot at all."""
-    gen = torch.Generator().manual_seed(500 + num_tokens + first_expert)
-    e, h, i, k = TINY["num_experts"], TINY["hidden"], 256, 3
-    w13, w2 = quantized_stacks(e, h, i, gen)
-    if relayout:
-        w13, w2 = relaid(w13), relaid(w2)
-    x = torch.randn(num_tokens, h, generator=gen).to(DEV, torch.bfloat16)
-    ids, weights = route(num_tokens, e + first_expert, k, gen)
-    if first_expert:
-        ids[0] = torch.arange(k)  # token 0: nothing local
-        ids[-1] = torch.arange(k) + first_expert  # the last one: all local
-    add = torch.randn(num_tokens, h, generator=gen).to(DEV, torch.bfloat16) if with_add else None
-    run = functools.partial(
-        tm.moe_experts_nvfp4_triton, x, ids, weights, *w13, *w2, first_expert, config=SLOT_CFG, block_m=8,
-        relayout=relayout, add=add,
-    )  # fmt: skip
-    slots = run(slot_blocks=True)
-    assert torch.equal(slots, run(slot_blocks=False))
-    plain = slots if add is None else tm.moe_experts_nvfp4_triton(
-        x, ids, weights, *w13, *w2, first_expert, config=SLOT_CFG, block_m=8, relayout=relayout, slot_blocks=True
-    )  # fmt: skip
-    if add is not None:
-        assert torch.equal(slots, (plain + add.float()).to(torch.bfloat16))
-    if first_expert:
-        assert torch.equal(plain[0], torch.zeros_like(plain[0]))
-    if not relayout:
-        assert rel_err(plain, reference(x, ids, weights, w13, w2, first_expert)) < TOL
-
-
 @pytest.mark.parametrize("num_tokens,block_m,paired", [(5, 8, False), (24, 8, True)])
 def test_tiny_down_mask_h_is_bit_identical(num_tokens, block_m, paired):
     """The down config's MASK_H (padding rows of h zero-filled, not read) changes no bit."""
@@ -493,19 +449,6 @@ def test_tiny_down_mask_h_is_bit_identical(num_tokens, block_m, paired):
         tm.moe_experts_nvfp4_triton, x, ids, weights, *w13, *w2, 0, block_m=block_m, paired=paired, relayout=True
     )
     assert torch.equal(run(config=cfg), run(config=TINY_CFG))
-
-
-def test_slot_blocks_are_refused_where_they_cannot_run():
-    gen = torch.Generator().manual_seed(9)
-    e, h, i, k = TINY["num_experts"], TINY["hidden"], TINY["inter"], TINY["top_k"]
-    w13, w2 = quantized_stacks(e, h, i, gen)
-    x = torch.randn(1, h, generator=gen).to(DEV, torch.bfloat16)
-    ids, weights = route(1, e, k, gen)
-    for config in ({"gate_up": {"SPLIT_K": 2}}, {"gate_up": {"FUSE_K": False}}, {"down": {"GLUON": True}}):
-        with pytest.raises(ValueError, match="slot blocks take"):
-            tm.moe_experts_nvfp4_triton(x, ids, weights, *w13, *w2, 0, config=config, slot_blocks=True)
-    with pytest.raises(ValueError, match="slot blocks take"):
-        tm.moe_experts_nvfp4_triton(x, ids, weights, *w13, *w2, 0, block_m=8, paired=True, slot_blocks=True)
 
 
 GLM5 = dict(num_experts=256, hidden=6144, inter=2048, top_k=8)
@@ -553,12 +496,6 @@ def test_glm5_shapes_match_reference(glm5_stacks, glm5_relaid, glm5_tiled, num_t
         x, ids, weights, *glm5_tiled[0], *glm5_tiled[1], 0, relayout=True, tiled=True, config={"down": {"MASK_H": True}}
     )
     assert torch.equal(masked, outs[1]), "down MASK_H"
-    if num_tokens == 1:  # slot blocks (no align, down and sum in one launch): the same MMAs, the same bits
-        for k13, k2, tiles in ((*glm5_relaid, False), (*glm5_tiled, True)):
-            slots = tm.moe_experts_nvfp4_triton(
-                x, ids, weights, *k13, *k2, 0, relayout=True, tiled=tiles, block_m=8, slot_blocks=True
-            )
-            assert torch.equal(slots, outs[1]), f"slot blocks, tiled={tiles}"
     # TMA descriptor loads, and programmatic dependent launches: the same results.
     for option in ("TMA", "PDL"):
         config = {"gate_up": {option: True}, "down": {option: True}}
@@ -593,7 +530,6 @@ def test_glm5_shapes_match_reference(glm5_stacks, glm5_relaid, glm5_tiled, num_t
         (True, 256, None),  # 8-token blocks, the experts of more than 8 rows paired
         (True, 16, "GLUON"),
         (True, 512, "GLUON"),
-        (True, 1, "SLOTS"),  # slot blocks: no align; the down projection and the sum in one launch
     ],
 )
 def test_cuda_graph_replays_new_routing(request, glm5_stacks, relayout, t, option):
@@ -610,9 +546,8 @@ def test_cuda_graph_replays_new_routing(request, glm5_stacks, relayout, t, optio
     config = {"gate_up": {option: True}, "down": {option: True}} if option in ("PDL", "GLUON") else None
     block_m = 16 if option == "GLUON" and t <= 256 else None  # the Gluon kernel takes 16 or 32 rows
     run = functools.partial(
-        tm.moe_experts_nvfp4_triton, relayout=relayout, tiled=tiled, config=config, block_m=block_m,
-        slot_blocks=True if option == "SLOTS" else None,
-    )  # fmt: skip
+        tm.moe_experts_nvfp4_triton, relayout=relayout, tiled=tiled, config=config, block_m=block_m
+    )
     out = run(x, ids, weights, *k13, *k2, 0)  # compile outside the capture
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()

@@ -29,11 +29,6 @@ worst case for the token count (so a CUDA graph captured for T tokens replays fo
 4. _moe_sum_kernel: out[t] = sum over k of y[t, k] in float32, in a fixed order (deterministic; slots
    whose expert lives on another rank count as 0), plus the optional add[t] (the shared experts).
 
-Slot blocks (slot_blocks, for a step of one token): every (token, k) slot is its own block, in
-slot order, so there is no align (the gate/up kernel reads the routing's expert ids and permutes x
-in registers), and _moe_down_sum_kernel runs the down projection of all of a token's slots and
-their sum in one launch: two launches instead of four, the same results.
-
 Packed bytes hold element 2j in the low nibble and 2j+1 in the high one; the kernels read them as
 32-bit words (word j of a row = inputs 8j..8j+7) and dequantise one byte position of every word at
 a time: byte b gives inputs 8j + 2b and 8j + 2b + 1 of all words as two [BLOCK_N, BLOCK_K/8] tiles,
@@ -559,16 +554,12 @@ def _moe_align_place_kernel(
 
 
 @triton.jit
-def _block_slots(sorted_slot_ptr, pid_m, BLOCK_M: tl.constexpr, PAIRED: tl.constexpr = False, SLOTS: tl.constexpr = False):
+def _block_slots(sorted_slot_ptr, pid_m, BLOCK_M: tl.constexpr, PAIRED: tl.constexpr = False):
     """Sorted rows of expert block pid_m, their (token, k) slots, and which are real (not padding).
-    PAIRED: pid_m counts the align's blocks of BLOCK_M / 2 rows, and the block is two of them.
-    SLOTS (no align): block pid_m is slot pid_m alone, in its first row."""
+    PAIRED: pid_m counts the align's blocks of BLOCK_M / 2 rows, and the block is two of them."""
     STEP: tl.constexpr = BLOCK_M // 2 if PAIRED else BLOCK_M
     offs_m = pid_m * STEP + tl.arange(0, BLOCK_M)
-    if SLOTS:
-        slot = tl.where(tl.arange(0, BLOCK_M) == 0, pid_m, -1)
-    else:
-        slot = tl.load(sorted_slot_ptr + offs_m)
+    slot = tl.load(sorted_slot_ptr + offs_m)
     return offs_m, slot, slot >= 0
 
 
@@ -581,24 +572,12 @@ def _moe_gate_up_kernel(
     K: tl.constexpr, INTER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, H_BLOCK_K: tl.constexpr, FUSE_K: tl.constexpr, ASM: tl.constexpr,
     INTERPRET: tl.constexpr, LAYOUT: tl.constexpr = 0, SPLIT_K: tl.constexpr = 1, TMA: tl.constexpr = False,
-    PDL: tl.constexpr = False, PAIRED: tl.constexpr = False, SLOTS: tl.constexpr = False,
+    PDL: tl.constexpr = False, PAIRED: tl.constexpr = False,
 ):  # fmt: skip
     """Grid (I / BLOCK_N, blocks, SPLIT_K): one tile per program (_gate_up_tile). PAIRED: the blocks
     of a paired align (_expert_run): BLOCK_M rows where it marked e, 2 BLOCK_M rows (two of its
-    blocks) where it marked -(e + 2); -1 marks an unused block or a pair's second half.
-    SLOTS (slot blocks, no align): block b is slot b; block_expert_ptr is then the routing's expert
-    ids (global: first_expert and num_local say which are this rank's), x_ptr the unpermuted
-    activations."""
+    blocks) where it marked -(e + 2); -1 marks an unused block or a pair's second half."""
     _dependent_launch(PDL)
-    if SLOTS:
-        e = (tl.load(block_expert_ptr + tl.program_id(1)) - first_expert).to(tl.int32)
-        if (e >= 0) & (e < num_local):
-            _gate_up_tile(
-                x_ptr, w_ptr, s_ptr, s2_ptr, sorted_slot_ptr, e, h_ptr, part_ptr, count_ptr, w_desc, s_desc, top_k,
-                part_rows, tl.program_id(0), tl.program_id(1), 0,
-                K, INTER, BLOCK_M, BLOCK_N, BLOCK_K, H_BLOCK_K, FUSE_K, ASM, INTERPRET, LAYOUT, 1, TMA, False, True,
-            )  # fmt: skip
-        return
     e = tl.load(block_expert_ptr + tl.program_id(1))
     if e >= 0:
         _gate_up_tile(
@@ -621,18 +600,17 @@ def _gate_up_tile(
     K: tl.constexpr, INTER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, H_BLOCK_K: tl.constexpr, FUSE_K: tl.constexpr, ASM: tl.constexpr,
     INTERPRET: tl.constexpr, LAYOUT: tl.constexpr, SPLIT_K: tl.constexpr, TMA: tl.constexpr,
-    PAIRED: tl.constexpr = False, SLOTS: tl.constexpr = False,
+    PAIRED: tl.constexpr = False,
 ):  # fmt: skip
     """Tile (pid_n, pid_m) of used block pid_m (local expert e): h for BLOCK_N columns of gate and of
-    up. SLOTS: block pid_m is slot pid_m (_block_slots), and x is read in its own order, permuted
-    by the load's addresses (the align's permuted copy is not there). TMA (tiled weights only): the weight tiles come through w_desc / s_desc (tile_descriptors)
+    up. TMA (tiled weights only): the weight tiles come through w_desc / s_desc (tile_descriptors)
     instead of w_ptr / s_ptr.
     SPLIT_K > 1 (pid_k: grid axis 2): each program sums K / SPLIT_K of the inputs, stores its float32
     partial sums of the block's real rows (part_ptr [SPLIT_K, part_rows, 2, INTER]) and counts
     itself in count_ptr (zeroed per call); the last of a tile's programs adds the partials in split
     order (deterministic) and writes h. More programs for a handful of tokens."""
     W: tl.constexpr = BLOCK_K // 8  # code words per row of a K block; MMA K of each partial dot
-    offs_m, slot, valid = _block_slots(sorted_slot_ptr, pid_m, BLOCK_M, PAIRED, SLOTS)
+    offs_m, slot, valid = _block_slots(sorted_slot_ptr, pid_m, BLOCK_M, PAIRED)
     tok = tl.where(valid, slot // top_k, 0).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rows_g = e.to(tl.int64) * (2 * INTER) + offs_n
@@ -641,8 +619,6 @@ def _gate_up_tile(
     acc_g = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     offs_k = tl.arange(0, BLOCK_K)
-    if SLOTS:
-        tl.static_assert(FUSE_K and SPLIT_K == 1 and not PAIRED, "slot blocks take FUSE_K, no SPLIT_K, no pairs")
     ITERS: tl.constexpr = K // BLOCK_K // SPLIT_K
     if SPLIT_K > 1:
         k0 = pid_k * ITERS
@@ -660,13 +636,13 @@ def _gate_up_tile(
             else:
                 wg, sg = _load_tile_v3(w_ptr, s_ptr, rows_g, i, K // 8, K // 16, BLOCK_N, BLOCK_K, ASM, LAYOUT == 2)
                 wu, su = _load_tile_v3(w_ptr, s_ptr, rows_u, i, K // 8, K // 16, BLOCK_N, BLOCK_K, ASM, LAYOUT == 2)
-            xt = _x_block(x_ptr, xp, offs_k, tok, valid, i, K, BLOCK_K, BLOCK_M, SLOTS, INTERPRET)
+            xt = mma_operand(tl.load(xp + offs_k[:, None], mask=valid[None, :], other=0.0), INTERPRET)
             acc_g = tl.dot(_dequant_block_v3(wg, sg, ASM, INTERPRET), xt, acc_g)
             acc_u = tl.dot(_dequant_block_v3(wu, su, ASM, INTERPRET), xt, acc_u)
         elif FUSE_K:
             wg, sg = _load_tile(w_ptr, s_ptr, rows_g, i, K // 8, K // 16, BLOCK_N, BLOCK_K, ASM)
             wu, su = _load_tile(w_ptr, s_ptr, rows_u, i, K // 8, K // 16, BLOCK_N, BLOCK_K, ASM)
-            xt = _x_block(x_ptr, xp, offs_k, tok, valid, i, K, BLOCK_K, BLOCK_M, SLOTS, INTERPRET)
+            xt = mma_operand(tl.load(xp + offs_k[:, None], mask=valid[None, :], other=0.0), INTERPRET)
             acc_g = tl.dot(_dequant_block(wg, sg, ASM, INTERPRET), xt, acc_g)
             acc_u = tl.dot(_dequant_block(wu, su, ASM, INTERPRET), xt, acc_u)
         else:
@@ -699,25 +675,6 @@ def _gate_up_tile(
             _gate_up_epilogue(acc_g, acc_u, s2_ptr, e, h_ptr, offs_m, offs_n, INTER, H_BLOCK_K, ASM)
     else:
         _gate_up_epilogue(acc_g, acc_u, s2_ptr, e, h_ptr, offs_m, offs_n, INTER, H_BLOCK_K, ASM)
-
-
-@triton.jit
-def _x_block(
-    x_ptr, xp, offs_k, tok, valid, i, K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr,
-    SLOTS: tl.constexpr, INTERPRET: tl.constexpr,
-):  # fmt: skip
-    """The activations of K block i as the MMA's [BLOCK_K, BLOCK_M] operand, input 8j + r at
-    r * BLOCK_K / 8 + j: from the align's permuted copy (xp: this block's row starts), or with SLOTS
-    from x itself, read in order (16-byte copies the pipeline can issue ahead) and permuted in
-    registers."""
-    if SLOTS:
-        W: tl.constexpr = BLOCK_K // 8
-        at = (tl.arange(0, W)[:, None] * 8 + tl.arange(0, 8)[None, :])[None, :, :]  # [1, j, r]
-        xr = tl.load(x_ptr + tok[:, None, None] * K + i * BLOCK_K + at, mask=valid[:, None, None], other=0.0)
-        xt = tl.reshape(tl.permute(xr, (2, 1, 0)), (BLOCK_K, BLOCK_M))
-    else:
-        xt = tl.load(xp + offs_k[:, None], mask=valid[None, :], other=0.0)
-    return mma_operand(xt, INTERPRET)
 
 
 @triton.jit
@@ -809,63 +766,6 @@ def _down_tile(
     route_w = tl.load(topk_w_ptr + slot, mask=valid, other=0.0)
     y = acc * (tl.load(s2_ptr + e) * fix) * route_w[None, :]
     tl.store(y_ptr + slot[None, :].to(tl.int64) * HIDDEN + offs_n[:, None], y.to(tl.bfloat16), mask=valid[None, :])
-
-
-@triton.jit(do_not_specialize=["first_expert", "num_local"])
-def _moe_down_sum_kernel(
-    h_ptr, w_ptr, s_ptr, s2_ptr, ids_ptr, topk_w_ptr, add_ptr, out_ptr, first_expert, num_local,
-    HIDDEN: tl.constexpr, INTER: tl.constexpr, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, ASM: tl.constexpr, INTERPRET: tl.constexpr, LAYOUT: tl.constexpr = 0,
-    ADD: tl.constexpr = False, PDL: tl.constexpr = False,
-):  # fmt: skip
-    """Slot blocks' down projection and sum in one launch. Grid (H / BLOCK_N, tokens): program
-    (n, t) runs BLOCK_N hidden columns of each of token t's local slots in k order, one flat
-    pipelined loop over (slot, K block) so that the copies run on across slots, and adds the
-    slots up as _moe_down_kernel and _moe_sum_kernel do: y rounded to bf16 per slot, summed in
-    float32 in k order, then + add, in out's dtype (the same bits where the MMAs are the same).
-    h: slot b's activations in row b * BLOCK_M (the slot gate/up's), in the BLOCK_K permutation."""
-    _dependent_launch(PDL)
-    t = tl.program_id(1)
-    K_P2: tl.constexpr = triton.next_power_of_2(TOP_K)
-    offs_j = tl.arange(0, K_P2)
-    loc = (tl.load(ids_ptr + t * TOP_K + offs_j, mask=offs_j < TOP_K, other=-1) - first_expert).to(tl.int32)
-    local = (offs_j < TOP_K) & (loc >= 0) & (loc < num_local)
-    rank = tl.cumsum(local.to(tl.int32), 0) - 1  # place among the token's local slots
-    KB: tl.constexpr = INTER // BLOCK_K
-    n_iter = tl.sum(local.to(tl.int32), 0) * KB
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_k = tl.arange(0, BLOCK_K)
-    fix = 2.0**_ASM_SHIFT if ASM else 1.0
-    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    total = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)  # column 0 is the sum
-    # The interpreter takes no runtime loop bound: it runs every slot's iterations, and those past
-    # the local ones read slot 0's rows with expert 0's weights and add nothing.
-    for it in range(TOP_K * KB if INTERPRET else n_iter):
-        i = it % KB
-        # The slot and its expert from registers: an address that waited on a load in the loop
-        # would cut the pipeline to one stage in flight.
-        sel = local & (rank == it // KB)
-        slot = t * TOP_K + tl.sum(tl.where(sel, offs_j, 0), 0)
-        e = tl.sum(tl.where(sel, loc, 0), 0)
-        rows = e.to(tl.int64) * HIDDEN + offs_n
-        if LAYOUT >= 1:  # 2: tiled
-            wt, st = _load_tile_v3(w_ptr, s_ptr, rows, i, INTER // 8, INTER // 16, BLOCK_N, BLOCK_K, ASM, LAYOUT == 2)
-            wv = _dequant_block_v3(wt, st, ASM, INTERPRET)
-        else:
-            wt, st = _load_tile(w_ptr, s_ptr, rows, i, INTER // 8, INTER // 16, BLOCK_N, BLOCK_K, ASM)
-            wv = _dequant_block(wt, st, ASM, INTERPRET)
-        # Only the slot's own row of h (the block's other rows are padding: not read at all).
-        hp = h_ptr + (slot * BLOCK_M + offs_m)[None, :].to(tl.int64) * INTER + i * BLOCK_K + offs_k[:, None]
-        hk = mma_operand(tl.load(hp, mask=(offs_m == 0)[None, :], other=0.0), INTERPRET)
-        acc = tl.dot(wv, hk, tl.where(i == 0, 0.0, acc))
-        if (i == KB - 1) & (it < n_iter):
-            y = acc * (tl.load(s2_ptr + e) * fix) * tl.load(topk_w_ptr + slot)
-            total += tl.where((offs_m == 0)[None, :], y.to(tl.bfloat16).to(tl.float32), 0.0)
-    out = tl.sum(total, 1)  # the other columns are zeros
-    if ADD:
-        out += tl.load(add_ptr + t * HIDDEN + offs_n).to(tl.float32)
-    tl.store(out_ptr + t * HIDDEN + offs_n, cast(out, out_ptr.dtype.element_ty, INTERPRET))
 
 
 @triton.jit
@@ -1074,10 +974,6 @@ DEFAULT_CONFIG = {
     # 128 rows: fewer wgmma fences and address updates per value; the down kernel has one weight
     # tile where gate/up has two.
     "down": {"BLOCK_N": 128, "BLOCK_K": 256, "FUSE_K": True, "num_warps": 4, "num_stages": 3, "TMA": False},
-    # Slot blocks' down + sum (_moe_down_sum_kernel; its K blocks are the down config's): one
-    # program per BLOCK_N hidden columns of a token runs all its slots, so narrow tiles give more
-    # programs (6144 / 32 = 192 at one token) and a deeper pipeline keeps each one's copies coming.
-    "down_sum": {"BLOCK_N": 32, "num_warps": 4, "num_stages": 4},
 }
 
 # The down config's MASK_H (see _down_tile) is off: at 256 tokens a block's h rows are about a
@@ -1085,15 +981,10 @@ DEFAULT_CONFIG = {
 # one H200 run measured only -2.5% at 64 tokens and -0.5% at 256 (bench/results/
 # 2026-12-05-triton-moe-slot-blocks-and-mask-h.md).
 
-# Slot blocks up to this many tokens (0: never, unless a call asks): each (token, k) slot is its own
-# block, in slot order, so no align launch (its 4.5 us at one token: bench/results/
-# 2026-12-04-triton-moe-block8.json), and one launch for the down projection and the sum (3.1 us
-# of it). Exact for one token, whose k experts are distinct; with more tokens an expert that two
-# of them share is read twice. Off: on the H200 the whole path took 141 us against the aligned
-# path's 65 at one token (the fused down+sum runs a token's slots one after another in each
-# program: bench/results/2026-12-05-triton-moe-slot-blocks-and-mask-h.md).
-SLOT_BLOCKS_UP_TO = 0
-
+# Not here: slot blocks for one-token steps (each (token, k) slot its own block, so no align, and
+# the down projection and the sum in one launch). Built, bit-identical, and 2.2x slower on the H200
+# (141 against 65 us at one token: each fused down+sum program streamed a token's eight experts one
+# after another; same file as above), so removed; bench/kernels/NOTES.md has the account.
 
 # Gate/up register cap for 16-token blocks (decode sizes): ptxas fits the kernel in 158 registers
 # without spilling (169 uncapped), so three programs share a multiprocessor instead of two (ncu at
@@ -1128,7 +1019,6 @@ def moe_experts_nvfp4_triton(
     num_experts: int | None = None,
     add: torch.Tensor | None = None,
     paired: bool | None = None,
-    slot_blocks: bool | None = None,
 ) -> torch.Tensor:
     """Sum over the token's chosen experts that live on this rank -> float32 [T, H]. relayout: the
     weights and scales are in relayout_nvfp4's layout (uint8 scales), not the checkpoint's; tiled:
@@ -1137,10 +1027,7 @@ def moe_experts_nvfp4_triton(
     add ([T, H]): added to the float32 sum, and the result rounded to add's dtype: exactly
     (sum + add.float()).to(add.dtype), in the sum's own launch (the MoE block's shared experts).
     paired (default: paired_blocks): experts with more than block_m rows run as blocks of 2 block_m
-    rows, the others as blocks of block_m, in the same launch of each kernel.
-    slot_blocks (default: up to SLOT_BLOCKS_UP_TO tokens, where the config allows): every (token, k)
-    slot its own block, no align, and the down projection and the sum in one launch
-    (_moe_down_sum_kernel); the same results as the aligned path where the MMAs are the same."""
+    rows, the others as blocks of block_m, in the same launch of each kernel."""
     num_tokens, hidden = x.shape
     top_k = expert_ids.shape[1]
     num_local, two_inter, _ = w13.shape
@@ -1190,11 +1077,6 @@ def moe_experts_nvfp4_triton(
         paired = paired_blocks(bm, sizing_slots, num_local)
     if paired and (gu.get("SPLIT_K", 1) > 1 or dn.get("GLUON")):
         raise ValueError("paired blocks take neither SPLIT_K nor the Gluon down kernel")
-    slot_ready = gu["FUSE_K"] and gu.get("SPLIT_K", 1) == 1 and not dn.get("GLUON") and not dn["TMA"] and not paired
-    if slot_blocks is None:
-        slot_blocks = num_tokens <= SLOT_BLOCKS_UP_TO and slot_ready
-    elif slot_blocks and not slot_ready:
-        raise ValueError("slot blocks take FUSE_K gate/up, no SPLIT_K, no pairs, and the Triton down kernel without TMA")
     # The gate/up register cap of 16-token blocks (paired 8-token blocks included: the kernel has
     # their 16-token path), unless configured.
     if 16 in (bm, 2 * bm if paired else bm) and "maxnreg" not in (config or {}).get("gate_up", {}):
@@ -1210,26 +1092,6 @@ def moe_experts_nvfp4_triton(
     routing_w = expert_weights.float().contiguous()
     w13_words = w13.view(torch.int32)
     gu_desc = tile_descriptors(w13_words, w13_scale, gu["BLOCK_N"]) if gu["TMA"] else (w13_words, w13_scale)
-    if slot_blocks:
-        h = torch.empty(n_slots * bm, inter, dtype=torch.bfloat16, device=dev)
-        _moe_gate_up_kernel[(inter // gu["BLOCK_N"], n_slots, 1)](
-            x.contiguous(), w13_words, w13_scale, w13_scale_2, ids, ids, h, h, ids, *gu_desc, top_k, 0,
-            first_expert, num_local,
-            K=hidden, INTER=inter, BLOCK_M=bm, BLOCK_N=gu["BLOCK_N"], BLOCK_K=gu["BLOCK_K"], H_BLOCK_K=dn["BLOCK_K"],
-            FUSE_K=True, ASM=asm, INTERPRET=_INTERPRET, LAYOUT=layout, TMA=gu["TMA"], PDL=gu["PDL"],
-            launch_pdl=gu["PDL"], SLOTS=True, num_warps=gu["num_warps"], num_stages=gu["num_stages"], **_reg_cap(gu),
-        )  # fmt: skip
-        ds = cfg["down_sum"]
-        ds_n = _fit(ds["BLOCK_N"], hidden, 16)
-        out = torch.empty(num_tokens, hidden, dtype=torch.float32 if add is None else add.dtype, device=dev)
-        _moe_down_sum_kernel[(hidden // ds_n, num_tokens)](
-            h, w2.view(torch.int32), w2_scale, w2_scale_2, ids, routing_w, out if add is None else add.contiguous(), out,
-            first_expert, num_local, HIDDEN=hidden, INTER=inter, TOP_K=top_k, BLOCK_M=bm, BLOCK_N=ds_n,
-            BLOCK_K=dn["BLOCK_K"], ASM=asm, INTERPRET=_INTERPRET or not x.is_cuda, LAYOUT=layout, ADD=add is not None,
-            PDL=dn["PDL"], launch_pdl=dn["PDL"], num_warps=ds["num_warps"], num_stages=ds["num_stages"],
-        )  # fmt: skip
-        return out
-
     sorted_slot, block_expert, xp = _align(x, ids, first_expert, num_local, bm, nblocks, gu["BLOCK_K"], paired=paired)
 
     h = torch.empty(rows, inter, dtype=torch.bfloat16, device=dev)
