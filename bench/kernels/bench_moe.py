@@ -26,6 +26,7 @@ import types
 import torch
 from bench_common import bf16_matmul_rate, copy_bandwidth, graph_time_us, machine, print_table, write_results
 
+from nsaserve.kernels import triton_moe_align as ta
 from nsaserve.kernels import triton_moe_w4a16 as tm
 from nsaserve.kernels.moe import moe_experts_torch
 from nsaserve.kernels.quant.nvfp4 import random_nvfp4_experts
@@ -261,7 +262,7 @@ def run_batch(batch, stacks, gen, copy_bps, sweep, with_torch, rows, save, only=
 
 def run_align(batches, gen, rows, save):
     """The layout step alone at each batch: the one-launch align (O(experts x slots)) against the
-    chunked one (O(slots + experts x chunks)); tm.ALIGN_CHUNKED_FROM picks between them."""
+    chunked one (O(slots + experts x chunks)); ta.ALIGN_CHUNKED_FROM picks between them."""
     for batch in batches:
         sets = []
         for _ in range(ROUTINGS):
@@ -272,7 +273,7 @@ def run_align(batches, gen, rows, save):
         nblocks = tm.max_blocks(batch * TOP_K, EXPERTS, block_m)
         for name, chunked in (("align one launch", False), ("align chunked", True)):
             calls = [
-                functools.partial(tm._align, x, ids, 0, EXPERTS, block_m, nblocks, 256, chunked) for x, ids in sets
+                functools.partial(ta._align, x, ids, 0, EXPERTS, block_m, nblocks, 256, chunked) for x, ids in sets
             ]
             try:
                 us = graph_time_us(calls)
@@ -280,7 +281,7 @@ def run_align(batches, gen, rows, save):
                 rows.append({"batch": batch, "variant": name, "error": f"{type(e).__name__}: {str(e)[:200]}"})
             else:
                 rows.append({"batch": batch, "variant": name, "block_m": block_m, "align_us": us,
-                             "default": chunked == (batch * TOP_K >= tm.ALIGN_CHUNKED_FROM)})  # fmt: skip
+                             "default": chunked == (batch * TOP_K >= ta.ALIGN_CHUNKED_FROM)})  # fmt: skip
             print(rows[-1], flush=True)
             save()
 

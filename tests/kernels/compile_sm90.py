@@ -22,6 +22,7 @@ from nsaserve.kernels import gluon_sparse_mla as gm
 from nsaserve.kernels import gluon_sparse_mla_ws as gmw
 from nsaserve.kernels import triton_indexer as ti
 from nsaserve.kernels import triton_kv_store as tkv
+from nsaserve.kernels import triton_moe_align as ta
 from nsaserve.kernels import triton_moe_w4a16 as tw
 from nsaserve.kernels import triton_norm_rope as tnr
 from nsaserve.kernels import triton_penalties as tpen
@@ -139,16 +140,16 @@ def moe_cases():
             E_P2=512, BLOCK_M=block_m, CHUNK=256, SLOT_CHUNKS=0, EXPERT_BLOCK_CHUNKS=0, BLOCK_CHUNKS=0,
             HIDDEN=6144, BLOCK_K=256, INTERPRET=False,
         )  # fmt: skip
-        yield f"moe align block_m={block_m}", tw._moe_align_kernel, sig, consts, 4
+        yield f"moe align block_m={block_m}", ta._moe_align_kernel, sig, consts, 4
     # 8-token blocks with the larger experts' runs in pairs (decode sizes).
-    yield "moe align block_m=8 paired", tw._moe_align_kernel, sig, {**consts, "BLOCK_M": 8, "PAIRED": True}, 4
+    yield "moe align block_m=8 paired", ta._moe_align_kernel, sig, {**consts, "BLOCK_M": 8, "PAIRED": True}, 4
     # The chunked align for prompt-sized steps (an in-register sort of 1024 keys, an atomic count).
     count_sig = {
         "ids_ptr": "*i64", "chunk_count_ptr": "*i32", "chunk_before_ptr": "*i32", "total_ptr": "*i32", "x_ptr": "*bf16",
         "xp_ptr": "*bf16", "n_slots": "i32", "first_expert": "i32", "num_local": "i32", "n_chunks": "i32",
     }  # fmt: skip
-    chunk = dict(E_P2=512, SLOT_CHUNK=tw.ALIGN_SLOT_CHUNK)
-    yield "moe align count", tw._moe_align_count_kernel, count_sig, dict(**chunk, HIDDEN=6144, BLOCK_K=256), 4
+    chunk = dict(E_P2=512, SLOT_CHUNK=ta.ALIGN_SLOT_CHUNK)
+    yield "moe align count", ta._moe_align_count_kernel, count_sig, dict(**chunk, HIDDEN=6144, BLOCK_K=256), 4
     runs_sig = {
         "total_ptr": "*i32", "chunk_count_ptr": "*i32", "chunk_before_ptr": "*i32", "chunk_base_ptr": "*i32",
         "sorted_slot_ptr": "*i32", "block_expert_ptr": "*i32", "n_chunks": "i32", "max_blocks": "i32",
@@ -158,13 +159,13 @@ def moe_cases():
         consts = dict(
             E_P2=512, BLOCK_M=block_m, CHUNK=256, EXPERT_BLOCK_CHUNKS=0, BLOCK_CHUNKS=0, CHUNK_BLOCKS=0, INTERPRET=False
         )
-        yield f"moe align runs block_m={block_m}", tw._moe_align_runs_kernel, runs_sig, consts, 4
-    yield "moe align runs block_m=8 paired", tw._moe_align_runs_kernel, runs_sig, {**consts, "BLOCK_M": 8, "PAIRED": True}, 4
+        yield f"moe align runs block_m={block_m}", ta._moe_align_runs_kernel, runs_sig, consts, 4
+    yield "moe align runs block_m=8 paired", ta._moe_align_runs_kernel, runs_sig, {**consts, "BLOCK_M": 8, "PAIRED": True}, 4
     place_sig = {
         "ids_ptr": "*i64", "chunk_base_ptr": "*i32", "sorted_slot_ptr": "*i32", "n_slots": "i32",
         "first_expert": "i32", "num_local": "i32",
     }  # fmt: skip
-    yield "moe align place", tw._moe_align_place_kernel, place_sig, chunk, 4
+    yield "moe align place", ta._moe_align_place_kernel, place_sig, chunk, 4
     # The expert kernels at GLM-5 shapes, tiled weights, decode-sized blocks (16 tokens).
     gate_up_sig = {
         "x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*u8", "s2_ptr": F32, "sorted_slot_ptr": "*i32",

@@ -65,9 +65,9 @@ ALLOWED = {
     "triton_silu_mul._silu_mul_kernel": dict.fromkeys(
         ("n", "stride_h", "stride_out"), "an MLP's intermediate size on this rank (dense or shared): fixed by the model"
     ),
-    "triton_moe_w4a16._moe_align_count_kernel": {"first_expert": MODEL_CONSTANT, "num_local": MODEL_CONSTANT},
-    "triton_moe_w4a16._moe_align_kernel": {"first_expert": MODEL_CONSTANT, "num_local": MODEL_CONSTANT},
-    "triton_moe_w4a16._moe_align_place_kernel": {"first_expert": MODEL_CONSTANT, "num_local": MODEL_CONSTANT},
+    "triton_moe_align._moe_align_count_kernel": {"first_expert": MODEL_CONSTANT, "num_local": MODEL_CONSTANT},
+    "triton_moe_align._moe_align_kernel": {"first_expert": MODEL_CONSTANT, "num_local": MODEL_CONSTANT},
+    "triton_moe_align._moe_align_place_kernel": {"first_expert": MODEL_CONSTANT, "num_local": MODEL_CONSTANT},
     "triton_moe_w4a16._moe_sum_kernel": {"first_expert": MODEL_CONSTANT, "num_local": MODEL_CONSTANT},
     "triton_moe_w4a16._moe_down_kernel": {"w_desc": DESC, "s_desc": DESC},
     "triton_moe_w4a16._moe_gate_up_kernel": {
@@ -138,7 +138,7 @@ def test_every_specialised_argument_has_a_reason():
     # of) reaches the kernels of every family.
     for kernel in ("triton_topk._topk_streamed_kernel", "triton_moe_w4a16._moe_gate_up_kernel",
                    "triton_indexer._logits_kernel", "triton_sample_pick._sample_pick_kernel",
-                   "gluon_sparse_mla._sparse_mla_gluon_kernel", "triton_moe_w4a16._moe_align_runs_kernel"):  # fmt: skip
+                   "gluon_sparse_mla._sparse_mla_gluon_kernel", "triton_moe_align._moe_align_runs_kernel"):  # fmt: skip
         assert kernel in found, kernel
     unexplained = {k: [p for p in params if p not in ALLOWED.get(k, {})] for k, params in found.items()}
     unexplained = {k: v for k, v in unexplained.items() if v}
@@ -148,6 +148,6 @@ def test_every_specialised_argument_has_a_reason():
     )
     # The arguments that follow a step's shape stay unspecialised (the two serving-time compiles of
     # 2026-12-02 were such arguments).
-    for kernel, arg in [("triton_topk._topk_streamed_kernel", "width"), ("triton_moe_w4a16._moe_align_runs_kernel", "n_chunks"),
-                        ("triton_moe_w4a16._moe_align_count_kernel", "n_chunks"), ("triton_topk._topk_kernel", "nchunk")]:  # fmt: skip
+    for kernel, arg in [("triton_topk._topk_streamed_kernel", "width"), ("triton_moe_align._moe_align_runs_kernel", "n_chunks"),
+                        ("triton_moe_align._moe_align_count_kernel", "n_chunks"), ("triton_topk._topk_kernel", "nchunk")]:  # fmt: skip
         assert arg not in found[kernel], (kernel, arg)

@@ -1,5 +1,6 @@
-"""Triton NVFP4 W4A16 MoE (kernels/triton_moe_w4a16.py) against the torch reference on the
-dequantised weights (moe.moe_experts_torch + quant.nvfp4.dequantize_nvfp4), on fresh random inputs.
+"""Triton NVFP4 W4A16 MoE (kernels/triton_moe_w4a16.py, its align in triton_moe_align.py) against
+the torch reference on the dequantised weights (moe.moe_experts_torch + quant.nvfp4.dequantize_nvfp4),
+on fresh random inputs.
 
 Tiny shapes run everywhere (Triton's CPU interpreter without a GPU); GLM-5 shapes (hidden 6144,
 256 experts, top-8, intermediate 2048) and CUDA-graph replay run only with CUDA.
@@ -14,6 +15,7 @@ from nsaserve.kernels.moe import moe_experts_torch
 from nsaserve.kernels.quant.nvfp4 import dequantize_nvfp4, quantize_nvfp4, random_nvfp4_experts
 
 triton = pytest.importorskip("triton")
+from nsaserve.kernels import triton_moe_align as ta  # noqa: E402
 from nsaserve.kernels import triton_moe_w4a16 as tm  # noqa: E402
 
 CUDA = torch.cuda.is_available()
@@ -422,8 +424,8 @@ def test_paired_block_sizing_is_worst_case():
 def test_tiny_paired_blocks_match_reference(monkeypatch, num_tokens, skew, chunked):
     """8-token blocks with the experts of more than 8 rows paired into 16-token blocks (the same
     programs take either) give the reference's sums, through either align."""
-    monkeypatch.setattr(tm, "ALIGN_CHUNKED_FROM", 1 if chunked else 1 << 30)
-    monkeypatch.setattr(tm, "ALIGN_SLOT_CHUNK", 32)
+    monkeypatch.setattr(ta, "ALIGN_CHUNKED_FROM", 1 if chunked else 1 << 30)
+    monkeypatch.setattr(ta, "ALIGN_SLOT_CHUNK", 32)
     gen = torch.Generator().manual_seed(300 + num_tokens)
     e, h, i, k = TINY["num_experts"], TINY["hidden"], TINY["inter"], TINY["top_k"]
     w13, w2 = quantized_stacks(e, h, i, gen)
@@ -601,7 +603,7 @@ def test_align_layout():
     xp = torch.empty(30, 128, dtype=torch.bfloat16, device=DEV)
     loops = (4, 1, 2)  # slot, expert-block and block chunks of 32 (more than needed: the tails are masked)
     interp = DEV != "cuda"
-    tm._moe_align_kernel[(e + 30,)](
+    ta._moe_align_kernel[(e + 30,)](
         ids, slots, blocks, x, xp, n_slots, 2, e, nblocks, *loops,
         E_P2=8, BLOCK_M=bm, CHUNK=32, SLOT_CHUNKS=loops[0] if interp else 0,
         EXPERT_BLOCK_CHUNKS=loops[1] if interp else 0, BLOCK_CHUNKS=loops[2] if interp else 0,
@@ -636,7 +638,7 @@ def test_chunked_align_equals_per_expert_align(
     """The chunked align (three launches, for prompt-sized steps) lays out exactly what the
     one-launch align does: the same blocks, the same slots in the same order, the same padding and
     the same permuted activations."""
-    monkeypatch.setattr(tm, "ALIGN_SLOT_CHUNK", slot_chunk)
+    monkeypatch.setattr(ta, "ALIGN_SLOT_CHUNK", slot_chunk)
     gen = torch.Generator().manual_seed(num_tokens + slot_chunk)
     ids, _ = route(num_tokens, num_experts, top_k, gen, skew=skew)
     x = torch.randn(num_tokens, 256, generator=gen).to(DEV)
@@ -645,8 +647,8 @@ def test_chunked_align_equals_per_expert_align(
     counts = torch.bincount(local_ids, minlength=num_local).tolist()
     for block_m, paired in ((16, False), (64, False), (8, True)):
         nblocks = tm.max_blocks(ids.numel(), num_local, block_m, paired)
-        one = tm._align(x, ids, first_expert, num_local, block_m, nblocks, 128, chunked=False, paired=paired)
-        chunked = tm._align(x, ids, first_expert, num_local, block_m, nblocks, 128, chunked=True, paired=paired)
+        one = ta._align(x, ids, first_expert, num_local, block_m, nblocks, 128, chunked=False, paired=paired)
+        chunked = ta._align(x, ids, first_expert, num_local, block_m, nblocks, 128, chunked=True, paired=paired)
         blocks = one[1].cpu()
         assert torch.equal(chunked[1].cpu(), blocks)
         if paired:  # the runs' blocks first (single blocks e, pairs -(e + 2) then -1), then unused ones
@@ -669,8 +671,8 @@ def test_chunked_align_equals_per_expert_align(
 
 
 def test_chunked_align_whole_path_matches_reference(monkeypatch):
-    monkeypatch.setattr(tm, "ALIGN_CHUNKED_FROM", 1)
-    monkeypatch.setattr(tm, "ALIGN_SLOT_CHUNK", 32)
+    monkeypatch.setattr(ta, "ALIGN_CHUNKED_FROM", 1)
+    monkeypatch.setattr(ta, "ALIGN_SLOT_CHUNK", 32)
     gen = torch.Generator().manual_seed(77)
     e, h, i, k = TINY["num_experts"], TINY["hidden"], TINY["inter"], TINY["top_k"]
     w13, w2 = quantized_stacks(e, h, i, gen)

@@ -51,7 +51,7 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 
 from .quant.nvfp4 import TILE_K as _TILE_K
 from .quant.nvfp4 import TILE_ROWS as _TILE_ROWS
-from .triton_moe_w4a16 import word_pairs_asm
+from .triton_moe_dequant import word_pairs_asm
 
 NUM_WARPS = gl.constexpr(4)  # one warpgroup
 BLOCK_N = gl.constexpr(128)  # output (hidden) rows per tile: the MMA's M, two 64-row halves

@@ -181,7 +181,7 @@ _PAIR_BITS = _pair_bits()
 def relayout_nvfp4(weight: torch.Tensor, scale: torch.Tensor, rows_per_chunk: int = 32768):
     """Checkpoint NVFP4 (uint8 [..., K/2], two codes a byte; float8_e4m3fn [..., K/16]) -> the
     kernels' layout for relayout=True: uint8 [..., K/2] whose 32-bit words hold the codes in the
-    order the W4A16 MoE kernel reads them (triton_moe_w4a16._pair_asm), and uint8 [..., K/16] re-encoded scales (see _scale_code_table).
+    order the W4A16 MoE kernel reads them (triton_moe_dequant._pair_asm), and uint8 [..., K/16] re-encoded scales (see _scale_code_table).
     Codes of blocks whose scale is zero become 0 (their values are 0 either way), so the round trip
     (unrelayout_nvfp4) dequantises to the same values. New tensors; the inputs are not changed."""
     if weight.dtype != torch.uint8 or scale.dtype != torch.float8_e4m3fn:
