@@ -193,9 +193,6 @@ def configs(batch: int, sweep: bool):
         ("down mask h (padding rows of h not read)", {}, {"MASK_H": True}),
         ("gate_up 128 rows w8", {"BLOCK_N": 128, "num_warps": 8, "maxnreg": None}, {}),
         ("gate_up s4", {"num_stages": 4}, {}),
-        # The down kernel asks L2 for its weight tile before its PDL wait (PDL on both kernels, so
-        # gate/up waits for the align before letting the down kernel start).
-        ("down L2 prefetch before the PDL wait", {"PDL": True}, {"PDL": True, "PREFETCH": True}),
         # gluon_moe_down: one persistent pipeline across tiles, the operand a quarter block at a time.
         ("down gluon (2 stages x 3 programs, 168 registers)", {}, {"GLUON": True}),
         ("down gluon 4 stages x 2 programs", {}, {"GLUON": True, "STAGES": 4, "PROGRAMS_PER_SM": 2, "maxnreg": None}),

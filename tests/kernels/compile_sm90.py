@@ -177,7 +177,6 @@ def moe_cases():
         INTERPRET=False, LAYOUT=2, SPLIT_K=1, TMA=False, PDL=True,
     )  # fmt: skip
     yield "moe gate/up tiled, PDL", tw._moe_gate_up_kernel, gate_up_sig, consts, 4, {"num_stages": 3}
-    consts_gu = consts
     # 8-token blocks (mma.sync), and paired: 8- or 16-token blocks (wgmma) by the block's mark.
     yield "moe gate/up tiled, 8 tokens", tw._moe_gate_up_kernel, gate_up_sig, {**consts, "BLOCK_M": 8}, 4, {"num_stages": 3}
     paired = {**consts, "BLOCK_M": 8, "PAIRED": True, "PDL": False}
@@ -196,12 +195,6 @@ def moe_cases():
     yield "moe down tiled, 8 tokens paired", tw._moe_down_kernel, down_sig, paired, 4, {"num_stages": 3}
     masked = {**paired, "MASK_H": True}
     yield "moe down tiled, 8 tokens paired, padding rows of h masked", tw._moe_down_kernel, down_sig, masked, 4, {"num_stages": 3}
-    # One token (64-row down tiles, 8-token blocks) with PDL: gate/up waiting before it lets the down
-    # kernel start, and the down kernel's L2 prefetch of its weight tile before its own wait.
-    gate_up_first = {**consts_gu, "BLOCK_M": 8, "WAIT_FIRST": True}
-    yield "moe gate/up tiled, 8 tokens, PDL waiting first", tw._moe_gate_up_kernel, gate_up_sig, gate_up_first, 4, {"num_stages": 3}
-    prefetch = {**consts, "BLOCK_M": 8, "BLOCK_N": 64, "PDL": True, "PREFETCH": True}
-    yield "moe down tiled, 8 tokens, 64 rows, PDL, L2 prefetch", tw._moe_down_kernel, down_sig, prefetch, 4, {"num_stages": 3}
 
 
 def gluon_sparse_mla_sig(fp8: bool, split: bool) -> dict:

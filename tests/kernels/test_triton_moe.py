@@ -505,15 +505,6 @@ def test_glm5_shapes_match_reference(glm5_stacks, glm5_relaid, glm5_tiled, num_t
             x, ids, weights, *glm5_tiled[0], *glm5_tiled[1], 0, relayout=True, tiled=True, config=config
         )
         assert torch.equal(again, outs[1]), option
-    # The down kernel's L2 prefetch of its weight tile before its PDL wait: the same results; it
-    # takes PDL and tiled weights, and says so otherwise.
-    prefetch = {"gate_up": {"PDL": True}, "down": {"PDL": True, "PREFETCH": True}}
-    again = tm.moe_experts_nvfp4_triton(
-        x, ids, weights, *glm5_tiled[0], *glm5_tiled[1], 0, relayout=True, tiled=True, config=prefetch
-    )
-    assert torch.equal(again, outs[1]), "PREFETCH"
-    with pytest.raises(ValueError, match="PREFETCH takes"):
-        tm.moe_experts_nvfp4_triton(x, ids, weights, *glm5_relaid[0], *glm5_relaid[1], 0, relayout=True, config=prefetch)
     if HOPPER and num_tokens <= 256:
         # The Gluon down kernel (16-token blocks): the same bits as the Triton kernel's 16-token
         # blocks, at its default and at 4 stages.
@@ -538,7 +529,6 @@ def test_glm5_shapes_match_reference(glm5_stacks, glm5_relaid, glm5_tiled, num_t
         (True, 16, None),
         (True, 600, None),
         (True, 16, "PDL"),
-        (True, 1, "PREFETCH"),  # the down kernel's L2 prefetch before its PDL wait (tiled weights)
         (True, 256, None),  # 8-token blocks, the experts of more than 8 rows paired
         (True, 16, "GLUON"),
         (True, 512, "GLUON"),
@@ -549,15 +539,13 @@ def test_cuda_graph_replays_new_routing(request, glm5_stacks, relayout, t, optio
     if option == "GLUON" and not HOPPER:
         pytest.skip("the Gluon kernel needs Hopper")
     w13, w2 = glm5_stacks
-    tiled = option in ("GLUON", "PREFETCH")
+    tiled = option == "GLUON"
     k13, k2 = request.getfixturevalue("glm5_tiled" if tiled else "glm5_relaid") if relayout else glm5_stacks
     gen = torch.Generator().manual_seed(5)
     h = GLM5["hidden"]
     x = torch.randn(t, h, generator=gen).to("cuda", torch.bfloat16)
     ids, weights = route(t, GLM5["num_experts"], GLM5["top_k"], gen, "cuda")
     config = {"gate_up": {option: True}, "down": {option: True}} if option in ("PDL", "GLUON") else None
-    if option == "PREFETCH":
-        config = {"gate_up": {"PDL": True}, "down": {"PDL": True, "PREFETCH": True}}
     block_m = 16 if option == "GLUON" and t <= 256 else None  # the Gluon kernel takes 16 or 32 rows
     run = functools.partial(
         tm.moe_experts_nvfp4_triton, relayout=relayout, tiled=tiled, config=config, block_m=block_m
@@ -575,7 +563,7 @@ def test_cuda_graph_replays_new_routing(request, glm5_stacks, relayout, t, optio
         out.fill_(float("nan"))
         g.replay()
         assert rel_err(out, reference(x, ids, weights, w13, w2, 0)) < TOL
-        if tiled:  # the Gluon down kernel, the prefetch: bit for bit the plain Triton kernels' results
+        if tiled:  # the Gluon down kernel: bit for bit the Triton kernel's results (same block rows)
             plain = tm.moe_experts_nvfp4_triton(x, ids, weights, *k13, *k2, 0, relayout=True, tiled=True, block_m=block_m)
             assert torch.equal(out, plain)
 

@@ -83,44 +83,14 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
-def _dependent_launch(PDL: tl.constexpr, WAIT_FIRST: tl.constexpr = False):
+def _dependent_launch(PDL: tl.constexpr):
     """PDL: this kernel was launched as a programmatic dependent of the one before it (launch_pdl),
     so its programs may start while that one still runs: let the next kernel's launch begin too,
     then wait until everything before has finished and its writes are visible. What this saves is
-    the launch gap between the MoE's kernels (a few microseconds of a 70-microsecond batch-1 layer).
-    WAIT_FIRST: wait, then let the next kernel begin, so that what the kernel before this one wrote
-    is visible to the next one from its first instruction (the down kernel's PREFETCH reads the
-    align's blocks before its own wait)."""
+    the launch gap between the MoE's kernels (a few microseconds of a 70-microsecond batch-1 layer)."""
     if PDL:
-        if WAIT_FIRST:
-            tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
-        else:
-            tl.extra.cuda.gdc_launch_dependents()
-            tl.extra.cuda.gdc_wait()
-
-
-@triton.jit
-def _prefetch_l2(ptrs):
-    """One L2 prefetch per element of ptrs (a 128-byte line each); the result is a dummy zero."""
-    return tl.inline_asm_elementwise(
-        "prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32, is_pure=False, pack=1
-    )
-
-
-@triton.jit
-def _prefetch_down_tile(
-    w_ptr, s_ptr, e, pid_n, HIDDEN: tl.constexpr, INTER: tl.constexpr, BLOCK_N: tl.constexpr
-):  # fmt: skip
-    """Ask L2 for a down program's whole weight tile (tiled layout: BLOCK_N rows of expert e, all
-    of K): BLOCK_N / 16 row groups whose tiles lie back to back, so one run of code words and one
-    of scale bytes."""
-    group = (e.to(tl.int64) * HIDDEN + pid_n * BLOCK_N) // 16
-    WORD_LINES: tl.constexpr = BLOCK_N * INTER // 256  # 4-bit codes: INTER / 2 bytes a row
-    SCALE_LINES: tl.constexpr = BLOCK_N * INTER // 16 // 128
-    words = w_ptr + group * (INTER // 256) * 512 + tl.arange(0, WORD_LINES) * 32  # int32 words, 32 a line
-    scales = s_ptr + group * (INTER // 256) * 256 + tl.arange(0, SCALE_LINES) * 128
-    return tl.sum(_prefetch_l2(words), 0) + tl.sum(_prefetch_l2(scales), 0)
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
 
 
 @triton.jit
@@ -142,13 +112,12 @@ def _moe_gate_up_kernel(
     K: tl.constexpr, INTER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, H_BLOCK_K: tl.constexpr, FUSE_K: tl.constexpr, ASM: tl.constexpr,
     INTERPRET: tl.constexpr, LAYOUT: tl.constexpr = 0, SPLIT_K: tl.constexpr = 1, TMA: tl.constexpr = False,
-    PDL: tl.constexpr = False, PAIRED: tl.constexpr = False, WAIT_FIRST: tl.constexpr = False,
+    PDL: tl.constexpr = False, PAIRED: tl.constexpr = False,
 ):  # fmt: skip
     """Grid (I / BLOCK_N, blocks, SPLIT_K): one tile per program (_gate_up_tile). PAIRED: the blocks
     of a paired align (_expert_run): BLOCK_M rows where it marked e, 2 BLOCK_M rows (two of its
-    blocks) where it marked -(e + 2); -1 marks an unused block or a pair's second half.
-    WAIT_FIRST: see _dependent_launch (set when the down kernel prefetches)."""
-    _dependent_launch(PDL, WAIT_FIRST)
+    blocks) where it marked -(e + 2); -1 marks an unused block or a pair's second half."""
+    _dependent_launch(PDL)
     e = tl.load(block_expert_ptr + tl.program_id(1))
     if e >= 0:
         _gate_up_tile(
@@ -269,21 +238,10 @@ def _moe_down_kernel(
     HIDDEN: tl.constexpr, INTER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, FUSE_K: tl.constexpr, ASM: tl.constexpr, INTERPRET: tl.constexpr,
     LAYOUT: tl.constexpr = 0, TMA: tl.constexpr = False, PDL: tl.constexpr = False, PAIRED: tl.constexpr = False,
-    MASK_H: tl.constexpr = False, PREFETCH: tl.constexpr = False,
+    MASK_H: tl.constexpr = False,
 ):  # fmt: skip
     """Grid (H / BLOCK_N, blocks): one output tile per program (_down_tile); PAIRED as in
-    _moe_gate_up_kernel.
-    PREFETCH (with PDL, tiled weights, on the GPU): before waiting for the gate/up kernel, ask L2
-    for this program's weight tile, which does not depend on it, so that the programs that start
-    while gate/up's last programs still run spend that time reading. The block's expert is the
-    align's, which the gate/up kernel (WAIT_FIRST) has waited for before letting this kernel
-    start; read past L1, which may hold a line of an earlier call's blocks."""
-    if PREFETCH:
-        tl.static_assert(PDL and LAYOUT == 2, "PREFETCH takes PDL and the tiled layout")
-        early = tl.load(block_expert_ptr + tl.program_id(1), cache_modifier=".cg")
-        early = tl.where(early <= -2, -early - 2, early)  # a pair's first block: its expert
-        if early >= 0:
-            _prefetch_down_tile(w_ptr, s_ptr, early, tl.program_id(0), HIDDEN, INTER, BLOCK_N)
+    _moe_gate_up_kernel."""
     _dependent_launch(PDL)
     e = tl.load(block_expert_ptr + tl.program_id(1))
     if e >= 0:
@@ -608,11 +566,6 @@ def moe_experts_nvfp4_triton(
     on_gpu = x.is_cuda and not _INTERPRET
     gu["PDL"] = on_gpu and gu.get("PDL", num_tokens <= SMALL_BATCH_PDL)
     dn["PDL"] = on_gpu and dn.get("PDL", num_tokens <= SMALL_BATCH_PDL)
-    # The down kernel's L2 prefetch before its PDL wait (off unless configured): a GPU launch option
-    # like PDL, so nothing to do in the interpreter.
-    prefetch = on_gpu and dn.get("PREFETCH", False)
-    if prefetch and not (dn["PDL"] and gu["PDL"] and tiled and asm and not dn["TMA"] and not dn.get("GLUON")):
-        raise ValueError("the down kernel's PREFETCH takes PDL on both kernels, tiled weights and the Triton down kernel")
     nblocks = max_blocks(n_slots, num_local, bm, paired)
     rows = nblocks * bm
     dev = x.device
@@ -636,7 +589,7 @@ def moe_experts_nvfp4_triton(
         first_expert, num_local,
         K=hidden, INTER=inter, BLOCK_M=bm, BLOCK_N=gu["BLOCK_N"], BLOCK_K=gu["BLOCK_K"], H_BLOCK_K=dn["BLOCK_K"], FUSE_K=gu["FUSE_K"],
         ASM=asm, INTERPRET=_INTERPRET, LAYOUT=layout, SPLIT_K=split_k, TMA=gu["TMA"], PDL=gu["PDL"], launch_pdl=gu["PDL"],
-        PAIRED=paired, WAIT_FIRST=prefetch, num_warps=gu["num_warps"], num_stages=gu["num_stages"], **_reg_cap(gu),
+        PAIRED=paired, num_warps=gu["num_warps"], num_stages=gu["num_stages"], **_reg_cap(gu),
     )  # fmt: skip
 
     # bf16 per-slot outputs, like the reference's per-expert matmuls; summed in float32.
@@ -660,8 +613,7 @@ def moe_experts_nvfp4_triton(
             h, w2_words, w2_scale, w2_scale_2, sorted_slot, block_expert, routing_w, y, *dn_desc,
             HIDDEN=hidden, INTER=inter, BLOCK_M=bm, BLOCK_N=dn["BLOCK_N"], BLOCK_K=dn["BLOCK_K"], FUSE_K=dn["FUSE_K"],
             ASM=asm, INTERPRET=_INTERPRET, LAYOUT=layout, TMA=dn["TMA"], PDL=dn["PDL"], launch_pdl=dn["PDL"],
-            PAIRED=paired, MASK_H=dn.get("MASK_H", False), PREFETCH=prefetch, num_warps=dn["num_warps"],
-            num_stages=dn["num_stages"],
+            PAIRED=paired, MASK_H=dn.get("MASK_H", False), num_warps=dn["num_warps"], num_stages=dn["num_stages"],
             **_reg_cap(dn),
         )  # fmt: skip
 
