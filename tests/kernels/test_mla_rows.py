@@ -77,15 +77,19 @@ def test_triton_kernel_runs_rows_in_order(fp8, num_splits, whole):
 
 def test_backend_takes_the_order(monkeypatch):
     """The registry backend plans a row order where NSASERVE_MLA_ROW_ORDER is on (for whole contexts
-    and top-k lists alike), a work plan first where that is on, and nothing where both are off."""
+    and top-k lists alike), or is "graphs" (the default) and the step is a CUDA-graph one; a work
+    plan first where that is on, and nothing where both are off."""
     pytest.importorskip("triton")
     from nsaserve.kernels import triton_sparse_mla as tsm
     from nsaserve.kernels.mla_rows import RowOrder
     from nsaserve.kernels.mla_work import MlaWork
 
     row_pos = torch.tensor([3, 10, 1])
-    monkeypatch.setattr(tsm, "ROW_ORDER", "off")
+    assert tsm.ROW_ORDER == "graphs"  # the default
     assert tsm.plan_attention_work(row_pos, 8, True) is None
+    assert isinstance(tsm.plan_attention_work(row_pos, 8, True, graph=True), RowOrder)
+    monkeypatch.setattr(tsm, "ROW_ORDER", "off")
+    assert tsm.plan_attention_work(row_pos, 8, True, graph=True) is None
     monkeypatch.setattr(tsm, "ROW_ORDER", "on")
     for whole in (True, False):
         assert isinstance(tsm.plan_attention_work(row_pos, 8, whole), RowOrder)

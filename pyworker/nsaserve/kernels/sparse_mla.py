@@ -11,8 +11,9 @@ its query's whole causal context followed by -1 padding (no context of the step 
 top-k), so a backend may stop each row at its last valid entry. Results must not depend on it.
 
 A backend may also plan a step once for all its layers: given a `plan_work(row_pos, width,
-whole_contexts)` attribute (row_pos: each row's position, so its list holds min(row_pos + 1,
-width) valid entries first, then -1), the model calls it once a step for the calls over all of
+whole_contexts, graph)` attribute (row_pos: each row's position, so its list holds min(row_pos + 1,
+width) valid entries first, then -1; graph: a CUDA-graph decode step), the model calls it once a
+step for the calls over all of
 the step's rows and passes what it returns (unless None) to every layer's call as work=
 (triton_sparse_mla: a work plan, mla_work.py, or a row order, mla_rows.py).
 """

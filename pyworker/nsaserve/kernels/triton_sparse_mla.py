@@ -434,25 +434,33 @@ if MLA_WORK not in ("on", "off"):
 
 
 # The step's row order (mla_rows): rows launched longest first, each program's loop ending at its
-# row's count of valid entries, for every call over all of a step's rows. NSASERVE_MLA_ROW_ORDER=on
-# turns it on (the model then orders once a step and every layer's call reads the order). Off by
-# default until it is timed on the device.
-ROW_ORDER = os.environ.get("NSASERVE_MLA_ROW_ORDER", "off")
-if ROW_ORDER not in ("on", "off"):
-    raise ValueError(f"NSASERVE_MLA_ROW_ORDER={ROW_ORDER!r}: expected on or off")
+# row's count of valid entries, for every call over all of a step's rows (the model orders once a
+# step and every layer's call reads the order). NSASERVE_MLA_ROW_ORDER: "graphs" (the default)
+# orders the decode steps run as CUDA graphs, "on" every step, "off" none. Measured on the H200
+# (bench/results/2026-12-05-step-profile-row-order.md): in graphs at 256 rows spread over 819-2047
+# tokens in a shuffled order the sparse MLA took 1.64 against 2.14 ms a step (9 layers), already
+# longest first 1.71 against 1.70; but eager steps took 28 against 21 ms with the same kernel
+# time. An eager step is bound by the host's launches, so a shorter kernel gains it nothing, and
+# the extra host work (not yet pinned down) costs it all.
+ROW_ORDER = os.environ.get("NSASERVE_MLA_ROW_ORDER", "graphs")
+if ROW_ORDER not in ("graphs", "on", "off"):
+    raise ValueError(f"NSASERVE_MLA_ROW_ORDER={ROW_ORDER!r}: expected graphs, on or off")
 
 
-def plan_attention_work(row_pos: torch.Tensor, width: int, whole_contexts: bool = True):
+def plan_attention_work(row_pos: torch.Tensor, width: int, whole_contexts: bool = True, graph: bool = False):
     """The registry backend's plan for a step (sparse_mla_triton's work=), or None where it plans
     nothing. row_pos: each row's position (its list holds min(row_pos + 1, width) valid entries
-    first); width: the lists' width; whole_contexts: the lists are whole contexts. A work plan
-    (MLA_WORK on, whole contexts, a decode-sized step), else the row order (ROW_ORDER on)."""
+    first); width: the lists' width; whole_contexts: the lists are whole contexts; graph: the step
+    is a CUDA-graph decode step (captured, or run to warm up before its capture). A work plan
+    (MLA_WORK on, whole contexts, a decode-sized step), else the row order (ROW_ORDER on, or
+    graphs for a graph step)."""
     rows = row_pos.numel()
     if MLA_WORK == "on" and whole_contexts and 0 < rows < PREFILL_TOKENS:
         from .mla_work import plan_mla_work
 
         return plan_mla_work(row_pos + 1, width, _num_sms(row_pos.device))
-    if ROW_ORDER == "on" and rows > 0:
+    ordered = ROW_ORDER == "on" or (ROW_ORDER == "graphs" and graph)
+    if ordered and rows > 0:
         from .mla_rows import plan_row_order
 
         return plan_row_order(row_pos, width)

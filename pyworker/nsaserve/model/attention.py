@@ -213,12 +213,12 @@ class MLAttention(nn.Module):
         """The attention backend's plan for this step (its plan_work, where it has one), built once a
         step for every layer; None where there is none. Only for calls over every row of the step
         (a split step's sparse rows are a subset the plan does not know): plan_work takes the rows'
-        positions (row t's list holds min(position + 1, width) entries, then -1), the lists' width
-        and whether they are whole contexts."""
+        positions (row t's list holds min(position + 1, width) entries, then -1), the lists' width,
+        whether they are whole contexts and whether the step is a CUDA-graph one."""
         if meta.attention_work is None:
             plan = getattr(kernels.attention, "plan_work", None)
             rows = meta.indexer.row_pos
             every = meta.sparse_rows is None and rows.numel() == topk_slots.shape[0]
-            work = plan(rows, topk_slots.shape[1], meta.whole_contexts) if plan is not None and every else None
+            work = plan(rows, topk_slots.shape[1], meta.whole_contexts, meta.graph) if plan is not None and every else None
             meta.attention_work = False if work is None else work
         return meta.attention_work or None

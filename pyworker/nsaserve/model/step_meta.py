@@ -39,6 +39,8 @@ class StepMeta:
     # whole contexts, or kernels/mla_rows.py's row order), built by the first layer and read by the
     # others; False once the backend has said it plans nothing for this step.
     attention_work: object = None
+    # A CUDA-graph decode step (static_kv_len: captured, or run before its capture to warm up).
+    graph: bool = False
 
 
 def build_step_meta(
@@ -69,5 +71,5 @@ def build_step_meta(
         sparse_rows = upload(np.flatnonzero(~dense_token), batch.positions.device, np.int64)
     return StepMeta(
         cos=cos, sin=sin, token_kv_base=token_kv_base, indexer=indexer, whole_contexts=whole,
-        dense_reqs=tuple(reqs), dense=every, sparse_rows=sparse_rows,
+        dense_reqs=tuple(reqs), dense=every, sparse_rows=sparse_rows, graph=static,
     )  # fmt: skip
