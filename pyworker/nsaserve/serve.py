@@ -232,12 +232,14 @@ class Supervisor:
         self.router.start()
         a, i = self.args, self.info
         port = self.router.http_port  # the one bound: `--port 0` picks a free one
-        print(
+        # One write with its newline (print() writes them apart when unbuffered): scripts wait
+        # for this line, and the workers' own lines share the terminal or pipe.
+        sys.stdout.write(
             f"nsaserve ready: http://{a.host}:{port}/v1 serving {i['model_id']} as "
             f"{router_config(a, self.runtime_dir, self.model_path)['served_model_name']} "
-            f"(tp {i['tp_size']}, {self.device}, {self._kv_pages_said()} of {i['page_size']} tokens)",
-            flush=True,
+            f"(tp {i['tp_size']}, {self.device}, {self._kv_pages_said()} of {i['page_size']} tokens)\n"
         )
+        sys.stdout.flush()
         if Path(self.model_path) == EMBEDDED_MODEL:
             # On its own thread: a worker that dies meanwhile is noticed at once, not after it.
             threading.Thread(target=show_sample_completion, args=(a.host, port, a.api_key), daemon=True).start()

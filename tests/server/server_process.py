@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -13,6 +14,9 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+
+# serve's ready line names the port it bound ("--port 0": a free one).
+READY_LINE = re.compile(r"nsaserve ready: http://\S+:(\d+)/v1")
 
 # Where the end-to-end tests run the model: cpu by default; NSASERVE_TEST_DEVICE=cuda on a GPU.
 DEVICE_FLAG = f"--device={os.environ.get('NSASERVE_TEST_DEVICE', 'cpu')}"
@@ -102,11 +106,12 @@ class ServerProcess:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise AssertionError(f"serve exited with {self.proc.returncode}:\n{self.output}")
-            ready = [line for line in self.lines if line.startswith("nsaserve ready: ")]
+            # "nsaserve ready: http://HOST:PORT/v1 serving ...", searched for anywhere in a line: the
+            # workers write to the same pipe, and a line of theirs may still lack its end.
+            ready = [m for line in self.lines if (m := READY_LINE.search(line))]
             # Serving the embedded model, serve sends one sample request of its own first.
             if ready and (self.has_model_path or any("sample completion" in line for line in self.lines)):
-                # "nsaserve ready: http://HOST:PORT/v1 serving ..."
-                self.port = int(ready[0].split()[2].rsplit(":", 1)[1].split("/")[0])
+                self.port = int(ready[0].group(1))
                 return self
             time.sleep(0.1)
         raise AssertionError(f"serve not ready after {self.startup_timeout} s:\n{self.output}")

@@ -348,7 +348,10 @@ def serve_pipelined(recv, plan_waiting, send, executor, is_rank0: bool, progress
 
 
 def _log(message: str) -> None:
-    print(f"[nsaserve worker] {message}", file=sys.stderr, flush=True)
+    # One write with its newline: unbuffered, print() writes the text and the newline apart, and
+    # the router's lines on the same terminal or pipe could land between them.
+    sys.stderr.write(f"[nsaserve worker] {message}\n")
+    sys.stderr.flush()
 
 
 def heartbeat_loop(sockets: WorkerSockets, rank: int, progress: list[int], stop: threading.Event) -> None:
