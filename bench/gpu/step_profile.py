@@ -117,6 +117,9 @@ def parse_args(argv=None):
     p.add_argument("--sources", type=int, default=0,
                    help="also list the N torch operators of each eager step that take the most device "
                         "time, each with the nsaserve source line that called it (the small kernels to fuse)")  # fmt: skip
+    p.add_argument("--host-profile", type=int, default=0,
+                   help="also run N eager steps of each decode scenario under cProfile and list the Python "
+                        "functions with the most host time a step")  # fmt: skip
     p.add_argument("--out", required=True)
     p.add_argument("worker_flags", nargs="*", help="after --: extra worker flags (e.g. --attention-backend torch)")
     return p.parse_args(argv)
@@ -219,11 +222,70 @@ def _profile(executor, plan, device, is_rank0: bool, top: int) -> dict:
     for name, ms, _ in rows:
         fams[family(name)] = fams.get(family(name), 0.0) + ms
     rows.sort(key=lambda r: -r[1])
-    return {
+    out = {
         "families_ms": dict(sorted(fams.items(), key=lambda kv: -kv[1])),
         "kernels_total_ms": sum(r[1] for r in rows),
         "top": [{"name": n[:120], "ms": round(ms, 4), "calls": c, "family": family(n)} for n, ms, c in rows[:top]],
     }
+    if cuda:
+        spans = [(e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                 if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start]  # fmt: skip
+        out["timeline"] = timeline(spans, top)
+    return out
+
+
+def timeline(spans: list[tuple[float, float, str]], top: int) -> dict:
+    """The device's idle time inside one step: spans (start us, end us, kernel name) of every
+    device activity. span_ms runs from the first start to the last end; idle_ms is the part of it
+    no activity covers (launch gaps between dependent kernels, host waits); gaps lists the kernel
+    pairs (the one that ended -> the one that started next) with the most idle time between them."""
+    if not spans:
+        return {"kernels": 0, "span_ms": 0.0, "busy_ms": 0.0, "idle_ms": 0.0, "gaps": []}
+    spans = sorted(spans)
+    busy, end, prev = 0.0, spans[0][0], spans[0][2]
+    gaps: dict[tuple[str, str], list[float]] = {}
+    for start, stop, name in spans:
+        if start > end:  # idle from the latest end so far to this start
+            acc = gaps.setdefault((prev[:60], name[:60]), [0.0, 0])
+            acc[0] += start - end
+            acc[1] += 1
+        busy += max(0.0, stop - max(start, end))
+        if stop > end:
+            end, prev = stop, name
+    span = end - spans[0][0]
+    ranked = sorted(gaps.items(), key=lambda kv: -kv[1][0])[:top]
+    return {
+        "kernels": len(spans),
+        "span_ms": round(span / 1e3, 4),
+        "busy_ms": round(busy / 1e3, 4),
+        "idle_ms": round((span - busy) / 1e3, 4),
+        "gaps": [{"after": a, "before": b, "us": round(us, 1), "count": n} for (a, b), (us, n) in ranked],
+    }
+
+
+def _host_profile(executor, plan, device, is_rank0: bool, steps: int, top: int) -> dict:
+    """Host time per Python function over `steps` eager steps (cProfile, ms a step): where an
+    eager step's launches spend the host's time. "own": the functions with the most time in their
+    own code; "cum": the project's functions with the most time including their callees."""
+    import cProfile
+    import pstats
+
+    _sync(device)
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(steps):
+        executor.run(plan, is_rank0=is_rank0)
+    _sync(device)
+    prof.disable()
+    st = pstats.Stats(prof)
+    rows = []
+    for (path, line, fn), (_cc, calls, tottime, cumtime, _callers) in st.stats.items():
+        where = re.sub(r"^.*?(nsaserve/|bench/|site-packages/|python3\.\d+/)", r"\1", path)
+        rows.append({"function": f"{where}:{line}({fn})", "calls": calls // steps,
+                     "own_ms": round(tottime * 1e3 / steps, 3), "cum_ms": round(cumtime * 1e3 / steps, 3)})  # fmt: skip
+    own = sorted(rows, key=lambda r: -r["own_ms"])[:top]
+    cum = sorted((r for r in rows if r["function"].startswith("nsaserve/")), key=lambda r: -r["cum_ms"])[:top]
+    return {"own": own, "cum": cum}
 
 
 def _source_line(stack: list[str]) -> str:
@@ -300,6 +362,10 @@ def _rank(rank: int, a, port: int) -> None:
             entry["eager_profile"] = _profile(executor, plan, device, is_rank0, a.top)
             if a.sources:
                 entry["sources"] = _sources(executor, plan, device, is_rank0, a.sources)
+        if a.host_profile and kind == "decode":  # eagerly, as the eager timings ran
+            executor.graphs = None
+            entry["host_profile"] = _host_profile(executor, plan, device, is_rank0, a.host_profile, 3 * a.top)
+            executor.graphs = graphs
         if kind == "decode":  # back to back, pipelined (graphs where one fits): the step rate with the host hidden
             entry["pipelined_ms"] = _time_pipelined(executor, plan, device, max(a.steps, 3), is_rank0)
         results.append(entry)
@@ -328,8 +394,9 @@ def markdown(doc: dict) -> str:
     lines = [f"# Step profile ({doc['machine']}, {doc['date']})", "", f"Command: `{doc['command']}`", "",
              f"Backends: {doc['backends']}", f"Environment: {doc.get('env') or 'none'}", ""]  # fmt: skip
     fams = [f for f, _ in FAMILIES] + ["other"]
-    head = "| scenario | path | first call ms | step ms (median) | pipelined step ms | kernels ms | " + " | ".join(fams) + " |"
-    lines += [head, "|" + "---|" * (6 + len(fams))]
+    head = ("| scenario | path | first call ms | step ms (median) | pipelined step ms | kernels ms | "
+            "device span ms | device idle ms | launches | " + " | ".join(fams) + " |")  # fmt: skip
+    lines += [head, "|" + "---|" * (9 + len(fams))]
     for s in doc["scenarios"]:
         for path in ("graph", "eager"):
             if f"{path}_ms" not in s:
@@ -339,13 +406,25 @@ def markdown(doc: dict) -> str:
             primary = path == "graph" or "graph_ms" not in s
             first = f"{s['first_ms']:.1f}" if primary else ""
             piped = f"{s['pipelined_ms']:.2f}" if primary and "pipelined_ms" in s else ""
+            t = p.get("timeline")
+            tl = f"{t['span_ms']:.2f} | {t['idle_ms']:.2f} | {t['kernels']}" if t else " | | "
             lines.append(f"| {s['scenario']} | {path} | {first} | {statistics.median(s[f'{path}_ms']):.2f} | {piped} | "
-                         f"{p['kernels_total_ms']:.2f} | " + " | ".join(cells) + " |")  # fmt: skip
+                         f"{p['kernels_total_ms']:.2f} | {tl} | " + " | ".join(cells) + " |")  # fmt: skip
     for s in doc["scenarios"]:
         for path in ("graph", "eager"):
             if f"{path}_profile" in s:
                 lines += ["", f"Top kernels, {s['scenario']} ({path}):", ""]
                 lines += [f"- {k['ms']:.3f} ms x{k['calls']} [{k['family']}] `{k['name']}`" for k in s[f"{path}_profile"]["top"]]
+        for path in ("graph", "eager"):
+            gaps = s.get(f"{path}_profile", {}).get("timeline", {}).get("gaps")
+            if gaps:
+                lines += ["", f"Device idle between kernels, {s['scenario']} ({path}), largest totals:", ""]
+                lines += [f"- {g['us']:.1f} us x{g['count']}: `{g['after']}` -> `{g['before']}`" for g in gaps]
+        if s.get("host_profile"):
+            for kind, label in (("own", "own time"), ("cum", "time with callees")):
+                lines += ["", f"Host ms a step by function ({label}), {s['scenario']} (eager):", ""]
+                lines += [f"- {r['own_ms' if kind == 'own' else 'cum_ms']:.3f} ms x{r['calls']} `{r['function']}`"
+                          for r in s["host_profile"][kind]]  # fmt: skip
         if s.get("sources"):
             lines += ["", f"Torch operators by calling line, {s['scenario']} (eager):", ""]
             lines += [f"- {r['ms']:.3f} ms x{r['calls']} `{r['op']}` at `{r['source']}`" for r in s["sources"]]

@@ -44,7 +44,7 @@ def test_profiles_decode_and_prefill_at_tp2_on_cpu(tmp_path):
     out = tmp_path / "out"
     cmd = [sys.executable, str(ROOT / "bench" / "gpu" / "step_profile.py"), "--model-path", str(cfg),
            "--load-format", "random", "--tp", "2", "--device", "cpu", "--decode", "4x40,3x10-40d", "--prefill", "2x30", "--extend", "3x5x20",
-           "--steps", "1", "--sources", "5",
+           "--steps", "1", "--sources", "5", "--host-profile", "2",
            "--sampling", '{"top_p": 0.95, "frequency_penalty": 0.2, "seed": 3, "top_logprobs": 2}', "--out", str(out)]  # fmt: skip
     here = str(Path(nsaserve.__file__).resolve().parent.parent)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([here, os.environ.get("PYTHONPATH", "")]))
@@ -63,3 +63,20 @@ def test_profiles_decode_and_prefill_at_tp2_on_cpu(tmp_path):
     src = doc["scenarios"][0]["sources"]
     assert 0 < len(src) <= 5 and all(r["op"].startswith("aten::") and r["ms"] > 0 for r in src)
     assert any(r["source"].startswith("nsaserve/") for r in src), src
+    # --host-profile: the eager decode step's Python functions by host time
+    host = doc["scenarios"][0]["host_profile"]
+    assert host["own"] and all(r["own_ms"] >= 0 and r["calls"] >= 0 for r in host["own"])
+    assert host["cum"] and all(r["function"].startswith("nsaserve/") for r in host["cum"])
+    assert "host_profile" not in doc["scenarios"][2]  # decode scenarios only
+    assert "Host ms a step by function" in (out / "profile.md").read_text()
+
+
+def test_timeline_idle_and_gaps():
+    from step_profile import timeline
+
+    spans = [(0, 10, "a"), (12, 20, "b"), (15, 18, "c"), (25, 30, "d"), (31, 33, "a"), (40, 41, "b")]
+    t = timeline(spans, 5)
+    assert t["kernels"] == 6 and t["span_ms"] == 0.041 and t["busy_ms"] == 0.026 and t["idle_ms"] == 0.015
+    assert t["gaps"][0] == {"after": "a", "before": "b", "us": 9.0, "count": 2}
+    assert [g["us"] for g in t["gaps"]] == [9.0, 5.0, 1.0]
+    assert timeline([], 3)["kernels"] == 0
