@@ -190,6 +190,10 @@ def configs(batch: int, sweep: bool):
         ("down 256 rows w8 maxnreg 168", {}, {"BLOCK_N": 256, "num_warps": 8, "maxnreg": 168}),
         ("down w8", {}, {"num_warps": 8}),
         ("down 64 rows", {}, {"BLOCK_N": 64}),
+        # Paired blocks put the 16-token wgmma path in the same kernel: 228 registers a thread with
+        # 128-row tiles (2 programs a multiprocessor), 128 with 64-row tiles (4), ptxas sm_90.
+        ("down 64 rows s4", {}, {"BLOCK_N": 64, "num_stages": 4}),
+        ("down 64 rows w2", {}, {"BLOCK_N": 64, "num_warps": 2}),
         ("down mask h (padding rows of h not read)", {}, {"MASK_H": True}),
         ("gate_up 128 rows w8", {"BLOCK_N": 128, "num_warps": 8, "maxnreg": None}, {}),
         ("gate_up s4", {"num_stages": 4}, {}),
