@@ -210,11 +210,13 @@ def decode_step_report(steps: list[dict], roofline: DecodeRoofline, bandwidth: f
 def slow_steps(steps: list[dict], limit_ms: float = 1000.0, keep: int = 20) -> dict:
     """Steps of a whole run (the worker's step log) that took over limit_ms. At GLM-5 shapes on one
     H200 a step of ~16K prompt tokens takes ~330 ms, so a step past a second is one that waited
-    for something else: a kernel variant compiled while serving (a 6 s stall seen on 2026-12-02),
-    or the allocator flushing its cache."""
+    for something else: a kernel variant compiled while serving (a 6 s stall seen on 2026-12-02;
+    the step log's "compiles" says so, worker/compile_watch.py), or the allocator flushing its cache."""
     slow = [s for s in steps if s["ms"] > limit_ms]
-    fields = ("step", "mode", "reqs", "tokens", "ctx", "ms", "gpu_ms", "mallocs", "retries")
-    return {"limit_ms": limit_ms, "count": len(slow), "first": [{k: s[k] for k in fields if k in s} for s in slow[:keep]]}
+    fields = ("step", "mode", "reqs", "tokens", "ctx", "ms", "gpu_ms", "host_launch_ms", "mallocs", "retries", "compiles", "compile_s")
+    compiled = [s for s in steps if s.get("compiles")]
+    return {"limit_ms": limit_ms, "count": len(slow), "first": [{k: s[k] for k in fields if k in s} for s in slow[:keep]],
+            "steps_that_compiled": len(compiled), "compile_s": round(sum(s.get("compile_s", 0.0) for s in compiled), 3)}  # fmt: skip
 
 
 def _step_ms(s: dict) -> float:

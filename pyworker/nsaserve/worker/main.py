@@ -19,6 +19,7 @@ from ..protocol.arrays import ProtocolError
 from ..protocol.late_masks import apply_late_masks, late_rows
 from ..protocol.messages import Fatal, Heartbeat, Hello, LateMasks, Plan, StepResult, plan_from_msg, unpack
 from ..protocol.validate import validate_plan
+from . import compile_watch
 from .executor import NullExecutor, StepExecutor
 from .inbox import PlanInbox
 from .pipeline import DeviceRefs, LaunchedStep, wait_for_plan_or_done
@@ -412,6 +413,9 @@ def main(argv: list[str] | None = None) -> int:
             vocab_size=executor.vocab_size,
         ).encode()
     )
+    if getattr(getattr(executor, "device", None), "type", None) == "cuda":
+        # After the warm-up: a kernel variant compiled from here on stalls a serving step.
+        compile_watch.install(_log if args.rank == 0 else None)
     progress = [0]
     stop = threading.Event()
     beat = threading.Thread(target=heartbeat_loop, args=(sockets, args.rank, progress, stop), daemon=True)

@@ -11,6 +11,7 @@ import torch
 
 from ..model.dense_prefill import dense_prefill_on
 from ..protocol.messages import Plan, PromptLogprobs, StepResult
+from . import compile_watch
 from .batch import InputPatch, prompt_logprob_rows, sample_rows
 from .penalty_history import PenaltyHistories
 from .pipeline import LaunchedStep
@@ -114,6 +115,9 @@ class ModelExecutor:
         (worker/main.py's late_masks_merger: rank 0 waits for them while the forward runs);
         requests whose mask is unusable sample unmasked and their tokens are not sent."""
         t0 = time.perf_counter()
+        watch = compile_watch.active()
+        if watch is not None:
+            watch.where = f"step {plan.step} ({plan.mode}, {plan.num_reqs} requests, {plan.num_tokens} tokens)"
         marks = DeviceMarks() if self.step_log is not None and is_rank0 and self.device.type == "cuda" else None
         graph = self.graphs is not None and self.graphs.fits(plan)
         if marks is not None:
@@ -147,6 +151,7 @@ class ModelExecutor:
             failed=history_errors + mask_errors,
         )  # fmt: skip
         if not is_rank0:
+            step.compiles = watch.take() if watch is not None else (0, 0.0)
             return step
         step.marks = marks
         # [rows, vocab] float32: kept past the launch only for prompt logprobs (a pipelined step's
@@ -160,6 +165,8 @@ class ModelExecutor:
                 step.host, step.copied = copy_to_host(step.sampled, bool((sb.top_logprobs >= 0).any()))
         if marks is not None:
             marks.end_queued()
+        if watch is not None:
+            step.compiles = watch.take()
         return step
 
     def finish(self, step: LaunchedStep) -> StepResult:
@@ -190,7 +197,7 @@ class ModelExecutor:
         result.forward_ms = (now - max(step.t0, self._last_finish)) * 1e3
         self._last_finish = now
         if self.step_log is not None:
-            self.step_log.record(plan, result.forward_ms, step.graph, step.marks)
+            self.step_log.record(plan, result.forward_ms, step.graph, step.marks, step.compiles)
         return result
 
     def _prompt_logprobs(self, plan: Plan, i: int, rows: torch.Tensor) -> PromptLogprobs:

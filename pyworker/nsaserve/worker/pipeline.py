@@ -55,6 +55,7 @@ class LaunchedStep:
     host: object | None = None  # on CUDA, its pinned host copy (sampling_results.copy_to_host)
     copied: object | None = None  # torch.cuda.Event after the copy to the host (sampling_results.copy_to_host)
     marks: object | None = None  # step_log.DeviceMarks, when a step log is kept on CUDA
+    compiles: tuple[int, float] = (0, 0.0)  # kernel variants compiled by its launch, seconds (compile_watch)
 
     @property
     def can_wait(self) -> bool:

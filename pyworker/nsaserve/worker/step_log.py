@@ -16,7 +16,8 @@ the device's own timeline from events recorded around the step's queued work: "g
 its forward (the forward's own input uploads first) to the end of its sampling, "prep_ms" before
 that (the device waiting for the launch to queue its forward), and "gap_ms" from the end of the previous step's
 work to the start of this one's (the device idled for want of this launch, or ~0 when it was
-queued in time); and the host's side: "host_prep_ms" from the launch's start to its forward being
+queued in time); "compiles" / "compile_s" (only when nonzero, after the warm-up): kernel
+variants its launch compiled and the seconds they took (worker/compile_watch.py); and the host's side: "host_prep_ms" from the launch's start to its forward being
 queued, "host_launch_ms" to the end of the launch (sampling queued), "host_wait_ms" what finishing
 the step waited for its results. In a steady pipeline "ms" is about gap + prep + gpu: this tells a slow step
 (gpu_ms) from a late host (gap_ms)}.
@@ -100,7 +101,9 @@ class StepLog:
             times["host_wait_ms"] = round(h["wait"] * 1e3, 3)
         return times
 
-    def record(self, plan, step_ms: float, graph: bool = False, marks: DeviceMarks | None = None) -> None:
+    def record(
+        self, plan, step_ms: float, graph: bool = False, marks: DeviceMarks | None = None, compiles=(0, 0.0)
+    ) -> None:
         ctx = plan.cached_lens.astype(np.int64) + np.diff(plan.query_start.astype(np.int64))
         line = {
             "step": int(plan.step),
@@ -123,4 +126,6 @@ class StepLog:
             self._allocator = now
         if marks is not None:
             line.update(self._device_times(marks))
+        if compiles[0]:
+            line["compiles"], line["compile_s"] = int(compiles[0]), round(compiles[1], 3)
         self._file.write(json.dumps(line) + "\n")
