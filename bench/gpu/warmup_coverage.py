@@ -101,29 +101,40 @@ def random_plans(a, limits: tuple[int, int], vocab: int, num_pages: int):
     for step in range(a.steps):
         private[0] = shared_pages
         # This step's longest context, log-uniform (short and long steps both come up); its
-        # requests' contexts spread below it.
+        # requests' contexts spread below it. Every other step's longest context is a multiple of
+        # 16: whole-context lists are as wide as it, and the sparse MLA kernels specialise their
+        # index row stride on that (a gap of the warm-up, 2026-12-05, that uniformly drawn
+        # contexts met one step in sixteen).
         cap = log_uniform(16, top)
+        even = step % 2 == 1
+        if even:
+            cap = max(16, cap // 16 * 16)
 
         def context(new: int = 1, cap: int = cap) -> int:
             return int(rng.integers(0, max(1, min(cap, top - new))))
 
+        def longest(new: int, cap: int = cap, even: bool = even) -> int:
+            """The first request's cached length: its context is then the step's longest, cap
+            itself on the even steps."""
+            return max(0, min(cap, top) - new) if even else context(new)
+
         kind = ("decode", "prompt", "mixed")[step % 3]
         if kind == "decode":
             b = int(rng.integers(1, max_batch + 1))
-            reqs = [req(i, 1, context()) for i in range(b)]
+            reqs = [req(i, 1, longest(1) if i == 0 else context()) for i in range(b)]
             desc = f"decode of {b}, longest context {max(r.cached_len for r in reqs) + 1}"
         elif kind == "prompt":
             n = int(min(max_tokens, np.exp(rng.uniform(np.log(16), np.log(max_tokens)))))
-            c = context(n) if rng.random() < 0.7 else 0
+            c = longest(n) if rng.random() < 0.7 else 0
             reqs = [req(0, n, c)]
             desc = f"prompt of {n} after {c}"
         else:
             k = int(rng.integers(2, 9))
             n = max(1, int(rng.integers(16, max(17, max_tokens // (2 * k)))))
-            chunks = [req(i, n, context(n)) for i in range(k)]
+            chunks = [req(i, n, longest(n) if i == 0 else context(n)) for i in range(k)]
             d = int(rng.integers(1, max(2, max_batch - k)))
             reqs = chunks + [req(k + i, 1, context()) for i in range(d)]
-            desc = f"mixed: {k} chunks of {n} and {d} decode rows"
+            desc = f"mixed: {k} chunks of {n} and {d} decode rows, longest context {chunks[0].cached_len + n}"
         yield desc, build_plan(step, a.page_size, reqs)
 
 

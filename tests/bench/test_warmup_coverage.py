@@ -29,3 +29,9 @@ def test_random_steps_are_valid_plans_inside_the_limits():
         longest.append(int(context.max()))
     assert modes == {"decode", "prefill", "mixed"}
     assert min(longest) < 2048 < max(longest) and max(longest) > 8192  # both sides of the top-k
+    # Both index row strides of whole-context lists: longest contexts on and off multiples of 16.
+    short = [n for n in longest if n <= 2048]
+    assert any(n % 16 == 0 for n in short) and any(n % 16 for n in short)
+    # (every other step aims its longest context at a multiple of 16; a prompt longer than the
+    # aim, or without a prefix, is its own longest context)
+    assert sum(n % 16 == 0 for n in longest[1::2]) >= len(longest[1::2]) // 2

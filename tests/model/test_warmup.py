@@ -12,7 +12,7 @@ from model_helpers import VOCAB, Session, make_checkpoint
 
 from nsaserve.model.runner import ModelRunner
 from nsaserve.protocol.validate import request_ranks
-from nsaserve.worker.warmup import ODD_CONTEXT, ODD_PROMPT, TOPK_CHUNK, WarmupShape, warm_up, warmup_steps
+from nsaserve.worker.warmup import EVEN_CONTEXT, ODD_CONTEXT, ODD_PROMPT, TOPK_CHUNK, WarmupShape, warm_up, warmup_steps
 
 
 def by_kind(steps, kind: str):
@@ -33,6 +33,10 @@ def test_steps_cover_the_buckets_inside_the_pool():
     # The same batches with a top-k list length (context + 1) that is not a multiple of 16.
     odd = [p for name, p in by_kind(steps, "decode") if name.endswith(f"at {ODD_CONTEXT}")]
     assert [p.num_reqs for p in odd] == [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 100] and (ODD_CONTEXT + 1) % 16
+    # And with whole-context lists (within the top-k) whose length is a multiple of 16.
+    even = [p for name, p in by_kind(steps, "decode") if name.endswith(f"at {EVEN_CONTEXT}")]
+    assert [p.num_reqs for p in even] == [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 100]
+    assert (EVEN_CONTEXT + 1) % 16 == 0 and EVEN_CONTEXT + 1 <= 2048
     # Whole prompts (nothing cached) up to the step's limit, within the top-k.
     whole = [p for name, p in steps if name.startswith("whole prompt")]
     assert [p.num_tokens for p in whole] == [128, 256, 512, 1000] and not any(p.cached_lens.any() for p in whole)

@@ -23,6 +23,11 @@ instead of 40-600 ms. The warm-up runs one step per bucket a server can meet:
 - each of the prompt and decode paths once more with a top-k list whose length is not a multiple
   of 16 (the sparse MLA kernel specialises its index row stride on that), one of them a whole
   prompt, whose top-k is its whole context;
+- the decode batches over whole contexts within the top-k, their lists 1,024 wide (a multiple of
+  16): a step's whole-context lists are as wide as its longest context, so serving meets both
+  strides; in a mixed step the decode rows run the decode kernel at that width, eagerly. Missing
+  until 2026-12-05: the compile watch (worker/compile_watch.py) caught the H200 compiling two such
+  variants of the sparse MLA while serving, 1.6 s each;
 - the sampler on random logits, once for each kind of rows a step can sample (SAMPLER_MIXES):
   its fused pick compiled on the first temperature request otherwise (0.7 s on the H200).
 
@@ -49,6 +54,8 @@ SMALLEST_PROMPT = 16
 # and a decode context, each giving a top-k list length that is not a multiple of 16.
 ODD_PROMPT = 264
 ODD_CONTEXT = 999
+# A decode context whose whole-context list (context + 1 entries, within the top-k) is a multiple of 16.
+EVEN_CONTEXT = 1023
 # Whole prompts (no cached prefix) from this size up to the top-k.
 WHOLE_PROMPT_FROM = 128
 
@@ -127,7 +134,8 @@ def warmup_steps(shape: WarmupShape, num_pages: int, page_size: int, vocab_size:
     # chunk (its kernel is specialised on next_power_of_2(longest context) up to TOPK_CHUNK:
     # 4096 and 8192 at GLM-5's top-k), and one of an odd list length.
     past_topk = {2 * shape.index_topk, *_powers_of_two(2 * shape.index_topk, TOPK_CHUNK)}
-    contexts = {min(c - 1, usable - 1) for c in past_topk} | {min(ODD_CONTEXT, usable - 1)}
+    within = {min(ODD_CONTEXT, usable - 1), min(EVEN_CONTEXT, usable - 1, shape.index_topk - 1)}
+    contexts = {min(c - 1, usable - 1) for c in past_topk} | within
     for context in sorted(contexts, reverse=True):
         if context > 0:
             for b in _decode_batches(max(1, shape.max_batch)):
