@@ -340,6 +340,10 @@ def phase_serving(run: Run, model_path: str, roofline: DecodeRoofline, bandwidth
         slow = run.doc["slow_steps"] = slow_steps(server.steps())
         run.say(f"steps over {slow['limit_ms']:.0f} ms in the whole run: {slow['count']}"
                 + "".join(f"; step {s['step']} ({s['mode']}, {s['tokens']} tokens) {s['ms']} ms" for s in slow["first"][:5]))  # fmt: skip
+        # Kernel variants the worker compiled after its warm-up (worker/compile_watch.py): each
+        # stalled a step; the answer wanted is none.
+        compiled = run.doc["compiled_while_serving"] = server.log_lines("while serving")
+        run.say(f"kernel variants compiled while serving: {len(compiled)}" + "".join(f"\n  {x}" for x in compiled[:10]))
     finally:
         server.stop()
 

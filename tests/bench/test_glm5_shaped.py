@@ -211,6 +211,7 @@ def test_sweep_driver_serves_and_benches_on_cpu(ckpt, tmp_path):
     assert os.path.exists(os.path.join(ckpt, "config.json")), "a given --model-path is never deleted"
     assert doc["checkpoint"]["moe_layers"] == 2 and doc["targets"]["zero_failed"]["met"]
     assert doc["phases"]["finite_logits"]["finite"] and doc["phases"]["finite_logits"]["values"] > 256
+    assert doc["compiled_while_serving"] == [] and "kernel variants compiled while serving: 0" in proc.stdout
     from glm5_report import report
 
     assert "| 5 | 10 | 10 | 0 |" in report(doc, "title")
@@ -336,6 +337,9 @@ def test_decode_report_uses_full_decode_steps_and_targets_read_it(ckpt):
 
     slow = slow_steps(steps, limit_ms=600.0)
     assert slow["count"] == 1 and slow["first"][0]["ms"] == 900.0 and slow["first"][0]["mode"] == "prefill"
+    assert (slow["steps_that_compiled"], slow["compile_s"]) == (0, 0)
+    compiled = slow_steps([*steps, {**steps[-1], "step": 99, "compiles": 2, "compile_s": 3.25}], limit_ms=600.0)
+    assert (compiled["steps_that_compiled"], compiled["compile_s"]) == (1, 3.25)
     timed = [{**s, "gpu_ms": s["ms"] - 0.25, "prep_ms": 0.05, "gap_ms": 0.2} for s in steps]
     r = decode_step_report(timed, roof, bw, 256)
     assert (r["gpu_ms_median"], r["prep_ms_median"], r["gap_ms_median"]) == (3.75, 0.05, 0.2)
