@@ -67,12 +67,12 @@ def test_the_wrapped_compile_takes_the_arguments_triton_passes():
 
 def test_a_compile_is_logged_with_its_kernel_constexprs_and_step(watch):
     w, lines = watch
-    w.where = "step 7 (mixed, 13 requests, 10802 tokens)"
+    w.plan = build_plan(7, 4, [RequestSpec(0, [5, 6, 7], 0, [0]), RequestSpec(1, [8], 9, [1, 2, 3])])
     out = compile_through_triton()
     assert out[0] == "compiled" and out[1] is SCALE  # the compile's result, unchanged
     assert len(lines) == 1
     line = lines[0]
-    assert line.startswith("compiled ") and "test_compile_watch._scale_kernel while serving in step 7 (mixed, 13" in line
+    assert line.startswith("compiled ") and "test_compile_watch._scale_kernel while serving in step 7 (mixed, 2 requests, 4 tokens)" in line
     assert "BLOCK=64" in line and "PAIRED=True" in line and "num_warps=4, num_stages=3" in line
     n, seconds = w.take()
     assert n == 1 and 0 <= seconds < 5

@@ -34,14 +34,15 @@ class CompileWatch:
         self.log = log
         self.count = 0  # variants compiled since install()
         self.seconds = 0.0
-        self.where = ""  # the step being launched (ModelExecutor.launch sets it)
+        self.plan = None  # the plan being launched (ModelExecutor.launch sets it), named in the log
         self._taken = (0, 0.0)
 
     def compiled(self, jit_function, constexprs, options, seconds: float) -> None:
         self.count += 1
         self.seconds += seconds
         if self.log is not None:
-            at = f" in {self.where}" if self.where else ""
+            p = self.plan
+            at = f" in step {p.step} ({p.mode}, {p.num_reqs} requests, {p.num_tokens} tokens)" if p is not None else ""
             what = describe(jit_function, constexprs, options)
             self.log(f"compiled {kernel_name(jit_function)} while serving{at}: {seconds:.2f} s ({what})")
 

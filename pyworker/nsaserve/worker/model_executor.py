@@ -117,7 +117,7 @@ class ModelExecutor:
         t0 = time.perf_counter()
         watch = compile_watch.active()
         if watch is not None:
-            watch.where = f"step {plan.step} ({plan.mode}, {plan.num_reqs} requests, {plan.num_tokens} tokens)"
+            watch.plan = plan  # named in its log line if the step compiles anything
         marks = DeviceMarks() if self.step_log is not None and is_rank0 and self.device.type == "cuda" else None
         graph = self.graphs is not None and self.graphs.fits(plan)
         if marks is not None:
