@@ -439,9 +439,12 @@ if MLA_WORK not in ("on", "off"):
 # orders the decode steps run as CUDA graphs, "on" every step, "off" none. Measured on the H200
 # (bench/results/2026-12-05-step-profile-row-order.md): in graphs at 256 rows spread over 819-2047
 # tokens in a shuffled order the sparse MLA took 1.64 against 2.14 ms a step (9 layers), already
-# longest first 1.71 against 1.70; but eager steps took 28 against 21 ms with the same kernel
-# time. An eager step is bound by the host's launches, so a shorter kernel gains it nothing, and
-# the extra host work (not yet pinned down) costs it all.
+# longest first 1.71 against 1.70. Eager steps are bound by the host's launches (22-40 ms of host
+# for 13-17 ms of kernels), so a shorter kernel gains them nothing and the order's few launches
+# only add to the host's work: none there. (That profile's eager steps, 28 against 21 ms with the
+# order, were the host's speed differing between two processes: a later pair measured 22 ms with
+# it against 34 without, every host function slower in the second process;
+# 2026-12-05-step-profile-timeline-h100.md.)
 ROW_ORDER = os.environ.get("NSASERVE_MLA_ROW_ORDER", "graphs")
 if ROW_ORDER not in ("graphs", "on", "off"):
     raise ValueError(f"NSASERVE_MLA_ROW_ORDER={ROW_ORDER!r}: expected graphs, on or off")
