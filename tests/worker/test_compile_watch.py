@@ -46,7 +46,8 @@ def compile_through_triton(result="kernel"):
 
     sig = {"x_ptr": "*bf16", "n": "i32", "BLOCK": "constexpr", "PAIRED": "constexpr"}
     consts = {(2,): tl.constexpr(64), (3,): True}
-    return JITFunction._do_compile(SCALE, "key", sig, 0, consts, CUDAOptions(num_warps=4, num_stages=3), {}, False)
+    options = CUDAOptions(num_warps=tl.constexpr(4), num_stages=3)  # as a Gluon launch passes num_warps
+    return JITFunction._do_compile(SCALE, "key", sig, 0, consts, options, {}, False)
 
 
 @pytest.fixture

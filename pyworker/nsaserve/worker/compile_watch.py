@@ -69,7 +69,9 @@ def describe(jit_function, constexprs, options, limit: int = 400) -> str:
         i = path[0] if isinstance(path, tuple) and path else path
         name = params[i].name if isinstance(i, int) and i < len(params) else str(path)
         parts.append(f"{name}={getattr(value, 'value', value)}")
-    parts.append(f"num_warps={getattr(options, 'num_warps', '?')}, num_stages={getattr(options, 'num_stages', '?')}")
+    for option in ("num_warps", "num_stages"):  # (a Gluon kernel's num_warps comes as a constexpr)
+        value = getattr(options, option, "?")
+        parts.append(f"{option}={getattr(value, 'value', value)}")
     text = ", ".join(parts)
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
