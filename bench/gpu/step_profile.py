@@ -263,6 +263,17 @@ def timeline(spans: list[tuple[float, float, str]], top: int) -> dict:
     }
 
 
+def _short_path(path: str) -> str:
+    """A profiled function's file from the project's package or bench/ on ("nsaserve/worker/x.py",
+    installed or not), else from site-packages/ or the standard library's directory on."""
+    own = re.search(r"(?:^|/)((?:nsaserve|bench)/.*)$", path)
+    if own:
+        return own.group(1)
+    if "site-packages/" in path:
+        return "site-packages/" + path.rsplit("site-packages/", 1)[1]
+    return re.sub(r"^.*?(python3\.\d+/)", r"\1", path)
+
+
 def _host_profile(executor, plan, device, is_rank0: bool, steps: int, top: int) -> dict:
     """Host time per Python function over `steps` eager steps (cProfile, ms a step): where an
     eager step's launches spend the host's time. "own": the functions with the most time in their
@@ -280,7 +291,7 @@ def _host_profile(executor, plan, device, is_rank0: bool, steps: int, top: int) 
     st = pstats.Stats(prof)
     rows = []
     for (path, line, fn), (_cc, calls, tottime, cumtime, _callers) in st.stats.items():
-        where = re.sub(r"^.*?(nsaserve/|bench/|site-packages/|python3\.\d+/)", r"\1", path)
+        where = _short_path(path)
         rows.append({"function": f"{where}:{line}({fn})", "calls": calls // steps,
                      "own_ms": round(tottime * 1e3 / steps, 3), "cum_ms": round(cumtime * 1e3 / steps, 3)})  # fmt: skip
     own = sorted(rows, key=lambda r: -r["own_ms"])[:top]

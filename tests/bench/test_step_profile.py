@@ -71,6 +71,16 @@ def test_profiles_decode_and_prefill_at_tp2_on_cpu(tmp_path):
     assert "Host ms a step by function" in (out / "profile.md").read_text()
 
 
+def test_host_profile_paths_name_the_project_files_installed_or_not():
+    from step_profile import _short_path
+
+    assert _short_path("/repo/pyworker/nsaserve/worker/main.py") == "nsaserve/worker/main.py"
+    assert _short_path("/venv/lib/python3.11/site-packages/nsaserve/model/model.py") == "nsaserve/model/model.py"
+    assert _short_path("/venv/lib/python3.11/site-packages/triton/runtime/jit.py") == "site-packages/triton/runtime/jit.py"
+    assert _short_path("/usr/lib/python3.11/threading.py") == "python3.11/threading.py"
+    assert _short_path("~") == "~"
+
+
 def test_timeline_idle_and_gaps():
     from step_profile import timeline
 
