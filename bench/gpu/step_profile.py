@@ -303,7 +303,7 @@ def _source_line(stack: list[str]) -> str:
     """The innermost frame of the project's own code in a profiler stack ("path(line): function")."""
     for frame in stack:
         if "nsaserve" in frame or "/bench/" in frame:
-            return re.sub(r"^.*?(nsaserve/|bench/)", r"\1", frame)
+            return _short_path(frame)
     return stack[0] if stack else "?"
 
 
