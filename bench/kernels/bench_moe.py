@@ -146,6 +146,11 @@ def configs(batch: int, sweep: bool):
         yield "tiled block_m 64 gate_up 128 w8 s3, down w8", c, 64, True, "tiled"
         c = {"gate_up": {"BLOCK_N": 128, "num_warps": 8, "num_stages": 3}, "down": {"num_warps": 8, "BLOCK_N": 256}}
         yield "tiled block_m 64 gate_up 128 w8 s3, down 256 rows w8", c, 64, True, "tiled"
+        # Not here: gluon_moe_down at prompt sizes (each K block dequantised and multiplied a
+        # quarter at a time, each MMA overlapping the next quarter's dequantisation). With 64- and
+        # 128-row blocks, one or two warpgroups, its down GEMM took 0.95-1.32x the Triton kernel's
+        # time and the whole path was 1.6-11% slower on an H100
+        # (bench/results/2026-12-05-gluon-moe-down-prompt-h100.md).
         return
     if batch >= 512:
         # Between decode and prompt sizes (16-64 rows per expert; 1024 concurrent decode steps sit at
@@ -246,7 +251,9 @@ def run_batch(batch, stacks, gen, copy_bps, sweep, with_torch, rows, save, only=
             "experts": experts, "MB": nbytes / 1e6, "us": us, "TBps": nbytes / us / 1e6,
             "copy_frac": floor_us / us, "target_us": TARGET_US.get(batch),
         })  # fmt: skip
-        if not sweep:  # where the time goes, and each GEMM's own bandwidth on its weight bytes
+        # Where the time goes, and each GEMM's own bandwidth on its weight bytes (and in prompt-sized
+        # sweeps, whose variants change one GEMM's kernel, each variant's split).
+        if not sweep or batch >= PREFILL_BATCH:
             r = rows[-1]
             r.update(kernel_breakdown(calls[0]))
             w13_bytes, w2_bytes = experts * expert_bytes() * 2 / 3, experts * expert_bytes() / 3
