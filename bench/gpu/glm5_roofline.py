@@ -25,6 +25,15 @@ spread evenly); MLPs, experts and lm_head split as above.
 
 Tensor sizes come from the safetensors headers, or, for a directory holding only a config (the
 weights drawn at load, `--load-format random`), from the generator's tensor list.
+
+Beside it, a bound that also counts the tensor cores (step_bound): the same step split in three
+parts run one after the other (the weights' matmuls, the routed experts, the attention over the
+KV), each taking at least the longer of its bytes over the copy bandwidth and its multiply-adds
+over the bf16 matmul rate (measured in the same run). At 256 rows a bf16 weight is used for 512
+FLOP per 2 bytes it takes to read, past the H200's ~190 FLOP/byte (796 TFLOP/s over 4.27 TB/s):
+the dense matmuls are compute-bound there, which the memory roofline does not count. The issue's
+target is judged on the memory roofline; the bound says how far a step is from what the card can
+do at all.
 """
 
 from __future__ import annotations
@@ -37,8 +46,8 @@ import time
 _EXPERT = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.")
 
 
-def _tensor_sizes(model_path: str) -> dict[str, int]:
-    """name -> bytes, from the safetensors headers only (no tensor data is read)."""
+def _tensor_sizes(model_path: str) -> dict[str, tuple[int, list[int]]]:
+    """name -> (bytes, shape), from the safetensors headers only (no tensor data is read)."""
     import struct
 
     sizes = {}
@@ -51,7 +60,7 @@ def _tensor_sizes(model_path: str) -> dict[str, int]:
         for key, meta in header.items():
             if key != "__metadata__":
                 begin, end = meta["data_offsets"]
-                sizes[key] = end - begin
+                sizes[key] = (end - begin, list(meta["shape"]))
     return sizes
 
 
@@ -61,9 +70,9 @@ _SHARDED = re.compile(
 )
 
 
-def _generated_sizes(cfg: dict) -> dict[str, int]:
-    """name -> bytes of the tensors the GLM-5-shaped generator draws for this config (NVFP4 routed
-    experts: packed e2m1 codes, an e4m3 scale per 16, a float32 global scale; bf16 else)."""
+def _generated_sizes(cfg: dict) -> dict[str, tuple[int, list[int]]]:
+    """name -> (bytes, shape) of the tensors the GLM-5-shaped generator draws for this config (NVFP4
+    routed experts: packed e2m1 codes, an e4m3 scale per 16, a float32 global scale; bf16 else)."""
     from nsaserve.kernels.quant.make_glm5_shaped import dense_tensor_shapes
 
     sizes = {}
@@ -71,7 +80,7 @@ def _generated_sizes(cfg: dict) -> dict[str, int]:
         n = 1
         for d in shape:
             n *= d
-        sizes[name] = n * (4 if kind == "bias" else 2)
+        sizes[name] = (n * (4 if kind == "bias" else 2), list(shape))
     H, inter = cfg["hidden_size"], cfg["moe_intermediate_size"]
     for i, kind in enumerate(cfg["mlp_layer_types"][: cfg["num_hidden_layers"]]):
         if kind != "sparse":
@@ -79,9 +88,9 @@ def _generated_sizes(cfg: dict) -> dict[str, int]:
         for e in range(cfg["n_routed_experts"]):
             for part in ("gate_proj", "up_proj", "down_proj"):
                 p = f"model.layers.{i}.mlp.experts.{e}.{part}."
-                sizes[p + "weight"] = H * inter // 2
-                sizes[p + "weight_scale"] = H * inter // 16
-                sizes[p + "weight_scale_2"] = 4
+                sizes[p + "weight"] = (H * inter // 2, [inter, H // 2])
+                sizes[p + "weight_scale"] = (H * inter // 16, [inter, H // 16])
+                sizes[p + "weight_scale_2"] = (4, [])
     return sizes
 
 
@@ -100,9 +109,9 @@ class DecodeRoofline:
         self.hidden = int(cfg["hidden_size"])
         self.vocab = int(cfg["vocab_size"])
         self.moe_layers = sum(t == "sparse" for t in cfg["mlp_layer_types"][: self.layers])
-        fixed = expert_bytes = 0
+        fixed = expert_bytes = matmul = 0
         sizes = _tensor_sizes(model_path) or _generated_sizes(cfg)
-        for name, size in sizes.items():
+        for name, (size, shape) in sizes.items():
             m = re.match(r"^model\.layers\.(\d+)\.", name)
             if (m and int(m.group(1)) >= self.layers) or name.endswith(".input_scale"):
                 continue  # layers past the served depth; W4A4-only activation scales
@@ -113,7 +122,15 @@ class DecodeRoofline:
             else:
                 split = _SHARDED.search(name) and not (dp_attention and ".self_attn." in name)
                 fixed += size / tp if split else size
+                if len(shape) == 2 and "scale" not in name:  # a matrix each token multiplies (not norms)
+                    matmul += shape[0] * shape[1] / (tp if split else 1)
         self.fixed_bytes = fixed
+        # Weight elements a token multiplies on this rank (the absorbed MLA's per-head products use
+        # kv_b_proj's elements once each, as the plain projection would).
+        self.matmul_elements = matmul
+        self.heads = int(cfg["num_attention_heads"])
+        self.moe_inter = int(cfg["moe_intermediate_size"])
+        self.index_heads = int(cfg.get("index_n_heads", 0))
         # Average bytes of one routed expert (all experts of all MoE layers have the same shapes).
         self.expert_bytes = expert_bytes / max(1, self.moe_layers * self.experts)
         r, p, d = int(cfg["kv_lora_rank"]), int(cfg["qk_rope_head_dim"]), int(cfg["index_head_dim"])
@@ -125,6 +142,7 @@ class DecodeRoofline:
             self.latent_row, self.index_row = 2 * (r + p), 2 * d
         n_full = sum(t == "full" for t in cfg.get("indexer_types", ["full"] * self.layers)[: self.layers])
         self.index_layers = n_full
+        self.rank, self.rope, self.index_dim = r, p, d
 
     def distinct_experts(self, batch: int) -> float:
         return self.experts * (1.0 - (1.0 - self.top_k / self.experts) ** batch)
@@ -136,6 +154,32 @@ class DecodeRoofline:
         experts = self.moe_layers * self.distinct_experts(batch) * self.expert_bytes / self.tp
         kv = (self.layers * sel * self.latent_row + self.index_layers * ctx * self.index_row) * self.kv_share
         return {"weights": weights, "experts": experts, "kv": kv, "total": weights + experts + kv}
+
+    def step_flops(self, batch: int, ctx: int, sel: int) -> dict[str, float]:
+        """Multiply-add FLOPs of the same step on this rank: every weight matrix once per token, each
+        token's top-k experts (gate, up and down), and per layer the sparse attention over the
+        selected latent rows (scores over rank + rope dims, the output over rank) and the indexer's
+        logits over the scored keys. Under tensor parallelism a rank has 1/tp of the heads (with
+        data-parallel attention all heads and 1/tp of the requests: the same share) and of the
+        routed slots; the indexer is replicated unless attention is data parallel."""
+        weights = 2 * batch * self.matmul_elements
+        experts = self.moe_layers * batch * self.top_k * 2 * 3 * self.hidden * self.moe_inter / self.tp
+        mla = self.layers * 2 * self.heads * sel * (2 * self.rank + self.rope) / self.tp
+        index = self.index_layers * 2 * self.index_heads * ctx * self.index_dim * self.kv_share
+        attention = mla + index
+        return {"weights": weights, "experts": experts, "attention": attention, "total": weights + experts + attention}
+
+    def step_bound_s(self, batch: int, ctx: int, sel: int, bandwidth: float, matmul_rate: float) -> dict[str, float]:
+        """Seconds the step needs at least, by part: each part's bytes over the bandwidth or its FLOPs
+        over the matmul rate, whichever is longer (parts run one after another; inside a part reads
+        and tensor-core work overlap)."""
+        b, f = self.step_bytes(batch, ctx, sel), self.step_flops(batch, ctx, sel)
+        parts = {
+            "weights": max(b["weights"] / bandwidth, f["weights"] / matmul_rate),
+            "experts": max(b["experts"] / bandwidth, f["experts"] / matmul_rate),
+            "attention": max(b["kv"] / bandwidth, f["attention"] / matmul_rate),
+        }
+        return {**parts, "total": sum(parts.values())}
 
 
 def measure_copy_bandwidth(device: str = "cuda", nbytes: int = 4 << 30, iters: int = 20) -> float:
@@ -159,17 +203,39 @@ def measure_copy_bandwidth(device: str = "cuda", nbytes: int = 4 << 30, iters: i
     return 2 * nbytes * iters / seconds
 
 
+def measure_matmul_rate(device: str = "cuda", n: int = 8192, iters: int = 10) -> float:
+    """bf16 matmul FLOP/s of an n x n x n product on random data (the tensor cores' ceiling)."""
+    import torch
+
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda *_: None)
+    for _ in range(3):
+        a @ b
+    sync(device)
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        a @ b
+    sync(device)
+    seconds = time.perf_counter() - t0
+    del a, b
+    return 2 * n**3 * iters / seconds
+
+
 def median(xs):
     """The middle value (the upper one of an even count), or None for no values."""
     xs = sorted(xs)
     return xs[len(xs) // 2] if xs else None
 
 
-def decode_step_report(steps: list[dict], roofline: DecodeRoofline, bandwidth: float, level: int) -> dict:
+def decode_step_report(
+    steps: list[dict], roofline: DecodeRoofline, bandwidth: float, level: int, matmul_rate: float | None = None
+) -> dict:
     """Decode-only steps of one load level (lines of the worker's step log) against their rooflines.
 
     `full` are the steps running at least 90% of the level's concurrency (the steady state the
-    level is named after); medians are over those when there are any, else over all decode steps."""
+    level is named after); medians are over those when there are any, else over all decode steps.
+    With matmul_rate (FLOP/s), also against step_bound (memory or tensor cores, part by part)."""
     decode = [s for s in steps if s["mode"] == "decode"]
     if not decode:
         return {"decode_steps": 0}
@@ -183,6 +249,17 @@ def decode_step_report(steps: list[dict], roofline: DecodeRoofline, bandwidth: f
     roof = median([r[1] for r in rows])
     mid = sorted(rows, key=lambda r: r[1])[len(rows) // 2]
     mixed = [s for s in steps if s["mode"] != "decode"]
+    bound = {}
+    if matmul_rate:
+        bounds = [(r[0], roofline.step_bound_s(r[3]["reqs"], r[3].get("idx", r[3]["ctx"]), r[3]["sel"], bandwidth,
+                                               matmul_rate)) for r in rows]  # fmt: skip
+        f = roofline.step_flops(mid[3]["reqs"], mid[3].get("idx", mid[3]["ctx"]), mid[3]["sel"])
+        bound = {
+            "bound_ms_median": median([1e3 * b["total"] for _, b in bounds]),
+            "ratio_to_bound_median": median([ms / (1e3 * b["total"]) for ms, b in bounds]),
+            "bound_at_median_ms": {k: round(1e3 * v, 3) for k, v in bounds[rows.index(mid)][1].items()},
+            "tflop_at_median": {k: round(v / 1e12, 3) for k, v in f.items()},
+        }
     # Worker time between steps (receive, validate, fill references, build the batch is inside
     # "ms"; this is what is outside it): end-to-end spacing of consecutive steps minus the step.
     gaps = [1e3 * (b["t"] - a["t"]) - b["ms"] for a, b in zip(steps, steps[1:]) if "t" in a and "t" in b]
@@ -200,6 +277,7 @@ def decode_step_report(steps: list[dict], roofline: DecodeRoofline, bandwidth: f
         "roofline_ms_median": roof,
         "ratio_median": median([r[0] / r[1] for r in rows]),
         "bytes_at_median_gb": {k: round(v / 1e9, 3) for k, v in mid[2].items()},
+        **bound,
         # The device's own timeline (step logs on CUDA, worker/step_log.py): the step's work,
         # the uploads queued ahead of it, and the device's idle time before it.
         **{f"{k}_median": median([s[k] for s in use if k in s]) for k in ("gpu_ms", "prep_ms", "gap_ms")},

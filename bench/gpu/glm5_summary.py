@@ -38,8 +38,8 @@ def targets(doc: dict) -> dict:
 
 
 def summary_table(doc: dict) -> str:
-    rows = ["| concurrency | prompts | ok | failed | out tok/s | total tok/s | TTFT p50 ms | TPOT p50 ms | decode batch | step ms | device work ms | device idle ms | roofline ms | ratio | prefix hits |",
-            "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+    rows = ["| concurrency | prompts | ok | failed | out tok/s | total tok/s | TTFT p50 ms | TPOT p50 ms | decode batch | step ms | device work ms | device idle ms | roofline ms | ratio | bound ms | ÷ bound | prefix hits |",
+            "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
 
     def f(v, d=1):
         return "n/a" if v is None else f"{v:,.{d}f}"
@@ -49,7 +49,8 @@ def summary_table(doc: dict) -> str:
         rows.append(f"| {e['concurrency']} | {e['num_prompts']} | {s['completed']} | {s['failed']} | {f(s['output_throughput'])} | "
                     f"{f(s['total_throughput'])} | {f(s['ttft']['p50_ms'])} | {f(s['tpot']['p50_ms'])} | {d.get('batch_median', 'n/a')} | "
                     f"{f(d.get('step_ms_median'))} | {f(d.get('gpu_ms_median'), 2)} | {f(d.get('gap_ms_median'), 2)} | "
-                    f"{f(d.get('roofline_ms_median'), 2)} | {f(d.get('ratio_median'))} | "
+                    f"{f(d.get('roofline_ms_median'), 2)} | {f(d.get('ratio_median'), 2)} | "
+                    f"{f(d.get('bound_ms_median'), 2)} | {f(d.get('ratio_to_bound_median'), 2)} | "
                     f"{f(e['bench'].get('prefix_hit_rate'), 2)} |")  # fmt: skip
     p = doc["phases"]
     lines = ["\n".join(rows)]
@@ -75,5 +76,6 @@ def summary_table(doc: dict) -> str:
         lines.append(
             f"target {name}: " + ", ".join(f"{k}={f(v, 2) if isinstance(v, float) else v}" for k, v in t.items())
         )
-    lines.append(f"bandwidth {doc.get('bandwidth_tb_s')} TB/s; skipped: {doc['skipped'] or 'nothing'}")
+    lines.append(f"bandwidth {doc.get('bandwidth_tb_s')} TB/s; bf16 matmul {doc.get('matmul_tflops', 'n/a')} TFLOP/s; "
+                 f"skipped: {doc['skipped'] or 'nothing'}")  # fmt: skip
     return "\n".join(lines)

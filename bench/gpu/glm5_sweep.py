@@ -1,7 +1,8 @@
 """End-to-end sweep of a GLM-5-shaped NVFP4 checkpoint on one GPU, inside a time budget.
 
 Phases (each skipped, and said so, when the budget cannot cover it):
-  bandwidth  device copy bandwidth (the roofline's divisor, measured in this run)
+  bandwidth  device copy bandwidth (the roofline's divisor, measured in this run) and the bf16
+             matmul rate (the tensor cores' ceiling, for the bound that counts them too)
   generate   the checkpoint (kernels/quant/make_glm5_shaped.py on the GPU), reused when present
   serve      `nsaserve serve --kv-cache-dtype fp8_e4m3` (radix cache on), worker step log on
   prefill    single requests alone (max_tokens 1): the TTFT target's reference
@@ -36,6 +37,7 @@ from glm5_roofline import (  # noqa: E402
     decode_path_split,
     decode_step_report,
     measure_copy_bandwidth,
+    measure_matmul_rate,
     slow_steps,
 )
 from glm5_serving import Server, finite_logits_check, gpu_memory, random_flags  # noqa: E402
@@ -246,7 +248,8 @@ def bench(run: Run, server: Server, name: str, flags: list[str], model_path: str
     return doc
 
 
-def phase_serving(run: Run, model_path: str, roofline: DecodeRoofline, bandwidth: float, phases: list[str]) -> None:
+def phase_serving(run: Run, model_path: str, roofline: DecodeRoofline, bandwidth: float, phases: list[str],
+                  matmul_rate: float | None = None) -> None:  # fmt: skip
     a = run.args
     levels = [int(x) for x in a.levels.split(",") if x]
     max_running = max(levels + [a.shared_concurrency, 1])
@@ -307,15 +310,17 @@ def phase_serving(run: Run, model_path: str, roofline: DecodeRoofline, bandwidth
                     break
                 steps = server.steps()[n_before:]
                 entry = {"concurrency": level, "num_prompts": prompts, "bench": doc["runs"][0],
-                         "decode": decode_step_report(steps, roofline, bandwidth, level),
+                         "decode": decode_step_report(steps, roofline, bandwidth, level, matmul_rate),
                          "step_modes": {m: sum(s["mode"] == m for s in steps) for m in ("prefill", "decode", "mixed")}}  # fmt: skip
                 sweep.append(entry)
                 run.save()
                 d = entry["decode"]
                 if d.get("decode_steps"):
                     run.say(f"level {level}: decode step {d['step_ms_median']:.1f} ms at batch {d['batch_median']} "
-                            f"vs roofline {d['roofline_ms_median']:.2f} ms ({d['ratio_median']:.1f}x), "
-                            f"{d['graph_steps']} of {d['full_steps'] or d['decode_steps']} replayed graphs; "
+                            f"vs roofline {d['roofline_ms_median']:.2f} ms ({d['ratio_median']:.2f}x), "
+                            + (f"vs bound {d['bound_ms_median']:.2f} ms ({d['ratio_to_bound_median']:.2f}x), "
+                               if d.get("bound_ms_median") else "")
+                            + f"{d['graph_steps']} of {d['full_steps'] or d['decode_steps']} replayed graphs; "
                             f"{d['prefill_or_mixed_steps']} prefill/mixed steps, median {d['prefill_or_mixed_ms_median']} ms "
                             f"for {d['prefill_or_mixed_tokens_median']} tokens; {d['between_steps_ms_median']} ms between steps; "
                             f"device: {d.get('gpu_ms_median')} ms of work, {d.get('gap_ms_median')} ms idle before it")  # fmt: skip
@@ -464,6 +469,12 @@ def main(argv=None) -> int:
         bw = measure_copy_bandwidth(args.device, (4 << 30) if args.device == "cuda" else (64 << 20))
         run.doc["bandwidth_tb_s"] = round(bw / 1e12, 3)
         run.say(f"copy bandwidth {bw / 1e12:.2f} TB/s (read + write)")
+        # The tensor cores' ceiling for the step bound (on a CPU the matmul would take minutes and
+        # mean nothing: none there).
+        rate = measure_matmul_rate(args.device) if args.device == "cuda" else None
+        if rate:
+            run.doc["matmul_tflops"] = round(rate / 1e12, 1)
+            run.say(f"bf16 matmul {rate / 1e12:.0f} TFLOP/s")
         model_path = ensure_checkpoint(run)
         roofline = DecodeRoofline(model_path, args.kv_cache_dtype, tp=args.tp,
                                   dp_attention="--enable-dp-attention" in args.serve_arg)  # fmt: skip
@@ -475,7 +486,7 @@ def main(argv=None) -> int:
         served = False
         for phase in phases:
             if phase in ("sweep", "shared") and not served:
-                phase_serving(run, model_path, roofline, bw, phases)
+                phase_serving(run, model_path, roofline, bw, phases, rate)
                 served = True
             elif phase == "compare":
                 phase_compare(run, model_path)

@@ -120,6 +120,50 @@ def test_roofline_counts_the_checkpoint_bytes(ckpt):
     assert b["total"] == b["weights"] + b["experts"] + b["kv"]
 
 
+def test_step_flops_and_the_bound_that_counts_the_tensor_cores(ckpt, tmp_path):
+    """A decode step's multiply-adds: every weight matrix once per token (the checkpoint's 2-D
+    tensors outside the experts, the embedding and the scales), top-k experts per token, the
+    sparse attention and the indexer per layer; the bound takes each part's longer side."""
+    from glm5_roofline import DecodeRoofline
+
+    from nsaserve.kernels.quant.checkpoint_io import CheckpointReader
+    from nsaserve.kernels.quant.make_glm5_shaped import make_glm5_config_dir
+
+    roof = DecodeRoofline(ckpt, "fp8_e4m3")
+    matmul = 0
+    with CheckpointReader(ckpt) as reader:
+        for name in reader.names():
+            t = reader.get(name)
+            if ".experts." not in name and name != "model.embed_tokens.weight" and t.dim() == 2 and "scale" not in name:
+                matmul += t.numel()
+    assert roof.matmul_elements == matmul
+    cfg_only = str(tmp_path / "cfg")
+    make_glm5_config_dir(cfg_only, moe_layers=2, dense_layers=3, overrides=TINY_OVERRIDES)
+    assert DecodeRoofline(cfg_only).matmul_elements == matmul  # the generator's list, the same matrices
+    c = TINY_OVERRIDES
+    f = roof.step_flops(batch=4, ctx=400, sel=128)
+    assert f["weights"] == 2 * 4 * matmul
+    assert f["experts"] == 2 * 4 * c["num_experts_per_tok"] * 2 * 3 * c["hidden_size"] * c["moe_intermediate_size"]
+    mla = 5 * 2 * c["num_attention_heads"] * 128 * (2 * c["kv_lora_rank"] + c["qk_rope_head_dim"])
+    assert f["attention"] == mla + 5 * 2 * c["index_n_heads"] * 400 * c["index_head_dim"]
+    assert f["total"] == f["weights"] + f["experts"] + f["attention"]
+    # Per rank under tp 2: half of the weights' split matrices, of the slots and of the heads; the
+    # replicated indexer whole (data-parallel attention: half its keys).
+    half = DecodeRoofline(cfg_only, tp=2).step_flops(4, 400, 128)
+    assert f["weights"] / 2 < half["weights"] < f["weights"]
+    assert half["experts"] == f["experts"] / 2 and half["attention"] == mla / 2 + (f["attention"] - mla)
+    dp = DecodeRoofline(cfg_only, tp=2, dp_attention=True).step_flops(4, 400, 128)
+    assert dp["attention"] == pytest.approx(f["attention"] / 2)
+    b = roof.step_bytes(4, 400, 128)
+    # Bandwidth-bound everywhere at a huge matmul rate: the bound is the memory roofline.
+    assert roof.step_bound_s(4, 400, 128, 1e12, 1e30)["total"] == pytest.approx(b["total"] / 1e12)
+    # Each part takes its longer side.
+    bound = roof.step_bound_s(4, 400, 128, 1e12, 1e9)
+    assert bound["weights"] == max(b["weights"] / 1e12, f["weights"] / 1e9)
+    assert bound["attention"] == max(b["kv"] / 1e12, f["attention"] / 1e9)
+    assert bound["total"] == pytest.approx(bound["weights"] + bound["experts"] + bound["attention"])
+
+
 def run_sweep(cmd: list[str], out: Path):
     """The sweep driver as a subprocess; its output and results document. The driver and its
     server import the nsaserve this test imports (installed, or the source tree with a built
@@ -347,6 +391,12 @@ def test_decode_report_uses_full_decode_steps_and_targets_read_it(ckpt):
     unscored = decode_step_report([{**s, "idx": 0} for s in steps], roof, bw, 256)
     no_index_ms = 1e3 * roof.step_bytes(256, 0, 256 * 32)["total"] / bw
     assert unscored["roofline_ms_median"] == pytest.approx(no_index_ms) and no_index_ms < roofline_ms
+    assert "bound_ms_median" not in r  # only with a matmul rate
+    rated = decode_step_report(steps, roof, bw, 256, matmul_rate=1e12)
+    bound_ms = 1e3 * roof.step_bound_s(256, 256 * 40, 256 * 32, bw, 1e12)["total"]
+    assert rated["bound_ms_median"] == pytest.approx(bound_ms) and bound_ms >= roofline_ms
+    assert rated["ratio_to_bound_median"] == pytest.approx(4.0 / bound_ms)
+    assert set(rated["bound_at_median_ms"]) == set(rated["tflop_at_median"]) == {"weights", "experts", "attention", "total"}
 
     def level(c, out_tps, ttft, failed=0, decode=None):
         summary = {"failed": failed, "output_throughput": out_tps, "ttft": {"p50_ms": ttft}}
