@@ -202,12 +202,16 @@ def configs(batch: int, sweep: bool):
         ("down mask h (padding rows of h not read)", {}, {"MASK_H": True}),
         ("gate_up 128 rows w8", {"BLOCK_N": 128, "num_warps": 8, "maxnreg": None}, {}),
         ("gate_up s4", {"num_stages": 4}, {}),
-        # gluon_moe_down: one persistent pipeline across tiles, the operand a quarter block at a time.
-        ("down gluon (2 stages x 3 programs, 168 registers)", {}, {"GLUON": True}),
-        ("down gluon 4 stages x 2 programs", {}, {"GLUON": True, "STAGES": 4, "PROGRAMS_PER_SM": 2, "maxnreg": None}),
     )  # fmt: skip
     for name, gate_up, down in tries:
         yield f"tiled {name}", {"gate_up": gate_up, "down": down}, None, True, "tiled"
+    # gluon_moe_down (16-token blocks): one persistent pipeline across tiles, the operand a quarter
+    # block at a time; against the Triton kernel on the same blocks.
+    yield "tiled block_m 16, Triton down", {}, (16, False), True, "tiled"
+    for stages, programs, cap in ((2, 3, 168), (4, 2, None)):
+        down = {"GLUON": True, "STAGES": stages, "PROGRAMS_PER_SM": programs, "maxnreg": cap}
+        name = f"tiled block_m 16, down gluon {stages} stages x {programs} programs" + (f" cap {cap}" if cap else "")
+        yield name, {"down": down}, (16, False), True, "tiled"
     # Token blocks (pick_block_m, paired_blocks): 16 rows (wgmma m64n16k16, the default until
     # 2026-12-04), 8 rows (mma.sync m16n8k16) with and without the larger experts paired into
     # 16-row blocks. (A second launch for the pairs measured the same as one launch, and was removed.)
