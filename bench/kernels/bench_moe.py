@@ -146,6 +146,8 @@ def configs(batch: int, sweep: bool):
         yield "tiled block_m 64 gate_up 128 w8 s3, down w8", c, 64, True, "tiled"
         c = {"gate_up": {"BLOCK_N": 128, "num_warps": 8, "num_stages": 3}, "down": {"num_warps": 8, "BLOCK_N": 256}}
         yield "tiled block_m 64 gate_up 128 w8 s3, down 256 rows w8", c, 64, True, "tiled"
+        # The paired 32-token preset (32 to 64 rows per expert) one size up: where it stops paying.
+        yield "tiled block_m 32 paired, the preset's tiles", tm.PROMPT_PRESETS[-1][2], (32, True), True, "tiled"
         # Not here: gluon_moe_down at prompt sizes (each K block dequantised and multiplied a
         # quarter at a time, each MMA overlapping the next quarter's dequantisation). With 64- and
         # 128-row blocks, one or two warpgroups, its down GEMM took 0.95-1.32x the Triton kernel's
@@ -156,14 +158,20 @@ def configs(batch: int, sweep: bool):
         # Between decode and prompt sizes (16-64 rows per expert; 1024 concurrent decode steps sit at
         # 32): 32-row blocks leave about half the experts with two blocks, each dequantising the
         # expert's weights; 64-row blocks read each expert once (the 64-row preset, the default
-        # from 32 rows per expert since 2026-12-02). Around that preset: pipeline depth, tile
+        # from 32 rows per expert from 2026-12-02; since 2026-12-05 from 64, with 32-token blocks
+        # paired into 64 from 32 rows per expert). Around that preset: pipeline depth, tile
         # widths and warps. (Gate/up at 4 stages needs 236 KB of shared memory, past the 227 KB.)
         preset = tm.PROMPT_PRESETS[-1][2]
-        yield "tiled block_m 64, the preset", preset, 64, True, "tiled"
+        yield "tiled block_m 64, the preset (the default from 32 rows per expert until 2026-12-05)", preset, 64, True, "tiled"
         yield "tiled block_m 32, default blocks (the default below 32 rows per expert)", {}, 32, True, "tiled"
         yield "tiled block_m 64, default blocks", {}, 64, True, "tiled"
         c = {"gate_up": {"num_warps": 8}, "down": {"num_warps": 8}}
         yield "tiled block_m 32 w8", c, 32, True, "tiled"
+        # 32-token blocks with the experts of more than 32 rows paired into 64-token blocks (as
+        # 8 / 16 at decode sizes): an expert's weights are still dequantised once, and the MMAs of
+        # experts with at most 32 rows (about half of them at 32 rows an expert) cover 32 rows, not 64.
+        yield "tiled block_m 32 paired, the preset's tiles", preset, (32, True), True, "tiled"
+        yield "tiled block_m 32 paired, default tiles", {}, (32, True), True, "tiled"
         tries = (
             ("gate_up s2", {"num_stages": 2}, {}),
             ("down s2", {}, {"num_stages": 2}),
@@ -248,10 +256,11 @@ def run_batch(batch, stacks, gen, copy_bps, sweep, with_torch, rows, save, only=
             print(rows[-1], flush=True)
             save()
             continue
+        # The blocks the call ran: as moe_experts_nvfp4_triton picks them where the variant does not.
+        ran_m = block_m or (tm.prompt_preset(batch * TOP_K, EXPERTS) or (tm.pick_block_m(batch * TOP_K, EXPERTS),))[0]
         rows.append({
-            "batch": batch, "variant": name, "block_m": block_m or (tm.prompt_preset(batch * TOP_K, EXPERTS) or (tm.pick_block_m(batch * TOP_K, EXPERTS),))[0],
-            "paired": paired if paired is not None else tm.paired_blocks(
-                block_m or tm.pick_block_m(batch * TOP_K, EXPERTS), batch * TOP_K, EXPERTS),
+            "batch": batch, "variant": name, "block_m": ran_m,
+            "paired": paired if paired is not None else tm.paired_blocks(ran_m, batch * TOP_K, EXPERTS),
             "experts": experts, "MB": nbytes / 1e6, "us": us, "TBps": nbytes / us / 1e6,
             "copy_frac": floor_us / us, "target_us": TARGET_US.get(batch),
         })  # fmt: skip

@@ -132,10 +132,11 @@ def test_add_is_summed_in_float32_then_rounded(first_expert):
         tm.moe_experts_nvfp4_triton(x, ids, weights, *w13, *w2, first_expert, config=TINY_CFG, add=add[:3])
 
 
-@pytest.mark.parametrize("num_tokens,block_m", [(120, 64), (600, 64)])
+@pytest.mark.parametrize("num_tokens,block_m", [(120, 32), (600, 64)])
 def test_tiny_prompt_presets_match_reference(num_tokens, block_m):
-    """Steps with >= 32 rows per expert (here 40 and 200: several blocks an expert) take PROMPT_PRESETS' blocks when no
-    config is given, and match the reference in both layouts."""
+    """Steps with >= 32 rows per expert (here 40: 32-token blocks, paired; and 200: several 64-token
+    blocks an expert) take PROMPT_PRESETS' blocks when no config is given, and match the reference
+    in both layouts."""
     gen = torch.Generator(DEV).manual_seed(num_tokens)
     e, h, i, k = TINY["num_experts"], TINY["hidden"], TINY["inter"], TINY["top_k"]
     assert tm.prompt_preset(num_tokens * k, e)[0] == block_m
@@ -174,7 +175,8 @@ def test_block_sizes_follow_the_rows_a_local_expert_can_expect():
     assert tm.pick_block_m(tm.expected_local_slots(256 * 8, 32, 256), 32) == 8
     assert tm.paired_blocks(8, tm.expected_local_slots(256 * 8, 32, 256), 32)  # 8 rows an expert: paired
     assert not tm.paired_blocks(8, 128 * 8, 256)  # 4 rows an expert: single 8-token blocks
-    assert tm.prompt_preset(tm.expected_local_slots(1024 * 8, 32, 256), 32)[0] == 64  # 32 rows an expert
+    assert tm.prompt_preset(tm.expected_local_slots(1024 * 8, 32, 256), 32)[0] == 32  # 32 rows an expert
+    assert tm.paired_blocks(32, tm.expected_local_slots(1024 * 8, 32, 256), 32)  # ... paired into 64
 
 
 @pytest.mark.parametrize("num_tokens", [5, 120])
@@ -193,7 +195,13 @@ def test_tiny_expert_parallel_block_sizes_match_reference(num_tokens):
 
 def test_presets_start_at_32_rows_per_expert():
     assert tm.prompt_preset(31 * 256, 256) is None  # decode-sized: the defaults and pick_block_m
-    assert tm.prompt_preset(32 * 256, 256)[0] == 64 and tm.prompt_preset(4096 * 256, 256)[0] == 64
+    assert not tm.paired_blocks(32, 31 * 256, 256)  # 32-token blocks below 32 rows an expert: unpaired
+    # From 32 rows an expert 32-token blocks, the experts of more than 32 rows paired into 64; from
+    # 64 rows an expert 64-token blocks.
+    assert tm.prompt_preset(32 * 256, 256)[0] == 32 and tm.paired_blocks(32, 32 * 256, 256)
+    assert tm.prompt_preset(63 * 256, 256)[0] == 32
+    assert tm.prompt_preset(64 * 256, 256)[0] == 64 and tm.prompt_preset(4096 * 256, 256)[0] == 64
+    assert not tm.paired_blocks(64, 64 * 256, 256)
 
 
 @pytest.mark.parametrize("relayout", [False, True])
@@ -420,10 +428,13 @@ def test_paired_block_sizing_is_worst_case():
 
 
 @pytest.mark.parametrize("chunked", [False, True])
-@pytest.mark.parametrize("num_tokens,skew", [(24, False), (7, False), (40, True)])
-def test_tiny_paired_blocks_match_reference(monkeypatch, num_tokens, skew, chunked):
-    """8-token blocks with the experts of more than 8 rows paired into 16-token blocks (the same
-    programs take either) give the reference's sums, through either align."""
+@pytest.mark.parametrize(
+    "num_tokens,skew,block_m", [(24, False, 8), (7, False, 8), (40, True, 8), (96, False, 32), (80, True, 32)]
+)
+def test_tiny_paired_blocks_match_reference(monkeypatch, num_tokens, skew, block_m, chunked):
+    """block_m-token blocks with the experts of more than block_m rows paired into blocks of 2
+    block_m (the same programs take either) give the reference's sums, through either align:
+    8 / 16 (decode sizes) and 32 / 64."""
     monkeypatch.setattr(ta, "ALIGN_CHUNKED_FROM", 1 if chunked else 1 << 30)
     monkeypatch.setattr(ta, "ALIGN_SLOT_CHUNK", 32)
     gen = torch.Generator().manual_seed(300 + num_tokens)
@@ -432,9 +443,9 @@ def test_tiny_paired_blocks_match_reference(monkeypatch, num_tokens, skew, chunk
     x = torch.randn(num_tokens, h, generator=gen).to(DEV, torch.bfloat16)
     ids, weights = route(num_tokens, e, k, gen, skew=skew)
     counts = torch.bincount(ids.flatten().cpu(), minlength=e)
-    if num_tokens == 24:  # 8 rows an expert on average: runs of both kinds
-        assert int((counts > 8).sum()) and int(((counts > 0) & (counts <= 8)).sum())
-    out = tm.moe_experts_nvfp4_triton(x, ids, weights, *w13, *w2, 0, block_m=8, paired=True, config=TINY_CFG)
+    if num_tokens in (24, 96):  # block_m rows an expert on average: runs of both kinds
+        assert int((counts > block_m).sum()) and int(((counts > 0) & (counts <= block_m)).sum())
+    out = tm.moe_experts_nvfp4_triton(x, ids, weights, *w13, *w2, 0, block_m=block_m, paired=True, config=TINY_CFG)
     assert rel_err(out, reference(x, ids, weights, w13, w2, 0)) < TOL
 
 

@@ -373,10 +373,24 @@ def pick_block_m(num_slots: int, num_local: int) -> int:
     return 64
 
 
+# The same pairing one size up: from 32 rows per expert (PROMPT_PRESETS' 32-token preset, below
+# 64) the experts of more than 32 rows take 64-token blocks and the others 32, where a 64-token
+# block for every expert gave half of them 32 or more rows of padding in their MMAs. Measured on
+# an H100 at GLM-5 shapes (bench/results/2026-12-05-triton-moe-paired-32.md), whole routed path:
+# 2686 against 2921-2923 us at 1024 tokens (32 rows per expert: the 1024-concurrent decode step).
+# Below 32 rows per expert unpaired 32-token blocks stay ahead (2156 against 2203 us at 512
+# tokens, 2345 against 2464 at 768).
+PAIRED_32_FROM_PER_EXPERT = 32
+
+
 def paired_blocks(block_m: int, num_slots: int, num_local: int) -> bool:
-    """Whether 8-token blocks run paired (experts with more than 8 rows in blocks of 16, by the
-    same programs): above PAIRED_FROM_PER_EXPERT rows per expert."""
-    return block_m == 8 and num_slots / max(1, num_local) > PAIRED_FROM_PER_EXPERT
+    """Whether block_m-token blocks run paired (experts with more than block_m rows in blocks of
+    2 block_m, by the same programs): 8-token blocks above PAIRED_FROM_PER_EXPERT rows per expert,
+    32-token blocks from PAIRED_32_FROM_PER_EXPERT."""
+    per_expert = num_slots / max(1, num_local)
+    if block_m == 8:
+        return per_expert > PAIRED_FROM_PER_EXPERT
+    return block_m == 32 and per_expert >= PAIRED_32_FROM_PER_EXPERT
 
 
 # Steps with many rows per expert (prompts, and decode steps from 1024 rows): the MMA work grows
@@ -391,9 +405,13 @@ def paired_blocks(block_m: int, num_slots: int, num_local: int) -> bool:
 #   8192: 12899 against 13640-13647; 16384: 24359-24384 against 25879-25880 (128-token blocks);
 #   32768: 47016 against 49753. 256-row down tiles with 128-token blocks: 26539-26843 at 16384.
 # At 16 and 24 rows per expert the 32-token defaults stay ahead (2206 against 2647 us at 512
-# tokens, 2378 against 2842 at 768).
+# tokens, 2378 against 2842 at 768). From 32 to 64 rows per expert the same tiles take 32-token
+# blocks, paired (paired_blocks: 64 rows for the experts of more than 32). In order: the first
+# preset whose least rows per expert the step reaches is taken.
+_PROMPT_TILES = {"gate_up": {"BLOCK_N": 128, "num_warps": 8, "num_stages": 3}, "down": {"BLOCK_N": 256, "num_warps": 8}}
 PROMPT_PRESETS = (
-    (32, 64, {"gate_up": {"BLOCK_N": 128, "num_warps": 8, "num_stages": 3}, "down": {"BLOCK_N": 256, "num_warps": 8}}),
+    (64, 64, _PROMPT_TILES),
+    (PAIRED_32_FROM_PER_EXPERT, 32, _PROMPT_TILES),
 )
 
 
@@ -408,8 +426,8 @@ def expected_local_slots(num_slots: int, num_local: int, num_experts: int | None
 
 
 def prompt_preset(num_slots: int, num_local: int) -> tuple[int, dict] | None:
-    """(tokens per block, config) for a step with at least 32 rows per expert, or None (the
-    defaults and pick_block_m)."""
+    """(tokens per block, config) for a step with at least 32 rows per expert (32-token blocks,
+    paired, below 64), or None (the defaults and pick_block_m)."""
     per_expert = num_slots / max(1, num_local)
     for least, block_m, config in PROMPT_PRESETS:
         if per_expert >= least:
