@@ -46,8 +46,8 @@ import time
 _EXPERT = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.")
 
 
-def _tensor_sizes(model_path: str) -> dict[str, tuple[int, list[int]]]:
-    """name -> (bytes, shape), from the safetensors headers only (no tensor data is read)."""
+def _tensor_sizes(model_path: str) -> dict[str, tuple[int, list[int], str]]:
+    """name -> (bytes, shape, safetensors dtype), from the headers only (no tensor data is read)."""
     import struct
 
     sizes = {}
@@ -60,7 +60,7 @@ def _tensor_sizes(model_path: str) -> dict[str, tuple[int, list[int]]]:
         for key, meta in header.items():
             if key != "__metadata__":
                 begin, end = meta["data_offsets"]
-                sizes[key] = (end - begin, list(meta["shape"]))
+                sizes[key] = (end - begin, list(meta["shape"]), meta["dtype"])
     return sizes
 
 
@@ -70,8 +70,8 @@ _SHARDED = re.compile(
 )
 
 
-def _generated_sizes(cfg: dict) -> dict[str, tuple[int, list[int]]]:
-    """name -> (bytes, shape) of the tensors the GLM-5-shaped generator draws for this config (NVFP4
+def _generated_sizes(cfg: dict) -> dict[str, tuple[int, list[int], str]]:
+    """name -> (bytes, shape, dtype) of the tensors the GLM-5-shaped generator draws for this config (NVFP4
     routed experts: packed e2m1 codes, an e4m3 scale per 16, a float32 global scale; bf16 else)."""
     from nsaserve.kernels.quant.make_glm5_shaped import dense_tensor_shapes
 
@@ -80,7 +80,7 @@ def _generated_sizes(cfg: dict) -> dict[str, tuple[int, list[int]]]:
         n = 1
         for d in shape:
             n *= d
-        sizes[name] = (n * (4 if kind == "bias" else 2), list(shape))
+        sizes[name] = (n * 4, list(shape), "F32") if kind == "bias" else (n * 2, list(shape), "BF16")
     H, inter = cfg["hidden_size"], cfg["moe_intermediate_size"]
     for i, kind in enumerate(cfg["mlp_layer_types"][: cfg["num_hidden_layers"]]):
         if kind != "sparse":
@@ -88,9 +88,9 @@ def _generated_sizes(cfg: dict) -> dict[str, tuple[int, list[int]]]:
         for e in range(cfg["n_routed_experts"]):
             for part in ("gate_proj", "up_proj", "down_proj"):
                 p = f"model.layers.{i}.mlp.experts.{e}.{part}."
-                sizes[p + "weight"] = (H * inter // 2, [inter, H // 2])
-                sizes[p + "weight_scale"] = (H * inter // 16, [inter, H // 16])
-                sizes[p + "weight_scale_2"] = (4, [])
+                sizes[p + "weight"] = (H * inter // 2, [inter, H // 2], "U8")
+                sizes[p + "weight_scale"] = (H * inter // 16, [inter, H // 16], "F8_E4M3")
+                sizes[p + "weight_scale_2"] = (4, [], "F32")
     return sizes
 
 
@@ -111,7 +111,7 @@ class DecodeRoofline:
         self.moe_layers = sum(t == "sparse" for t in cfg["mlp_layer_types"][: self.layers])
         fixed = expert_bytes = matmul = 0
         sizes = _tensor_sizes(model_path) or _generated_sizes(cfg)
-        for name, (size, shape) in sizes.items():
+        for name, (size, shape, dtype) in sizes.items():
             m = re.match(r"^model\.layers\.(\d+)\.", name)
             if (m and int(m.group(1)) >= self.layers) or name.endswith(".input_scale"):
                 continue  # layers past the served depth; W4A4-only activation scales
@@ -123,7 +123,8 @@ class DecodeRoofline:
                 split = _SHARDED.search(name) and not (dp_attention and ".self_attn." in name)
                 fixed += size / tp if split else size
                 if len(shape) == 2 and "scale" not in name:  # a matrix each token multiplies (not norms)
-                    matmul += shape[0] * shape[1] / (tp if split else 1)
+                    packed = 2 if dtype == "U8" else 1  # NVFP4 codes: two weights a byte
+                    matmul += shape[0] * shape[1] * packed / (tp if split else 1)
         self.fixed_bytes = fixed
         # Weight elements a token multiplies on this rank (the absorbed MLA's per-head products use
         # kv_b_proj's elements once each, as the plain projection would).
