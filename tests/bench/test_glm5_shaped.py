@@ -140,6 +140,16 @@ def test_step_flops_and_the_bound_that_counts_the_tensor_cores(ckpt, tmp_path):
     cfg_only = str(tmp_path / "cfg")
     make_glm5_config_dir(cfg_only, moe_layers=2, dense_layers=3, overrides=TINY_OVERRIDES)
     assert DecodeRoofline(cfg_only).matmul_elements == matmul  # the generator's list, the same matrices
+    # A matrix of NVFP4 codes outside the experts (uint8, two weights a byte) counts its weights.
+    import shutil
+
+    from safetensors.torch import save_file
+
+    packed = tmp_path / "packed"
+    shutil.copytree(ckpt, packed)
+    codes = torch.zeros(6, 8, dtype=torch.uint8)
+    save_file({"model.layers.0.mlp.shared_experts.up_proj.weight": codes}, str(packed / "extra.safetensors"))
+    assert DecodeRoofline(str(packed)).matmul_elements == matmul + 2 * codes.numel()
     c = TINY_OVERRIDES
     f = roof.step_flops(batch=4, ctx=400, sel=128)
     assert f["weights"] == 2 * 4 * matmul
