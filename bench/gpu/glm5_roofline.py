@@ -244,22 +244,22 @@ def decode_step_report(
     use = full or decode
     rows = []
     for s in use:
-        b = roofline.step_bytes(s["reqs"], s.get("idx", s["ctx"]), s["sel"])  # step logs before "idx": ctx
-        rows.append((s["ms"], 1e3 * b["total"] / bandwidth, b, s))
+        shape = (s["reqs"], s.get("idx", s["ctx"]), s["sel"])  # (batch, scored keys, selected rows); old logs: ctx
+        b = roofline.step_bytes(*shape)
+        rows.append((s["ms"], 1e3 * b["total"] / bandwidth, b, s, shape))
     ms = median([r[0] for r in rows])
     roof = median([r[1] for r in rows])
     mid = sorted(rows, key=lambda r: r[1])[len(rows) // 2]
     mixed = [s for s in steps if s["mode"] != "decode"]
     bound = {}
     if matmul_rate:
-        bounds = [(r[0], roofline.step_bound_s(r[3]["reqs"], r[3].get("idx", r[3]["ctx"]), r[3]["sel"], bandwidth,
-                                               matmul_rate)) for r in rows]  # fmt: skip
-        f = roofline.step_flops(mid[3]["reqs"], mid[3].get("idx", mid[3]["ctx"]), mid[3]["sel"])
+        bound_ms = [1e3 * roofline.step_bound_s(*r[4], bandwidth, matmul_rate)["total"] for r in rows]
+        at_mid = roofline.step_bound_s(*mid[4], bandwidth, matmul_rate)
         bound = {
-            "bound_ms_median": median([1e3 * b["total"] for _, b in bounds]),
-            "ratio_to_bound_median": median([ms / (1e3 * b["total"]) for ms, b in bounds]),
-            "bound_at_median_ms": {k: round(1e3 * v, 3) for k, v in bounds[rows.index(mid)][1].items()},
-            "tflop_at_median": {k: round(v / 1e12, 3) for k, v in f.items()},
+            "bound_ms_median": median(bound_ms),
+            "ratio_to_bound_median": median([r[0] / t for r, t in zip(rows, bound_ms)]),
+            "bound_at_median_ms": {k: round(1e3 * v, 3) for k, v in at_mid.items()},
+            "tflop_at_median": {k: round(v / 1e12, 3) for k, v in roofline.step_flops(*mid[4]).items()},
         }
     # Worker time between steps (receive, validate, fill references, build the batch is inside
     # "ms"; this is what is outside it): end-to-end spacing of consecutive steps minus the step.

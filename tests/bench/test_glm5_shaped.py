@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -141,8 +142,6 @@ def test_step_flops_and_the_bound_that_counts_the_tensor_cores(ckpt, tmp_path):
     make_glm5_config_dir(cfg_only, moe_layers=2, dense_layers=3, overrides=TINY_OVERRIDES)
     assert DecodeRoofline(cfg_only).matmul_elements == matmul  # the generator's list, the same matrices
     # A matrix of NVFP4 codes outside the experts (uint8, two weights a byte) counts its weights.
-    import shutil
-
     from safetensors.torch import save_file
 
     packed = tmp_path / "packed"
